@@ -1,0 +1,26 @@
+"""Where the process runs: torch.distributed + megatron-core parallel state + seeds
+(:mod:`.distributed`), the CPU/gloo redirection of megatron-core's CUDA assumptions
+(:mod:`.cpu`), and a sequence-parallel-capable norm for the local layer spec (:mod:`.norm`).
+"""
+
+from tst_megatron.runtime.distributed import (
+    ParallelConfig,
+    ProcessInfo,
+    destroy,
+    init_distributed,
+    initialize_model_parallel,
+    resolve_process,
+    set_seed,
+)
+from tst_megatron.runtime.norm import SequenceParallelNorm
+
+__all__ = [
+    "ParallelConfig",
+    "ProcessInfo",
+    "SequenceParallelNorm",
+    "destroy",
+    "init_distributed",
+    "initialize_model_parallel",
+    "resolve_process",
+    "set_seed",
+]

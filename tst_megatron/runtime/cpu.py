@@ -1,0 +1,350 @@
+"""Run megatron-core on a CPU with gloo: the one place its CUDA assumptions are redirected.
+
+This is for laptops, CI and debugging; GPU runs never call :func:`enable`. The redirections
+(``shared/MEGATRON_ON_CPU.md`` lists the assumptions) are scoped to megatron-core's own
+modules: nothing in ``torch`` itself is changed, so project code and user code see the
+real ``torch.cuda``.
+
+How:
+1. Every loaded ``megatron.core`` module whose global ``torch`` is the real torch gets a
+   stand-in module (:class:`_CpuTorch`) as its ``torch`` global. It forwards every
+   attribute to torch, except that (a) tensor factories (``torch.zeros(..., device='cuda')``
+   and friends) map a CUDA device to the CPU, and (b) ``torch.cuda`` becomes
+   :class:`_CpuCuda`: ``current_device()`` is the CPU, streams and events are no-ops that
+   keep ordering trivially (the CPU is synchronous), the "CUDA" RNG state is the CPU
+   generator's.
+2. Functions whose bodies check CUDA tensor types or move split sizes off a GPU are
+   replaced in their modules' namespaces by CPU versions (``_REPLACED`` lists them).
+3. Upstream bug: ``moe_utils.te_general_gemm`` is undefined without Transformer Engine
+   (NameError in the first MoE router forward); it is defined as ``None``.
+4. The tracker's "CPU RNG state changed within GPU RNG context" warning is filtered: on
+   a CPU the tracked "CUDA" state *is* the CPU state, so the warning would fire on every
+   dropout.
+
+:func:`enable` is idempotent and may be called before or after ``torch.distributed`` is
+initialised; :func:`is_enabled` tells whether it ran.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import logging
+import sys
+import types
+from typing import Any
+
+import torch
+
+#: megatron-core versions whose CUDA assumptions this module was written against and
+#: tested with (tests/distributed/test_cpu_runtime.py).
+TESTED_MEGATRON_CORE = ("0.16.1",)
+
+#: megatron-core modules imported (so that they are redirected) by :func:`enable`.
+_MODULES = (
+    "megatron.core.utils",
+    "megatron.core.parallel_state",
+    "megatron.core.timers",
+    "megatron.core.rerun_state_machine",
+    "megatron.core.tensor_parallel.random",
+    "megatron.core.tensor_parallel.layers",
+    "megatron.core.tensor_parallel.mappings",
+    "megatron.core.tensor_parallel.data",
+    "megatron.core.models.common.embeddings.rotary_pos_embedding",
+    "megatron.core.models.common.language_module.language_module",
+    "megatron.core.models.gpt.gpt_model",
+    "megatron.core.transformer.dot_product_attention",
+    "megatron.core.transformer.moe.experts",
+    "megatron.core.transformer.moe.moe_utils",
+    "megatron.core.transformer.moe.router",
+    "megatron.core.transformer.moe.shared_experts",
+    "megatron.core.transformer.moe.token_dispatcher",
+    "megatron.core.transformer.moe.moe_layer",
+    "megatron.core.optimizer",
+    "megatron.core.optimizer.optimizer",
+    "megatron.core.optimizer.clip_grads",
+    "megatron.core.optimizer.distrib_optimizer",
+    "megatron.core.distributed.distributed_data_parallel",
+    "megatron.core.distributed.param_and_grad_buffer",
+    "megatron.core.distributed.finalize_model_grads",
+    "megatron.core.pipeline_parallel.schedules",
+    "megatron.core.pipeline_parallel.p2p_communication",
+    "megatron.core.dist_checkpointing.strategies.torch",
+)
+
+_FACTORIES = frozenset(
+    {
+        "tensor", "as_tensor", "zeros", "ones", "empty", "full", "arange", "linspace",
+        "rand", "randn", "randint", "randperm", "zeros_like", "ones_like", "empty_like",
+        "full_like", "eye", "empty_strided",
+    }
+)  # fmt: skip
+
+_CPU = torch.device("cpu")
+_enabled = False
+
+
+def _to_cpu_device(device: Any) -> Any:
+    """Map ``'cuda'``, ``'cuda:N'``, ``torch.device('cuda')`` or a device index to the CPU."""
+    if isinstance(device, int) and not isinstance(device, bool):
+        return _CPU
+    if isinstance(device, str) and device.startswith("cuda"):
+        return _CPU
+    if isinstance(device, torch.device) and device.type == "cuda":
+        return _CPU
+    return device
+
+
+def _cpu_factory(fn):
+    def factory(*args, **kwargs):
+        if "device" in kwargs:
+            kwargs["device"] = _to_cpu_device(kwargs["device"])
+        kwargs.pop("pin_memory", None)
+        return fn(*args, **kwargs)
+
+    factory.__name__ = getattr(fn, "__name__", "factory")
+    factory.__doc__ = fn.__doc__
+    return factory
+
+
+class _Event:
+    """A CUDA event on a synchronous device: already complete."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def record(self, stream=None):
+        return None
+
+    def synchronize(self):
+        return None
+
+    def wait(self, stream=None):
+        return None
+
+    def query(self):
+        return True
+
+
+class _Stream:
+    """A CUDA stream on a synchronous device: work is already ordered."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, stream):
+        return None
+
+    def wait_event(self, event):
+        return None
+
+    def record_event(self, event=None):
+        return event if event is not None else _Event()
+
+    def synchronize(self):
+        return None
+
+    def query(self):
+        return True
+
+
+_DEFAULT_STREAM = _Stream()
+
+
+class _CpuCuda(types.ModuleType):
+    """What megatron-core sees as ``torch.cuda`` under :func:`enable`."""
+
+    Stream = _Stream
+    Event = _Event
+
+    def __init__(self):
+        super().__init__("torch.cuda (tst_megatron CPU stand-in)")
+
+    def __getattr__(self, name):
+        return getattr(torch.cuda, name)
+
+    @staticmethod
+    def current_device():
+        return _CPU
+
+    @staticmethod
+    def device_count():
+        return 0
+
+    @staticmethod
+    def current_stream(device=None):
+        return _DEFAULT_STREAM
+
+    default_stream = current_stream
+
+    @staticmethod
+    def stream(stream=None):
+        return contextlib.nullcontext()
+
+    @staticmethod
+    def synchronize(device=None):
+        return None
+
+    @staticmethod
+    def empty_cache():
+        return None
+
+    @staticmethod
+    def set_device(device):
+        return None
+
+    @staticmethod
+    def get_rng_state(device="cuda"):
+        return torch.get_rng_state()
+
+    @staticmethod
+    def set_rng_state(new_state, device="cuda"):
+        torch.set_rng_state(new_state)
+
+    @staticmethod
+    def manual_seed(seed):
+        torch.manual_seed(seed)
+
+    manual_seed_all = manual_seed
+
+    @staticmethod
+    def memory_allocated(device=None):
+        return 0
+
+    max_memory_allocated = memory_allocated
+    memory_reserved = memory_allocated
+    max_memory_reserved = memory_allocated
+
+
+class _CpuTorch(types.ModuleType):
+    """What megatron-core sees as ``torch`` under :func:`enable`: torch, CUDA mapped to CPU."""
+
+    def __init__(self):
+        super().__init__("torch (tst_megatron CPU stand-in)")
+        self.cuda = _CpuCuda()
+        self.__tst_cpu_stand_in__ = True
+
+    def __getattr__(self, name):
+        value = getattr(torch, name)
+        if name in _FACTORIES:
+            value = _cpu_factory(value)
+            setattr(self, name, value)  # cache
+        return value
+
+
+_CPU_TORCH = _CpuTorch()
+
+
+# --- CPU versions of functions whose bodies assume CUDA tensors ---------------------------
+
+
+def _get_rng_state(device="cuda", clone=False, graph_safe=False):
+    """CPU stand-in for ``tensor_parallel.random._get_cuda_rng_state``."""
+    return torch.get_rng_state()
+
+
+def _set_rng_state(new_state, device=-1, graph_safe=False):
+    """CPU stand-in for ``tensor_parallel.random._set_cuda_rng_state``."""
+    torch.set_rng_state(new_state)
+
+
+def _clip_grad_by_total_norm_fp32(parameters, max_norm, total_norm, use_decoupled_grad=False):
+    """CPU version of ``optimizer.clip_grads.clip_grad_by_total_norm_fp32`` (same maths:
+    scale fp32 grads in place by ``max_norm / (total_norm + 1e-6)`` when that is < 1)."""
+    if isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    attr = "decoupled_grad" if use_decoupled_grad else "grad"
+    grads = []
+    for param in parameters:
+        grad = getattr(param, attr, None)
+        if grad is not None:
+            if grad.dtype != torch.float32 and not use_decoupled_grad:
+                raise TypeError(f"expected fp32 gradients, got {grad.dtype}")
+            grads.append(grad.detach())
+    clip_coeff = max_norm / (total_norm + 1.0e-6)
+    if clip_coeff < 1.0 and grads:
+        torch._foreach_mul_(grads, clip_coeff)
+
+
+def _maybe_move_tensor_to_cpu(tensor, as_numpy=False, record_stream=False):
+    """CPU version of ``moe_utils.maybe_move_tensor_to_cpu``: tensors are on the host
+    already, but the alltoall dispatcher still needs its split sizes as numpy arrays."""
+    if torch.is_tensor(tensor) and as_numpy:
+        return tensor.detach().numpy()
+    return tensor
+
+
+_REPLACED = (
+    ("megatron.core.tensor_parallel.random", "_get_cuda_rng_state", _get_rng_state),
+    ("megatron.core.tensor_parallel.random", "_set_cuda_rng_state", _set_rng_state),
+    (
+        "megatron.core.optimizer.clip_grads",
+        "clip_grad_by_total_norm_fp32",
+        _clip_grad_by_total_norm_fp32,
+    ),
+    ("megatron.core.optimizer.optimizer", "clip_grad_by_total_norm_fp32", _clip_grad_by_total_norm_fp32),
+    ("megatron.core.transformer.moe.token_dispatcher", "maybe_move_tensor_to_cpu", _maybe_move_tensor_to_cpu),
+)  # fmt: skip
+
+
+class _RngWarningFilter(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "CPU RNG state changed within GPU RNG context" not in record.getMessage()
+
+
+def check_version() -> str:
+    """Return the installed megatron-core version.
+
+    Raises:
+        RuntimeError: it is not one of :data:`TESTED_MEGATRON_CORE`.
+    """
+    import megatron.core
+
+    version = getattr(megatron.core, "__version__", "unknown")
+    if version not in TESTED_MEGATRON_CORE:
+        raise RuntimeError(
+            f"tst_megatron CPU mode was tested with megatron-core {', '.join(TESTED_MEGATRON_CORE)}"
+            f" but megatron-core {version} is installed; install megatron-core=="
+            f"{TESTED_MEGATRON_CORE[-1]} or run on a GPU"
+        )
+    return version
+
+
+def _redirect_loaded_modules() -> int:
+    count = 0
+    for name, module in list(sys.modules.items()):
+        if name.startswith("megatron.core") and getattr(module, "torch", None) is torch:
+            module.torch = _CPU_TORCH
+            count += 1
+    return count
+
+
+def enable() -> None:
+    """Redirect megatron-core's CUDA assumptions to the CPU (idempotent).
+
+    Safe to call twice, and before or after ``torch.distributed.init_process_group``.
+    Modules of megatron-core imported *after* this call are not redirected unless they
+    are in ``_MODULES``; call :func:`enable` again after importing others (it is cheap).
+
+    Raises:
+        RuntimeError: the installed megatron-core is not a tested version.
+    """
+    global _enabled
+    check_version()
+    for name in _MODULES:
+        importlib.import_module(name)
+    _redirect_loaded_modules()
+    if _enabled:
+        return
+    for module_name, attr, replacement in _REPLACED:
+        setattr(sys.modules[module_name], attr, replacement)
+    moe_utils = sys.modules["megatron.core.transformer.moe.moe_utils"]
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+    logging.getLogger("megatron.core.tensor_parallel.random").addFilter(_RngWarningFilter())
+    _enabled = True
+
+
+def is_enabled() -> bool:
+    """Whether :func:`enable` has run in this process."""
+    return _enabled

@@ -1,0 +1,142 @@
+"""Model construction: a plain megatron-core ``GPTModel`` in both TST phases.
+
+All construction lives here (``build_gpt_model``) so a later move to megatron-core's
+``HybridModel`` touches one file. TST adds no module and no parameter: its state dict has
+exactly the keys of a baseline model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal, Optional
+
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from tst_megatron.runtime.norm import SequenceParallelNorm
+
+TransformerImpl = Literal["local", "transformer_engine"]
+
+
+def _with_norm(spec, norm) -> object:
+    """Return ``spec`` with every norm slot of a local transformer layer set to ``norm``."""
+    if not isinstance(spec, ModuleSpec) or spec.submodules is None:
+        return spec
+    sub = spec.submodules
+    changes = {}
+    for slot in ("input_layernorm", "pre_mlp_layernorm", "pre_cross_attn_layernorm"):
+        current = getattr(sub, slot, None)
+        if current is not None and current is not IdentityOp:
+            changes[slot] = norm
+    attention = getattr(sub, "self_attention", None)
+    if isinstance(attention, ModuleSpec) and attention.submodules is not None:
+        att_changes = {
+            slot: norm
+            for slot in ("q_layernorm", "k_layernorm")
+            if getattr(attention.submodules, slot, None) not in (None, IdentityOp)
+            and getattr(getattr(attention.submodules, slot), "__name__", "") != "L2Norm"
+        }
+        if att_changes:
+            changes["self_attention"] = dataclasses.replace(
+                attention, submodules=dataclasses.replace(attention.submodules, **att_changes)
+            )
+    return dataclasses.replace(spec, submodules=dataclasses.replace(sub, **changes))
+
+
+def gpt_block_spec(
+    config: TransformerConfig,
+    *,
+    transformer_impl: TransformerImpl = "local",
+    vp_stage: Optional[int] = None,
+) -> TransformerBlockSubmodules:
+    """The decoder block spec for this pipeline stage (and virtual stage).
+
+    ``transformer_impl="transformer_engine"`` returns megatron-core's TE spec (GPU; FP8).
+    ``"local"`` returns megatron-core's local spec with every norm replaced by
+    :class:`~tst_megatron.runtime.norm.SequenceParallelNorm`, so TP + SP + MoE runs without
+    TE or Apex. Dense/MoE layers follow ``config.moe_layer_freq`` as in megatron-core's
+    ``get_gpt_decoder_block_spec``.
+
+    Raises:
+        ImportError: ``transformer_engine`` requested but Transformer Engine does not import.
+        ValueError: unknown ``transformer_impl``.
+    """
+    if transformer_impl == "transformer_engine":
+        try:
+            import transformer_engine  # noqa: F401
+        except Exception as exc:  # ImportError, or OSError without CUDA libraries
+            raise ImportError(
+                "--transformer-impl transformer_engine needs Transformer Engine "
+                f"(pip install 'tst-megatron[te]' on a CUDA machine): {exc}"
+            ) from exc
+        return get_gpt_decoder_block_spec(
+            config, use_transformer_engine=True, normalization=config.normalization,
+            vp_stage=vp_stage,
+        )  # fmt: skip
+    if transformer_impl != "local":
+        raise ValueError(
+            f"--transformer-impl must be local or transformer_engine, got {transformer_impl!r}"
+        )
+    block = get_gpt_decoder_block_spec(
+        config, use_transformer_engine=False, normalization=config.normalization,
+        vp_stage=vp_stage,
+    )  # fmt: skip
+    return TransformerBlockSubmodules(
+        layer_specs=[_with_norm(spec, SequenceParallelNorm) for spec in block.layer_specs],
+        layer_norm=SequenceParallelNorm,
+    )
+
+
+def build_gpt_model(
+    config: TransformerConfig,
+    *,
+    vocab_size: int,
+    max_sequence_length: int,
+    position_embedding_type: Literal["rope", "learned_absolute"] = "rope",
+    rotary_base: int = 10000,
+    share_embeddings_and_output_weights: bool = False,
+    transformer_impl: TransformerImpl = "local",
+    pre_process: bool = True,
+    post_process: bool = True,
+    vp_stage: Optional[int] = None,
+) -> GPTModel:
+    """Build one pipeline stage (or virtual stage) of a megatron-core ``GPTModel``.
+
+    Args:
+        config: the megatron-core ``TransformerConfig`` (MoE settings included).
+        vocab_size: padded vocabulary size ``V`` (a multiple of TP).
+        max_sequence_length: ``--max-position-embeddings``; also bounds learned positions.
+        position_embedding_type: ``"rope"`` or ``"learned_absolute"``.
+        rotary_base: RoPE base (``--rotary-base``).
+        share_embeddings_and_output_weights: tied embeddings (not
+            ``--untie-embeddings-and-output-weights``).
+        transformer_impl: see :func:`gpt_block_spec`.
+        pre_process / post_process: whether this stage holds the embedding / output layer.
+        vp_stage: virtual pipeline stage index for interleaved schedules.
+
+    Returns:
+        The ``GPTModel`` with ``parallel_output=True`` (logits stay vocab-parallel,
+        ``[b, T, V/tp]`` when called with ``labels=None``).
+
+    Raises:
+        ValueError / ImportError: see :func:`gpt_block_spec`.
+    """
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=gpt_block_spec(
+            config, transformer_impl=transformer_impl, vp_stage=vp_stage
+        ),
+        vocab_size=vocab_size,
+        max_sequence_length=max_sequence_length,
+        pre_process=pre_process,
+        post_process=post_process,
+        parallel_output=True,
+        share_embeddings_and_output_weights=share_embeddings_and_output_weights,
+        position_embedding_type=position_embedding_type,
+        rotary_base=rotary_base,
+        vp_stage=vp_stage,
+    )
