@@ -1,0 +1,63 @@
+"""Run a function on N gloo processes spawned from plain pytest; collect what each returns.
+
+The port is chosen once per call by binding to port 0. Each child initialises
+``torch.distributed`` through ``tst_megatron.runtime.init_distributed(device="cpu")``
+(which enables the CPU runtime), runs ``fn(rank, world_size, **kwargs)`` and saves the
+return value with ``torch.save``; the parent loads them and returns ``[result_rank0, ...]``.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+import traceback
+
+import torch
+import torch.multiprocessing as mp
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _child(rank, world_size, port, out_dir, fn, kwargs):
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+    )  # fmt: skip
+    torch.set_num_threads(1)
+    from tst_megatron.runtime import destroy, init_distributed
+
+    init_distributed(device="cpu", timeout_minutes=3)
+    try:
+        result = fn(rank, world_size, **kwargs)
+        torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+    except BaseException:
+        with open(os.path.join(out_dir, f"rank{rank}.err"), "w") as f:
+            f.write(traceback.format_exc())
+        raise
+    finally:
+        destroy()
+
+
+def run_distributed(fn, world_size: int = 2, **kwargs):
+    """Run ``fn(rank, world_size, **kwargs)`` on ``world_size`` spawned gloo processes."""
+    with tempfile.TemporaryDirectory() as out_dir:
+        try:
+            mp.start_processes(
+                _child, args=(world_size, _free_port(), out_dir, fn, kwargs),
+                nprocs=world_size, start_method="spawn",
+            )  # fmt: skip
+        except Exception as exc:
+            errors = [
+                open(os.path.join(out_dir, name)).read()
+                for name in sorted(os.listdir(out_dir)) if name.endswith(".err")
+            ]  # fmt: skip
+            raise AssertionError("distributed run failed:\n" + "\n".join(errors)) from exc
+        return [
+            torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False)
+            for r in range(world_size)
+        ]
