@@ -1,0 +1,149 @@
+"""Single-process tests of bag folding, target alignment, slot weights, the multi-target CE
+(no TP group) and the MCE reduction, against plain float64 references."""
+
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tst_megatron.superposition import (
+    align_bag_targets,
+    bag_weights,
+    fold_bags,
+    multi_hot_cross_entropy,
+    vocab_parallel_multi_target_cross_entropy,
+)
+
+
+def test_fold_bags_layout():
+    tokens = torch.arange(2 * 12).view(2, 12)
+    bags = fold_bags(tokens, 3)
+    assert bags.shape == (2, 4, 3)
+    for i in range(2):
+        for j in range(4):
+            for k in range(3):
+                assert bags[i, j, k] == tokens[i, j * 3 + k]
+
+
+@pytest.mark.parametrize(
+    "shape,size,message",
+    [((2, 10), 3, "not a multiple of bag_size 3"), ((2, 9), 0, "bag_size must be"),
+     ((9,), 3, "must be [b, S*T]")],
+)  # fmt: skip
+def test_fold_bags_errors(shape, size, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        fold_bags(torch.zeros(shape, dtype=torch.long), size)
+
+
+@pytest.mark.parametrize("bag_size", [1, 2, 4])
+def test_align_bag_targets_matches_definition(bag_size):
+    latent = 5
+    x = torch.randint(0, 100, (3, bag_size * latent + 1))  # the sample's L + 1 tokens
+    labels = x[:, 1:]
+    loss_mask = (torch.rand(labels.shape) > 0.2).float()
+    targets, mask = align_bag_targets(labels, loss_mask, bag_size)
+    assert targets.shape == mask.shape == (3, latent, bag_size)
+    assert targets.dtype == torch.int64 and mask.dtype == torch.float32
+    for i in range(3):
+        for j in range(latent):
+            for k in range(bag_size):
+                pos = (j + 1) * bag_size + k  # index into x of the target token
+                if pos <= bag_size * latent:
+                    assert targets[i, j, k] == x[i, pos]
+                    assert mask[i, j, k] == loss_mask[i, pos - 1]  # mask of that label
+                else:
+                    assert targets[i, j, k] == 0 and mask[i, j, k] == 0
+    # The last latent position has only slot 0 valid (given an unmasked last label).
+    full_t, full_m = align_bag_targets(labels, torch.ones_like(loss_mask), bag_size)
+    assert full_m[:, -1].sum(dim=-1).tolist() == [1.0, 1.0, 1.0]
+    assert full_m[:, :-1].min() == 1.0
+
+
+def test_align_bag_targets_errors():
+    with pytest.raises(ValueError, match="differ in shape"):
+        align_bag_targets(torch.zeros(2, 8, dtype=torch.long), torch.ones(2, 6), 2)
+
+
+def test_bag_weights():
+    torch.testing.assert_close(bag_weights(4), torch.full((4,), 0.25))
+    power = bag_weights(3, "power")
+    expected = torch.tensor([1.0, 1 / 2, 1 / 3], dtype=torch.float64)
+    torch.testing.assert_close(power, (expected / expected.sum()).float())
+    assert power.dtype == torch.float32 and abs(power.sum().item() - 1) < 1e-6
+    with pytest.raises(ValueError, match="unknown bag weighting 'cubic'"):
+        bag_weights(3, "cubic")
+    with pytest.raises(ValueError, match="bag_size must be"):
+        bag_weights(0)
+
+
+def _reference_ce(logits, targets):
+    vocab = logits.shape[-1]
+    return torch.stack(
+        [F.cross_entropy(logits.reshape(-1, vocab), targets[..., k].reshape(-1), reduction="none")
+         .view(targets.shape[:-1]) for k in range(targets.shape[-1])],
+        dim=-1,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("k", [1, 3, 8])
+def test_multi_target_ce_single_process(k):
+    g = torch.Generator().manual_seed(k)
+    logits = torch.randn(4, 5, 50, generator=g) * 3
+    targets = torch.randint(0, 50, (4, 5, k), generator=g)
+    targets[0, 0] = 9  # all slots the same token: counted k times
+    upstream = torch.randn(4, 5, k, generator=g, dtype=torch.float64) - 0.4
+    x = logits.clone().requires_grad_(True)
+    ce = vocab_parallel_multi_target_cross_entropy(x, targets)
+    ce.backward(upstream.float())
+    assert ce.dtype == torch.float32 and ce.shape == (4, 5, k)
+    assert torch.equal(x.detach(), logits), "input modified"
+    ref_x = logits.double().requires_grad_(True)
+    ref = _reference_ce(ref_x, targets)
+    ref.backward(upstream)
+    torch.testing.assert_close(ce.double(), ref.detach(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(x.grad.double(), ref_x.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_multi_target_ce_errors():
+    with pytest.raises(ValueError, match="must agree"):
+        vocab_parallel_multi_target_cross_entropy(torch.zeros(2, 3, 10), torch.zeros(2, 4, 1, dtype=torch.long))
+    with pytest.raises(ValueError, match="target id 10 is outside the vocabulary"):
+        vocab_parallel_multi_target_cross_entropy(torch.zeros(2, 10), torch.full((2, 1), 10))
+    with pytest.raises(ValueError, match="integer tensor"):
+        vocab_parallel_multi_target_cross_entropy(torch.zeros(2, 10), torch.zeros(2, 1))
+
+
+def test_multi_hot_cross_entropy_matches_definition():
+    g = torch.Generator().manual_seed(0)
+    ce = (torch.rand(3, 4, 6, generator=g, dtype=torch.float64) * 5).requires_grad_(True)
+    mask = (torch.rand(3, 4, 6, generator=g) > 0.4).float()
+    w = bag_weights(6, "power")
+    loss_sum, weight_sum = multi_hot_cross_entropy(ce, mask, w)
+    upstream = 2.3
+    (loss_sum * upstream).backward()
+    ref_loss, ref_weight = 0.0, 0.0
+    for idx in torch.cartesian_prod(torch.arange(3), torch.arange(4), torch.arange(6)).tolist():
+        i, j, k = idx
+        ref_loss += w[k].item() * mask[i, j, k].item() * ce[i, j, k].item()
+        ref_weight += w[k].item() * mask[i, j, k].item()
+    assert abs(loss_sum.item() - ref_loss) < 1e-5 and abs(weight_sum.item() - ref_weight) < 1e-6
+    torch.testing.assert_close(ce.grad, (upstream * mask * w).double(), rtol=1e-6, atol=1e-7)
+
+
+def test_uniform_full_mask_equals_mean_of_slot_means():
+    """The paper's loss: with uniform weights and no masking, MCE = mean of per-slot CE means."""
+    ce = torch.rand(2, 5, 4, dtype=torch.float64)
+    loss_sum, weight_sum = multi_hot_cross_entropy(ce, torch.ones_like(ce), bag_weights(4))
+    expected = torch.stack([ce[..., k].mean() for k in range(4)]).mean()
+    assert abs((loss_sum / weight_sum).item() - expected.item()) < 1e-6
+
+
+def test_multi_hot_all_masked_is_zero_and_finite():
+    ce = torch.tensor([[float("nan"), float("inf"), 1.0]], requires_grad=True)
+    loss_sum, weight_sum = multi_hot_cross_entropy(ce, torch.zeros(1, 3), bag_weights(3))
+    assert loss_sum.item() == 0.0 and weight_sum.item() == 0.0
+    (loss_sum * 3.1).backward()
+    assert torch.isfinite(ce.grad).all() and (ce.grad == 0).all()
+    with pytest.raises(ValueError, match="shapes do not match"):
+        multi_hot_cross_entropy(ce, torch.zeros(1, 2), bag_weights(3))
