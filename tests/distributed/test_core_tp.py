@@ -38,7 +38,7 @@ def _upstream(seed, shape):
 # --- children (run on every rank) ---------------------------------------------------------
 
 
-def _embedding_child(rank, world, *, sp, position, bag_size, seed):
+def _embedding_child(rank, world, *, sp, position, bag_size, seed, dtype=torch.float32):
     from megatron.core import parallel_state as ps
     from megatron.core.models.common.embeddings.language_model_embedding import (
         LanguageModelEmbedding,
@@ -55,7 +55,7 @@ def _embedding_child(rank, world, *, sp, position, bag_size, seed):
         sequence_parallel=sp, use_cpu_initialization=True, hidden_dropout=0.0,
     )  # fmt: skip
     emb = LanguageModelEmbedding(config, vocab_size=V, max_sequence_length=T,
-                                 position_embedding_type=position)  # fmt: skip
+                                 position_embedding_type=position).to(dtype)  # fmt: skip
     word, pos = _tables(seed)
     shard = V // world
     with torch.no_grad():
@@ -71,7 +71,7 @@ def _embedding_child(rank, world, *, sp, position, bag_size, seed):
     ps.get_tensor_model_parallel_group = _forbidden
     try:
         out = bag_embedding(emb, _bags(seed, bag_size))
-        grad = _upstream(seed, (T, B, H)).float()
+        grad = _upstream(seed, (T, B, H)).to(dtype)
         if sp:
             grad = grad.chunk(world, dim=0)[rank]
         out.backward(grad)
@@ -149,8 +149,8 @@ def _ce_inputs(seed):
 # --- references (float64, one process, stock ops) -----------------------------------------
 
 
-def _reference_embedding(seed, bag_size, position):
-    word, pos = _tables(seed)
+def _reference_embedding(seed, bag_size, position, dtype=torch.float64):
+    word, pos = (t.to(dtype).double() for t in _tables(seed))
     word.requires_grad_(True)
     pos.requires_grad_(True)
     bags = _bags(seed, bag_size)
@@ -158,7 +158,7 @@ def _reference_embedding(seed, bag_size, position):
     if position == "learned_absolute":
         out = out + pos[torch.arange(T)]
     out = out.transpose(0, 1)
-    out.backward(_upstream(seed, (T, B, H)))
+    out.backward(_upstream(seed, (T, B, H)).to(dtype).double())
     return out.detach(), word.grad, pos.grad
 
 
@@ -241,3 +241,15 @@ def test_multi_target_ce_tp2_matches_reference(dtype):
         torch.testing.assert_close(r["weight_sum"].double(), ref_weight_sum, rtol=1e-6, atol=1e-6)
     mce_grad = torch.cat([r["mce_grad"] for r in ranks], dim=-1)
     torch.testing.assert_close(mce_grad.double(), logits_ref2.grad, **tol)
+
+
+def test_bag_embedding_tp2_sp_bf16_within_tolerance():
+    seed, bag_size = 13, 6
+    ranks = run_distributed(_embedding_child, 2, sp=True, position="rope", bag_size=bag_size,
+                            seed=seed, dtype=torch.bfloat16)  # fmt: skip
+    ref_out, ref_word_grad, _ = _reference_embedding(seed, bag_size, "rope", torch.bfloat16)
+    out = torch.cat([r["out"] for r in ranks], dim=0)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.double(), ref_out, rtol=2e-2, atol=2e-2)
+    word_grad = torch.cat([r["word_grad"] for r in ranks], dim=0)
+    torch.testing.assert_close(word_grad.double(), ref_word_grad, rtol=2e-2, atol=2e-2)
