@@ -1,0 +1,396 @@
+"""A lean ``pretrain_gpt``-style trainer built from megatron-core parts, with the TST switch.
+
+``train(cfg)`` reads as a table of contents: set up, then per step: phase, (switch),
+step, log, evaluate, save, stop on a signal. The phase is a pure function of the iteration
+(:func:`tst_megatron.superposition.schedule.phase_at`), so a resumed run lands in the right
+phase; the data iterator, the forward-step function and the data sequence length change
+together at step ``N1`` on every rank, while the model, the optimizer state and the LR
+schedule carry on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import signal
+import sys
+import time
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as ps
+from megatron.core.distributed import (
+    DistributedDataParallel,
+    DistributedDataParallelConfig,
+    finalize_model_grads,
+)
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.transformer.moe import moe_utils
+
+from tst_megatron.runtime import (
+    init_distributed, initialize_model_parallel, resolve_process, set_seed,
+)  # fmt: skip
+from tst_megatron.superposition.schedule import Phase, phase_at
+from tst_megatron.training import checkpointing
+from tst_megatron.training.config import RunConfig, data_parallel_size, validate
+from tst_megatron.training.data import BatchLayout, build_datasets, build_tokenizer, microbatches
+from tst_megatron.training.forward import make_phase1_step, make_phase2_step
+from tst_megatron.training.model import build_gpt_model, padded_vocab_size, transformer_config
+
+
+@dataclasses.dataclass
+class Run:
+    """Everything built once by :func:`setup`."""
+
+    cfg: RunConfig
+    device: torch.device
+    model: list
+    optimizer: object
+    scheduler: OptimizerParamScheduler
+    layout: BatchLayout
+    datasets: dict
+    """``phase1``, ``phase2`` (train) and ``valid`` datasets."""
+    phase2_offset: int
+    """Samples of the phase-2 dataset skipped: the tokens phase 1 consumed."""
+    writer: Optional[object]
+    history: dict = dataclasses.field(default_factory=lambda: {"train": {}, "valid": {}})
+    """Per-iteration training loss and validation loss (for tests and plots)."""
+
+
+def print_rank0(*args) -> None:
+    if dist.get_rank() == 0:
+        print(*args, flush=True)
+
+
+# --- set-up -------------------------------------------------------------------------------
+
+
+def build_model_chunks(cfg: RunConfig, config, vocab: int, device) -> list:
+    """One ``GPTModel`` per virtual pipeline stage on this rank, each wrapped in DDP."""
+    vpp = ps.get_virtual_pipeline_model_parallel_world_size()
+    chunks = []
+    for stage in range(vpp or 1):
+        vp_stage = stage if vpp else None
+        model = build_gpt_model(
+            config, vocab_size=vocab,
+            max_sequence_length=cfg.model.max_position_embeddings or cfg.model.seq_length,
+            position_embedding_type=cfg.model.position_embedding_type,
+            rotary_base=cfg.model.rotary_base,
+            share_embeddings_and_output_weights=not cfg.model.untie_embeddings_and_output_weights,
+            transformer_impl=cfg.train.transformer_impl,
+            pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+            post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
+            vp_stage=vp_stage,
+        ).to(device)  # fmt: skip
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, use_distributed_optimizer=cfg.train.use_distributed_optimizer
+        )
+        chunks.append(DistributedDataParallel(config, ddp_config, model,
+                                              disable_bucketing=stage > 0))  # fmt: skip
+    return chunks
+
+
+def build_optimizer(cfg: RunConfig, chunks):
+    """megatron-core AdamW and a WSD/cosine/... schedule over all ``--train-iters`` steps."""
+    t = cfg.train
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(
+            optimizer="adam", lr=t.lr, min_lr=t.min_lr, weight_decay=t.weight_decay,
+            adam_beta1=t.adam_beta1, adam_beta2=t.adam_beta2, clip_grad=t.clip_grad,
+            bf16=t.bf16, params_dtype=torch.bfloat16 if t.bf16 else torch.float32,
+            use_distributed_optimizer=t.use_distributed_optimizer,
+        ),
+        chunks,
+    )  # fmt: skip
+    wsd_iters = t.lr_wsd_decay_iters or max(1, int(0.1 * t.train_iters))
+    scheduler = OptimizerParamScheduler(
+        optimizer, init_lr=0.0, max_lr=t.lr, min_lr=t.min_lr, lr_warmup_steps=t.lr_warmup_iters,
+        lr_decay_steps=t.train_iters, lr_decay_style=t.lr_decay_style, start_wd=t.weight_decay,
+        end_wd=t.weight_decay, wd_incr_steps=t.train_iters, wd_incr_style="constant",
+        wsd_decay_steps=wsd_iters, lr_wsd_decay_style=t.lr_wsd_decay_style,
+    )  # fmt: skip
+    return optimizer, scheduler
+
+
+def build_data(cfg: RunConfig, tokenizer, layout: BatchLayout):
+    """Datasets sized for the whole run; ``(datasets, phase2_offset)``."""
+    t, c, tst, T = cfg.train, cfg.checkpoint, cfg.tst, cfg.model.seq_length
+    gbs = layout.global_batch_size
+    n1 = tst.phase1_steps(t.train_iters)
+    offset = n1 * gbs * tst.bag_size
+    evals = (t.train_iters // c.eval_interval + 1) if c.eval_interval else 1
+    valid_samples = c.eval_iters * gbs * evals
+    datasets = {"phase1": None}
+    if n1 > 0:
+        datasets["phase1"] = build_datasets(cfg.data, tokenizer, seq_length=tst.bag_size * T,
+                                            samples=(n1 * gbs, 0, 0), seed=t.seed)[0]  # fmt: skip
+    train2, valid, _ = build_datasets(
+        cfg.data, tokenizer, seq_length=T,
+        samples=(offset + (t.train_iters - n1) * gbs, valid_samples, 0), seed=t.seed,
+    )  # fmt: skip
+    datasets.update(phase2=train2, valid=valid)
+    return datasets, offset
+
+
+def setup(cfg: RunConfig) -> Run:
+    """Start the process, validate, build model/optimizer/data, resume if asked."""
+    validate(cfg, resolve_process(device=cfg.train.device).world_size)  # before any work
+    info = init_distributed(device=cfg.train.device)
+    pcfg = cfg.parallel.to_parallel_config(cfg.model.num_layers)
+    initialize_model_parallel(pcfg)
+    set_seed(cfg.train.seed)
+    tokenizer = build_tokenizer(cfg.data.tokenizer_type, vocab_size=cfg.model.vocab_size,
+                                model=cfg.data.tokenizer_model)  # fmt: skip
+    if cfg.model.vocab_size is not None and tokenizer.vocab_size > cfg.model.vocab_size:
+        raise ValueError(
+            f"the tokenizer has {tokenizer.vocab_size} ids but --vocab-size is "
+            f"{cfg.model.vocab_size}; raise --vocab-size"
+        )
+    vocab = padded_vocab_size(cfg.model.vocab_size or tokenizer.vocab_size,
+                              divisible_by=cfg.model.make_vocab_size_divisible_by,
+                              tp=pcfg.tensor_model_parallel_size)  # fmt: skip
+    config = transformer_config(cfg, use_cpu_initialization=info.device.type == "cpu")
+    chunks = build_model_chunks(cfg, config, vocab, info.device)
+    optimizer, scheduler = build_optimizer(cfg, chunks)
+    config.finalize_model_grads_func = finalize_model_grads
+    config.grad_scale_func = optimizer.scale_loss
+    dp = data_parallel_size(cfg, info.world_size)
+    gbs = cfg.train.global_batch_size or cfg.train.micro_batch_size * dp
+    layout = BatchLayout(cfg.train.micro_batch_size, dp, ps.get_data_parallel_rank(),
+                         gbs // (cfg.train.micro_batch_size * dp))  # fmt: skip
+    datasets, offset = build_data(cfg, tokenizer, layout)
+    writer = None
+    if cfg.checkpoint.tensorboard_dir and dist.get_rank() == dist.get_world_size() - 1:
+        from torch.utils.tensorboard import SummaryWriter
+
+        writer = SummaryWriter(log_dir=cfg.checkpoint.tensorboard_dir)
+    return Run(cfg, info.device, chunks, optimizer, scheduler, layout, datasets, offset, writer)
+
+
+# --- one step -----------------------------------------------------------------------------
+
+
+def _reduce_report(reports: list) -> float:
+    """Megatron's ``[loss_sum, tokens]`` reports of this step -> mean loss over DP/CP."""
+    total = torch.zeros(2, dtype=torch.float64)
+    if ps.is_pipeline_last_stage(ignore_virtual=True) and ps.get_tensor_model_parallel_rank() == 0:
+        for report in reports:
+            total += report["lm loss"].detach().double().cpu()
+    dist.all_reduce(total)  # contributions: one per distinct DP/CP slice of the data
+    return (total[0] / total[1].clamp_min(1)).item()
+
+
+def _moe_aux_loss(cfg: RunConfig, num_microbatches: int) -> Optional[float]:
+    tracker = moe_utils.get_moe_layer_wise_logging_tracker()
+    if not cfg.moe.num_experts or not tracker:
+        return None
+    moe_utils.reduce_aux_losses_tracker_across_ranks()
+    value = 0.0
+    for entry in tracker.values():
+        value += entry["values"].sum().item() / (cfg.model.num_layers * num_microbatches)
+    moe_utils.clear_aux_losses_tracker()
+    return value
+
+
+def run_schedule(run: Run, forward_step, batches: list, *, forward_only: bool) -> list:
+    """One pass of megatron-core's schedule over the micro-batches ``batches``."""
+    T, M = run.cfg.model.seq_length, len(batches)
+    iterators = [iter(batches) for _ in run.model]
+    return get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=iterators if len(run.model) > 1 else iterators[0],
+        model=run.model, num_microbatches=M, seq_length=T,
+        micro_batch_size=run.layout.micro_batch_size, forward_only=forward_only,
+    )  # fmt: skip
+
+
+def train_step(run: Run, phase: Phase, iteration: int) -> dict:
+    """One optimizer step of ``phase``; returns the step's metrics."""
+    n1 = run.cfg.tst.phase1_steps(run.cfg.train.train_iters)
+    if phase.index == 1:
+        dataset, step, offset = run.datasets["phase1"], iteration, 0
+        forward_step = make_phase1_step(
+            bag_size=phase.bag_size, weighting=run.cfg.tst.bag_weighting,
+            tp_group=ps.get_tensor_model_parallel_group(),
+            cp_group=ps.get_context_parallel_group(),
+        )  # fmt: skip
+    else:
+        dataset, step, offset = run.datasets["phase2"], iteration - n1, run.phase2_offset
+        forward_step = make_phase2_step(cp_group=ps.get_context_parallel_group())
+    batches = list(microbatches(dataset, run.layout, step=step, offset=offset, device=run.device))
+    start = time.perf_counter()
+    for chunk in run.model:
+        chunk.zero_grad_buffer()
+    run.optimizer.zero_grad()
+    reports = run_schedule(run, forward_step, batches, forward_only=False)
+    _, grad_norm, _ = run.optimizer.step()
+    run.scheduler.step(increment=1)
+    elapsed = time.perf_counter() - start
+    tokens = run.layout.global_batch_size * phase.data_seq_length
+    return {
+        "loss": _reduce_report(reports),
+        "moe_aux_loss": _moe_aux_loss(run.cfg, run.layout.num_microbatches),
+        "grad_norm": grad_norm,
+        "lr": run.optimizer.param_groups[0]["lr"],
+        "tokens": tokens,
+        "step_time": elapsed,
+    }
+
+
+def evaluate(run: Run, eval_round: int) -> float:
+    """Next-token validation loss (ordinary batches, in either phase)."""
+    for chunk in run.model:
+        chunk.eval()
+    reports = []
+    forward_step = make_phase2_step(cp_group=ps.get_context_parallel_group())
+    with torch.no_grad():
+        for i in range(run.cfg.checkpoint.eval_iters):
+            step = eval_round * run.cfg.checkpoint.eval_iters + i
+            batches = list(microbatches(run.datasets["valid"], run.layout, step=step,
+                                        device=run.device))  # fmt: skip
+            reports += run_schedule(run, forward_step, batches, forward_only=True)
+    for chunk in run.model:
+        chunk.train()
+    moe_utils.clear_aux_losses_tracker()
+    return _reduce_report(reports)
+
+
+# --- logging, saving, signals -------------------------------------------------------------
+
+
+def log_step(run: Run, iteration: int, phase: Phase, metrics: dict, tokens_seen: int) -> None:
+    """Megatron-style console line and TensorBoard scalars (against steps and tokens)."""
+    run.history["train"][iteration] = metrics["loss"]
+    if iteration % run.cfg.checkpoint.log_interval and iteration != run.cfg.train.train_iters:
+        return
+    kind = "mce loss" if phase.index == 1 else "lm loss"
+    aux = metrics["moe_aux_loss"]
+    print_rank0(
+        f" iteration {iteration:8d}/{run.cfg.train.train_iters:8d} | phase {phase.index} | "
+        f"consumed tokens: {tokens_seen:12d} | elapsed time per iteration (ms): "
+        f"{1000 * metrics['step_time']:.1f} | tokens/s: {metrics['tokens'] / metrics['step_time']:.0f} | "
+        f"learning rate: {metrics['lr']:.3E} | {kind}: {metrics['loss']:.6E} | "
+        + (f"moe aux loss: {aux:.4E} | " if aux is not None else "")
+        + f"grad norm: {metrics['grad_norm']:.3f} |"
+    )  # fmt: skip
+    if run.writer is not None:
+        scalars = {"lm loss" if phase.index == 2 else "mce loss": metrics["loss"],
+                   "learning-rate": metrics["lr"], "grad-norm": metrics["grad_norm"],
+                   "tst-phase": phase.index, "tokens-per-second": metrics["tokens"] / metrics["step_time"]}  # fmt: skip
+        if aux is not None:
+            scalars["moe aux loss"] = aux
+        for name, value in scalars.items():
+            run.writer.add_scalar(name, value, iteration)
+            run.writer.add_scalar(f"{name} vs tokens", value, tokens_seen)
+
+
+def log_validation(run: Run, iteration: int, loss: float, tokens_seen: int) -> None:
+    run.history["valid"][iteration] = loss
+    print_rank0(f" validation at iteration {iteration} | lm loss: {loss:.6E} | "
+                f"lm loss PPL: {math.exp(min(loss, 50)):.3E} |")  # fmt: skip
+    if run.writer is not None:
+        run.writer.add_scalar("validation lm loss", loss, iteration)
+        run.writer.add_scalar("validation lm loss vs tokens", loss, tokens_seen)
+
+
+def save(run: Run, iteration: int, tokens_seen: int) -> None:
+    path = checkpointing.save_checkpoint(
+        run.cfg.checkpoint.save, iteration, run.model, run.optimizer, run.scheduler,
+        loop={"consumed_tokens": tokens_seen}, tst=run.cfg.tst,
+    )  # fmt: skip
+    print_rank0(f" saved checkpoint of iteration {iteration} to {path}")
+
+
+class SignalFlag:
+    """Set by SIGTERM; checked (on all ranks together) at the end of each step."""
+
+    def __init__(self, enabled: bool):
+        self.received = False
+        if enabled:
+            signal.signal(signal.SIGTERM, self._handle)
+
+    def _handle(self, signum, frame):
+        self.received = True
+
+    def any_rank(self) -> bool:
+        flag = torch.tensor([1.0 if self.received else 0.0])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+
+# --- the loop -----------------------------------------------------------------------------
+
+
+def resume(run: Run) -> tuple[int, int]:
+    """``(iteration, tokens consumed)`` from ``--load``, or ``(0, 0)``."""
+    if not run.cfg.checkpoint.load:
+        return 0, 0
+    loop = checkpointing.load_checkpoint(run.cfg.checkpoint.load, run.model, run.optimizer,
+                                         run.scheduler, tst=run.cfg.tst,
+                                         train_iters=run.cfg.train.train_iters)  # fmt: skip
+    if loop is None:
+        print_rank0(f" no checkpoint in {run.cfg.checkpoint.load}; starting from scratch")
+        return 0, 0
+    print_rank0(f" resumed from iteration {loop['iteration']} of {run.cfg.checkpoint.load}")
+    return loop["iteration"], loop["consumed_tokens"]
+
+
+def train(cfg: RunConfig) -> dict:
+    """Pretrain from iteration 0 (or the ``--load`` checkpoint) to ``--train-iters``.
+
+    Returns the history ``{"train": {iteration: loss}, "valid": {iteration: loss},
+    "exit": "finished" | "signal"}`` (the same on every rank).
+    """
+    run = setup(cfg)
+    t, c, tst = cfg.train, cfg.checkpoint, cfg.tst
+    n1 = tst.phase1_steps(t.train_iters)
+    iteration, tokens_seen = resume(run)
+    signals = SignalFlag(c.exit_signal_handler)
+    run.history["exit"] = "finished"
+    print_rank0(f" TST: bag size {tst.bag_size}, phase 1 = iterations [0, {n1}), "
+                f"phase 2 = [{n1}, {t.train_iters})")  # fmt: skip
+    while iteration < t.train_iters:
+        phase = phase_at(iteration, tst, seq_length=cfg.model.seq_length, train_iters=t.train_iters)
+        metrics = train_step(run, phase, iteration)
+        iteration += 1
+        tokens_seen += metrics["tokens"]
+        log_step(run, iteration, phase, metrics, tokens_seen)
+        switched = iteration == n1 and phase.index == 1
+        if switched:
+            print_rank0(f" TST switch at iteration {n1}: phase 2 (next-token) from here on")
+        if c.eval_interval and (iteration % c.eval_interval == 0 or switched):
+            log_validation(run, iteration, evaluate(run, iteration // c.eval_interval), tokens_seen)
+        stop = signals.any_rank() if c.exit_signal_handler else False
+        if c.save and (stop or (switched and tst.save_at_switch)
+                       or (c.save_interval and iteration % c.save_interval == 0)):  # fmt: skip
+            save(run, iteration, tokens_seen)
+        if stop:
+            print_rank0(f" exiting on SIGTERM after iteration {iteration}")
+            run.history["exit"] = "signal"
+            break
+    if c.save and run.history["exit"] == "finished" and not (
+        c.save_interval and iteration % c.save_interval == 0
+    ):
+        save(run, iteration, tokens_seen)
+    if run.writer is not None:
+        run.writer.close()
+    return run.history
+
+
+def main(argv=None) -> int:
+    """Entry point: parse, train, tear down. Configuration errors print one line, exit 2."""
+    from tst_megatron.runtime import destroy
+    from tst_megatron.training.config import parse_args
+
+    cfg = parse_args(argv)
+    try:
+        train(cfg)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return 2
+    finally:
+        destroy()
+    return 0
