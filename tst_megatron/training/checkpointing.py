@@ -28,6 +28,9 @@ from tst_megatron.superposition.schedule import TSTConfig
 from tst_megatron.training.forward import unwrap
 
 TRACKER = "latest_checkpointed_iteration.txt"
+# Key optimizer state by parameter only, so a checkpoint reshards across TP/PP/EP/DP layouts
+# (megatron-core ChainedOptimizer otherwise prefixes "chained_<i>." by optimizer count).
+_OPTIMIZER_METADATA = {"chained_optim_avoid_prefix": True}
 
 
 def checkpoint_dir(root: str, iteration: int) -> str:
@@ -81,7 +84,7 @@ def save_checkpoint(root, iteration, model_chunks, optimizer, scheduler, *, loop
     dist.barrier()
     sharded = _model_sharded(model_chunks)
     state = dict(sharded)
-    state["optimizer"] = optimizer.sharded_state_dict(sharded)
+    state["optimizer"] = optimizer.sharded_state_dict(sharded, metadata=_OPTIMIZER_METADATA)
     state["opt_param_scheduler"] = scheduler.state_dict()
     state["loop"] = dict(loop, iteration=iteration, world_size=dist.get_world_size())
     state["tst"] = dataclasses.asdict(tst)
@@ -102,16 +105,27 @@ def save_checkpoint(root, iteration, model_chunks, optimizer, scheduler, *, loop
 _RUN_CHANGING = ("bag_size", "bag_weighting")
 
 
+def _optimizer_count(optimizer) -> int:
+    return len(getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
 def load_checkpoint(root, model_chunks, optimizer, scheduler, *, tst: TSTConfig,
-                    train_iters: int) -> Optional[dict]:  # fmt: skip
+                    train_iters: int, load_optim: bool = True,
+                    load_rng: bool = True) -> Optional[dict]:  # fmt: skip
     """Restore the newest checkpoint under ``root`` into the given objects.
 
     Returns:
         The saved ``loop`` dict (with ``iteration``), or None when ``root`` has no checkpoint.
 
+    The model always loads into any TP/PP/EP/DP layout (``torch_dist`` reshards). The
+    optimizer state does too, except between layouts whose megatron-core optimizer is split
+    differently (expert parallelism on vs off gives a separate expert optimizer); such a
+    load stops with a message suggesting ``--no-load-optim``.
+
     Raises:
         ValueError: the checkpoint's TST settings differ from this run's in a way that would
-            change the run (bag size, weighting, phase-1 length), naming the field.
+            change the run (bag size, weighting, phase-1 length), naming the field; or the
+            optimizer layouts differ (see above).
     """
     iteration = latest_iteration(root)
     if iteration is None:
@@ -130,11 +144,22 @@ def load_checkpoint(root, model_chunks, optimizer, scheduler, *, tst: TSTConfig,
             f"checkpoint {path} has {saved_tst.phase1_steps(train_iters)} phase-1 iterations but "
             f"this run has {tst.phase1_steps(train_iters)}; use the same --tst-phase1-iters/fraction"
         )
+    saved_optim = common.get("optimizer", {})
+    saved_count = sum(1 for k in saved_optim if isinstance(k, int)) or 1
+    if load_optim and saved_count != _optimizer_count(optimizer):
+        raise ValueError(
+            f"checkpoint {path} holds {saved_count} optimizer(s) but this layout builds "
+            f"{_optimizer_count(optimizer)} (expert parallelism on one side only); resume with "
+            "the same --expert-model-parallel-size or pass --no-load-optim"
+        )
     sharded = _model_sharded(model_chunks)
     request = dict(sharded)
-    request["optimizer"] = optimizer.sharded_state_dict(sharded, is_loading=True)
+    if load_optim:
+        request["optimizer"] = optimizer.sharded_state_dict(
+            sharded, is_loading=True, metadata=_OPTIMIZER_METADATA
+        )
     # RNG states are per rank: restored only when the layout's world size is unchanged.
-    same_world = common["loop"].get("world_size") == dist.get_world_size()
+    same_world = load_rng and common["loop"].get("world_size") == dist.get_world_size()
     if same_world:
         request["rng_state"] = _rng_object()
     state = dist_checkpointing.load(request, path)
@@ -143,7 +168,8 @@ def load_checkpoint(root, model_chunks, optimizer, scheduler, *, tst: TSTConfig,
     else:
         for i, chunk in enumerate(model_chunks):
             unwrap(chunk).load_state_dict(state[f"model{i}"])
-    optimizer.load_state_dict(state["optimizer"])
+    if load_optim:
+        optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["opt_param_scheduler"])
     if same_world:
         _restore_rng(state["rng_state"])

@@ -210,6 +210,10 @@ class CheckpointArgs:
     """Checkpoint directory to write."""
     load: Optional[str] = None
     """Checkpoint directory to resume from (latest iteration)."""
+    load_optim: bool = True
+    """Restore the optimizer state (``--no-load-optim`` loads weights, schedule and step only)."""
+    load_rng: bool = True
+    """Restore each rank's RNG states (``--no-load-rng`` skips them)."""
     save_interval: Optional[int] = None
     """Save every n steps."""
     ckpt_format: str = "torch_dist"
@@ -395,6 +399,12 @@ def validate(cfg: RunConfig, world_size: int) -> None:
         raise ValueError("--save-interval must be >= 1")
     if (c.save_interval or c.exit_signal_handler) and not c.save:
         raise ValueError("--save-interval and --exit-signal-handler need --save DIR")
+    if not 0 <= t.lr_warmup_iters < t.train_iters:
+        raise ValueError(
+            f"--lr-warmup-iters {t.lr_warmup_iters} must be in [0, --train-iters {t.train_iters})"
+        )
+    if t.lr_wsd_decay_iters is not None and not 0 < t.lr_wsd_decay_iters <= t.train_iters:
+        raise ValueError("--lr-wsd-decay-iters must be in (0, --train-iters]")
     if t.lr_decay_style not in ("constant", "linear", "cosine", "WSD"):
         raise ValueError("--lr-decay-style must be constant, linear, cosine or WSD")
     if t.transformer_impl not in ("local", "transformer_engine"):

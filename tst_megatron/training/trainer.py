@@ -330,7 +330,9 @@ def resume(run: Run) -> tuple[int, int]:
         return 0, 0
     loop = checkpointing.load_checkpoint(run.cfg.checkpoint.load, run.model, run.optimizer,
                                          run.scheduler, tst=run.cfg.tst,
-                                         train_iters=run.cfg.train.train_iters)  # fmt: skip
+                                         train_iters=run.cfg.train.train_iters,
+                                         load_optim=run.cfg.checkpoint.load_optim,
+                                         load_rng=run.cfg.checkpoint.load_rng)  # fmt: skip
     if loop is None:
         print_rank0(f" no checkpoint in {run.cfg.checkpoint.load}; starting from scratch")
         return 0, 0
