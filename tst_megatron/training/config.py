@@ -312,9 +312,14 @@ def data_parallel_size(cfg: RunConfig, world_size: int) -> int:
     )
 
 
-def validate(cfg: RunConfig, world_size: int) -> None:
+def validate(cfg: RunConfig, world_size: int, device_type: str = "cuda") -> None:
     """Stop before any work on an unusable or contradictory setting: one line naming the flag
     and the fix. Reads only.
+
+    Args:
+        cfg: the run configuration.
+        world_size: number of processes.
+        device_type: ``"cuda"`` or ``"cpu"``, the device the run will use.
 
     Raises:
         ValueError: the first problem found.
@@ -413,9 +418,22 @@ def validate(cfg: RunConfig, world_size: int) -> None:
         raise ValueError("--fp8-format needs --transformer-impl transformer_engine")
     if moe.moe_grouped_gemm and t.transformer_impl != "transformer_engine":
         raise ValueError("--moe-grouped-gemm needs --transformer-impl transformer_engine")
-    if t.bf16 and t.device == "cpu":
-        raise ValueError("--bf16 is not supported with --device cpu; drop --bf16")
-    if t.use_distributed_optimizer and t.device == "cpu":
-        raise ValueError("--use-distributed-optimizer is not supported with --device cpu")
+    if d.num_workers != 0:
+        raise ValueError("--num-workers > 0 is not supported yet: data is read in the main process")
+    if cp > 1 and t.transformer_impl != "transformer_engine":
+        raise ValueError(
+            "--context-parallel-size > 1 needs --transformer-impl transformer_engine "
+            "(megatron-core's local attention has no context parallelism)"
+        )
+    if device_type == "cpu":
+        for flag, on in (("--bf16", t.bf16), ("--use-distributed-optimizer", t.use_distributed_optimizer),
+                         ("--transformer-impl transformer_engine", t.transformer_impl == "transformer_engine")):  # fmt: skip
+            if on:
+                raise ValueError(f"{flag} needs a CUDA device; drop it for CPU runs")
+        if p.pipeline_model_parallel_size > 1 and not m.untie_embeddings_and_output_weights:
+            raise ValueError(
+                "tied embeddings with --pipeline-model-parallel-size > 1 need a CUDA device "
+                "(megatron-core moves them with .cuda()); add --untie-embeddings-and-output-weights"
+            )
     if m.max_position_embeddings is not None and m.max_position_embeddings < m.seq_length:
         raise ValueError("--max-position-embeddings must be >= --seq-length")

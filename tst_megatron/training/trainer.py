@@ -137,7 +137,8 @@ def build_data(cfg: RunConfig, tokenizer, layout: BatchLayout):
 
 def setup(cfg: RunConfig) -> Run:
     """Start the process, validate, build model/optimizer/data, resume if asked."""
-    validate(cfg, resolve_process(device=cfg.train.device).world_size)  # before any work
+    process = resolve_process(device=cfg.train.device)
+    validate(cfg, process.world_size, process.device.type)  # before any work
     info = init_distributed(device=cfg.train.device)
     pcfg = cfg.parallel.to_parallel_config(cfg.model.num_layers)
     initialize_model_parallel(pcfg)
@@ -350,6 +351,7 @@ def train(cfg: RunConfig) -> dict:
     t, c, tst = cfg.train, cfg.checkpoint, cfg.tst
     n1 = tst.phase1_steps(t.train_iters)
     iteration, tokens_seen = resume(run)
+    start_iteration = iteration
     signals = SignalFlag(c.exit_signal_handler)
     run.history["exit"] = "finished"
     print_rank0(f" TST: bag size {tst.bag_size}, phase 1 = iterations [0, {n1}), "
@@ -373,8 +375,9 @@ def train(cfg: RunConfig) -> dict:
             print_rank0(f" exiting on SIGTERM after iteration {iteration}")
             run.history["exit"] = "signal"
             break
-    if c.save and run.history["exit"] == "finished" and not (
-        c.save_interval and iteration % c.save_interval == 0
+    saved_already = c.save_interval and iteration % c.save_interval == 0
+    if c.save and run.history["exit"] == "finished" and iteration > start_iteration and not (
+        saved_already or (iteration == n1 and tst.save_at_switch)
     ):
         save(run, iteration, tokens_seen)
     if run.writer is not None:
