@@ -18,58 +18,12 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import statistics
-import time
-import weakref
+import sys
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
-
-class PeakTensorMemory(TorchDispatchMode):
-    """Track the peak of live bytes of tensors created while the mode is active."""
-
-    def __init__(self):
-        super().__init__()
-        self.live = 0
-        self.peak = 0
-        self._seen = set()
-
-    def _track(self, tensor):
-        storage = tensor.untyped_storage()
-        key = storage.data_ptr()
-        if key in self._seen or storage.nbytes() == 0:
-            return
-        self._seen.add(key)
-        nbytes = storage.nbytes()
-        self.live += nbytes
-        self.peak = max(self.peak, self.live)
-
-        def release(key=key, nbytes=nbytes):
-            self._seen.discard(key)
-            self.live -= nbytes
-
-        weakref.finalize(storage, release)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(t, torch.Tensor) and t.device.type != "meta":
-                self._track(t)
-        return out
-
-
-def measure(fn, repeats):
-    """``(median seconds, peak bytes)`` of ``fn()`` (forward + backward)."""
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    with PeakTensorMemory() as mem:
-        fn()
-    return statistics.median(times), mem.peak
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from measure import measure  # noqa: E402
 
 
 def init_single_process():

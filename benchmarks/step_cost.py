@@ -1,0 +1,109 @@
+"""Phase-1 (TST) training step vs baseline (next-token) step at equal T and micro-batch.
+
+One process builds the trainer's model, optimizer and data once, then alternates phase-1
+and phase-2 steps (so both see the same machine state) and reports, side by side:
+step time ratio (goal <= 1.05), peak tensor memory ratio (goal <= 1.05) and tokens/s ratio
+(goal >= 0.95 * S). Step time is the trainer's own (forward, backward, optimizer step),
+without reading the samples, which Megatron users do in data-loader workers; the time to
+read the samples in the main process is reported on its own row. Peak memory counts
+tensors allocated during the step (see measure.py).
+
+    .venv/bin/python benchmarks/step_cost.py            # ~2 minutes on 2 cores
+    .venv/bin/python benchmarks/step_cost.py --smoke    # seconds
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from measure import PeakTensorMemory  # noqa: E402
+
+
+def main():
+    p = argparse.ArgumentParser(description="TST phase-1 step cost vs baseline step")
+    p.add_argument("--smoke", action="store_true")
+    p.add_argument("--bag-size", type=int, default=4)
+    p.add_argument("--steps", type=int, default=None, help="measured steps per phase")
+    p.add_argument("--output", default=None)
+    args = p.parse_args()
+    for key, value in dict(MASTER_ADDR="127.0.0.1", MASTER_PORT="29581", RANK="0",
+                           WORLD_SIZE="1", LOCAL_RANK="0").items():  # fmt: skip
+        os.environ.setdefault(key, value)
+    from tst_megatron.runtime import destroy
+    from tst_megatron.superposition.schedule import phase_at
+    from tst_megatron.training import trainer
+    from tst_megatron.training.config import parse_args
+
+    size = (["--num-layers", "2", "--hidden-size", "64", "--seq-length", "32",
+             "--num-experts", "4", "--moe-ffn-hidden-size", "64", "--vocab-size", "512"]
+            if args.smoke else
+            ["--num-layers", "4", "--hidden-size", "256", "--seq-length", "256",
+             "--num-experts", "8", "--moe-ffn-hidden-size", "256", "--vocab-size", "8192"])  # fmt: skip
+    steps = args.steps or (2 if args.smoke else 8)
+    train_iters = 2 * (steps + 2)
+    cfg = parse_args(size + [
+        "--mock-data", "--device", "cpu", "--num-attention-heads", "4", "--swiglu",
+        "--disable-bias-linear", "--untie-embeddings-and-output-weights", "--micro-batch-size", "4",
+        "--train-iters", str(train_iters), "--tst-bag-size", str(args.bag_size),
+        "--tst-phase1-iters", str(steps + 2), "--hidden-dropout", "0", "--attention-dropout", "0",
+    ])  # fmt: skip
+    run = trainer.setup(cfg)
+    T, n1 = cfg.model.seq_length, steps + 2
+    results = {1: {"time": [], "peak": 0, "tokens": 0}, 2: {"time": [], "peak": 0, "tokens": 0}}
+    # Warm-up one step of each, then alternate: phase-1 step i, phase-2 step n1 + i.
+    order = [(0, 1), (n1, 2)] + [(it, ph) for i in range(1, steps + 1) for it, ph in ((i, 1), (n1 + i, 2))]
+    for k, (iteration, expected) in enumerate(order):
+        phase = phase_at(iteration, cfg.tst, seq_length=T, train_iters=train_iters)
+        assert phase.index == expected
+        mem = PeakTensorMemory() if k >= 2 and iteration in (1, n1 + 1) else None
+        start = time.perf_counter()
+        if mem is not None:
+            with mem:
+                metrics = trainer.train_step(run, phase, iteration)
+        else:
+            metrics = trainer.train_step(run, phase, iteration)
+        elapsed = time.perf_counter() - start
+        if k >= 2:
+            if mem is None:
+                results[expected]["time"].append(metrics["step_time"])
+                results[expected].setdefault("load", []).append(elapsed - metrics["step_time"])
+            else:
+                results[expected]["peak"] = mem.peak
+            results[expected]["tokens"] = metrics["tokens"]
+    t1, t2 = (statistics.median(results[i]["time"]) for i in (1, 2))
+    tps1, tps2 = results[1]["tokens"] / t1, results[2]["tokens"] / t2
+    l1, l2 = (statistics.median(results[i]["load"]) for i in (1, 2))
+    s = args.bag_size
+    lines = [
+        "# TST step cost: phase-1 step vs baseline step",
+        "",
+        f"Machine: {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, CPU, "
+        f"1 process. Model: {' '.join(size)}; micro-batch 4; S = {s}; median of {len(results[1]['time'])} steps.",
+        "",
+        "| quantity | phase 1 (S=%d) | baseline | ratio | goal |" % s,
+        "|---|---|---|---|---|",
+        f"| step time (ms) | {1000 * t1:.1f} | {1000 * t2:.1f} | {t1 / t2:.3f} | <= 1.05 |",
+        f"| peak tensor memory (MiB) | {results[1]['peak'] / 2**20:.1f} | {results[2]['peak'] / 2**20:.1f} | "
+        f"{results[1]['peak'] / results[2]['peak']:.3f} | <= 1.05 |",
+        f"| tokens/s | {tps1:.0f} | {tps2:.0f} | {tps1 / tps2:.2f} | >= {0.95 * s:.2f} |",
+        f"| reading samples, main process (ms) | {1000 * l1:.1f} | {1000 * l2:.1f} | {l1 / l2:.2f} | - |",
+    ]
+    report = "\n".join(lines) + "\n"
+    print(report)
+    if args.output:
+        with open(args.output + ".tmp", "w") as f:
+            f.write(report)
+        os.replace(args.output + ".tmp", args.output)
+    destroy()
+
+
+if __name__ == "__main__":
+    main()
