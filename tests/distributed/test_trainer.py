@@ -51,7 +51,9 @@ def reference(tmp_path_factory):
     """1 process, uninterrupted, saving at 2, 3 (the switch), 4, 6."""
     root = tmp_path_factory.mktemp("ref")
     (history,) = run_distributed(_train_child, 1, argv=BASE + [
-        "--save", str(root), "--save-interval", "2", "--eval-interval", "3", "--eval-iters", "1"])
+        "--save", str(root), "--save-interval", "2", "--eval-interval", "3", "--eval-iters", "1",
+        "--tensorboard-dir", str(root / "tb")])  # fmt: skip
+    shutil.move(str(root / "tb"), str(root.parent / (root.name + "_tb")))
     return root, history
 
 
@@ -71,6 +73,24 @@ def test_reference_run_switches(reference):
         "latest_checkpointed_iteration.txt",
     ]  # fmt: skip
     assert sorted(history["valid"]) == [3, 6]  # next-token validation in phase 1 too
+
+
+def test_tensorboard_scalars_against_steps_and_tokens(reference):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    root, history = reference
+    events = EventAccumulator(str(root.parent / (root.name + "_tb")))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    for tag in ("mce loss", "lm loss", "learning-rate", "grad-norm", "tst-phase",
+                "validation lm loss", "mce loss vs tokens", "lm loss vs tokens"):  # fmt: skip
+        assert tag in tags, tag
+    phases = [(e.step, e.value) for e in events.Scalars("tst-phase")]
+    assert phases == [(i, 1.0 if i <= N1 else 2.0) for i in range(1, N + 1)]
+    lm = {e.step: e.value for e in events.Scalars("lm loss")}
+    assert lm[N] == pytest.approx(history["train"][N])
+    tokens = [e.step for e in events.Scalars("mce loss vs tokens")]
+    assert tokens == [4 * 16 * 4 * i for i in range(1, N1 + 1)]  # global batch x S*T per step
 
 
 LAYOUTS = {

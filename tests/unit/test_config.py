@@ -58,7 +58,6 @@ GOOD = ["--mock-data", "--vocab-size", "100", "--num-experts", "4", "--tst-bag-s
         (["--context-parallel-size", "2"], 2, "cpu", "--context-parallel-size > 1 needs --transformer-impl transformer_engine"),
         (["--tst-phase1-iters", "3", "--tst-phase1-fraction", "0.3"], 1, "cpu", "not both"),
         (["--tst-phase1-iters", "11"], 1, "cpu", "--tst-phase1-iters 11 must be in [0, --train-iters 10]"),
-        (["--tst-bag-weighting", "cubic"], 1, "cpu", "--tst-bag-weighting must be one of uniform, power"),
         (["--tst-bag-size", "0"], 1, "cpu", "--tst-bag-size must be an integer >= 1"),
         (["--bf16"], 1, "cpu", "--bf16 needs a CUDA device"),
         (["--pipeline-model-parallel-size", "2"], 2, "cpu", "add --untie-embeddings-and-output-weights"),
@@ -75,6 +74,21 @@ def test_bad_settings_give_one_line_naming_the_flag(extra, world, device, messag
         validate(parse_args(GOOD + extra), world, device)
     assert message in str(info.value)
     assert "\n" not in str(info.value)
+
+
+def test_programmatic_config_is_validated_too():
+    import dataclasses
+
+    cfg = parse_args(GOOD)
+    cfg = dataclasses.replace(cfg, tst=dataclasses.replace(cfg.tst, bag_weighting="cubic"))
+    with pytest.raises(ValueError, match="--tst-bag-weighting must be one of uniform, power"):
+        validate(cfg, 1, "cpu")
+
+
+def test_choices_are_checked_by_the_parser(capsys):
+    with pytest.raises(SystemExit):
+        parse_args(GOOD + ["--tst-bag-weighting", "cubic"])
+    assert "invalid choice: 'cubic' (choose from 'uniform', 'power')" in capsys.readouterr().err
 
 
 def test_good_settings_pass():

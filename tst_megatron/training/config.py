@@ -6,7 +6,13 @@ the fields (Megatron-LM's flag names: ``field_name`` -> ``--field-name``; TST fi
 from __future__ import annotations
 
 import argparse
+import ast
 import dataclasses
+import functools
+import inspect
+import os
+import sys
+import textwrap
 import typing
 from typing import Optional, Sequence
 
@@ -254,6 +260,40 @@ class RunConfig:
     tst: TSTConfig
 
 
+#: Fields whose values come from a fixed set (argparse ``choices``; :func:`validate` checks
+#: the same sets for configurations built in code).
+CHOICES = {
+    "position_embedding_type": ("rope", "learned_absolute"),
+    "normalization": ("LayerNorm", "RMSNorm"),
+    "moe_router_load_balancing_type": ("aux_loss", "seq_aux_loss", "sinkhorn", "none"),
+    "moe_router_score_function": ("softmax", "sigmoid"),
+    "moe_router_dtype": ("fp32", "fp64"),
+    "moe_token_dispatcher_type": ("allgather", "alltoall", "flex"),
+    "lr_decay_style": ("constant", "linear", "cosine", "WSD"),
+    "lr_wsd_decay_style": ("linear", "cosine", "exponential", "minus_sqrt"),
+    "transformer_impl": ("local", "transformer_engine"),
+    "fp8_format": ("e4m3", "hybrid"),
+    "fp8_recipe": ("delayed", "tensorwise", "mxfp8", "blockwise"),
+    "device": ("auto", "cuda", "cpu"),
+    "tokenizer_type": ("NullTokenizer", "SentencePieceTokenizer"),
+    "ckpt_format": ("torch_dist",),
+    "bag_weighting": ("uniform", "power"),
+}
+
+
+@functools.lru_cache(maxsize=None)
+def field_docs(cls) -> dict:
+    """The docstring under each field of dataclass ``cls`` (the help text of its flag)."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    body = tree.body[0].body
+    docs = {}
+    for node, after in zip(body, body[1:]):
+        if (isinstance(node, ast.AnnAssign) and isinstance(after, ast.Expr)
+                and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str)):  # fmt: skip
+            docs[node.target.id] = " ".join(after.value.value.split()).replace("%", "%%")
+    return docs
+
+
 def _flag(prefix: str, name: str) -> str:
     return "--" + prefix + name.replace("_", "-")
 
@@ -273,23 +313,36 @@ def build_parser() -> argparse.ArgumentParser:
     for group_name, (cls, prefix) in _GROUPS.items():
         group = parser.add_argument_group(group_name)
         hints = typing.get_type_hints(cls)
+        docs = field_docs(cls)
         for field in dataclasses.fields(cls):
             kind = _base_type(hints[field.name])
             dest = f"{group_name}.{field.name}"
+            text = docs.get(field.name, "")
             if kind is bool and field.default is True:
                 group.add_argument(_flag("no-" + prefix, field.name), dest=dest,
-                                   action="store_false", default=True)  # fmt: skip
+                                   action="store_false", default=True, help=text)  # fmt: skip
             elif kind is bool:
-                group.add_argument(_flag(prefix, field.name), dest=dest, action="store_true")
+                group.add_argument(_flag(prefix, field.name), dest=dest, action="store_true",
+                                   help=text)  # fmt: skip
             else:
-                group.add_argument(_flag(prefix, field.name), dest=dest, type=kind,
-                                   default=field.default)  # fmt: skip
+                group.add_argument(
+                    _flag(prefix, field.name), dest=dest, type=kind, default=field.default,
+                    choices=CHOICES.get(field.name),
+                    metavar=None if field.name in CHOICES else field.name.upper(),
+                    help=f"{text} (default: {field.default})",
+                )  # fmt: skip
     return parser
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> RunConfig:
-    """Parse Megatron-style flags into a :class:`RunConfig`. Unknown flags exit with usage."""
-    namespace = vars(build_parser().parse_args(argv))
+    """Parse Megatron-style flags into a :class:`RunConfig`. Unknown flags exit with usage.
+
+    Under torchrun only rank 0 prints ``--help``; the other ranks exit quietly.
+    """
+    args = sys.argv[1:] if argv is None else list(argv)
+    if ("-h" in args or "--help" in args) and os.environ.get("RANK", "0") != "0":
+        sys.exit(0)
+    namespace = vars(build_parser().parse_args(args))
     values = {name: {} for name in _GROUPS}
     for key, value in namespace.items():
         group, field = key.split(".", 1)

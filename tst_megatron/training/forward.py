@@ -47,10 +47,9 @@ def make_phase1_step(*, bag_size: int, weighting: str, tp_group, cp_group: Optio
     weights = bag_weights(bag_size, weighting)
 
     def forward_step(data_iterator, model):
-        batch = next(data_iterator) if data_iterator is not None else None
+        # Every stage reads the micro-batch (cheap); only the first embeds, only the last scores.
+        batch = next(data_iterator)
         gpt = unwrap(model)
-        if batch is None:  # a middle pipeline stage: hidden states come from P2P
-            return model(None, None, None, decoder_input=None), None
         targets, mask = align_bag_targets(batch["labels"], batch["loss_mask"], bag_size)
         local = get_batch_on_this_cp_rank(
             {"bags": fold_bags(batch["tokens"], bag_size), "targets": targets, "mask": mask},
@@ -76,10 +75,7 @@ def make_phase2_step(*, cp_group: Optional = None):
     """Forward step of ordinary next-token training (and of validation in both phases)."""
 
     def forward_step(data_iterator, model):
-        batch = next(data_iterator) if data_iterator is not None else None
-        if batch is None:
-            return model(None, None, None), None
-        batch = get_batch_on_this_cp_rank(dict(batch), cp_group=cp_group)
+        batch = get_batch_on_this_cp_rank(dict(next(data_iterator)), cp_group=cp_group)
         per_token = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"),
                           labels=batch["labels"])  # fmt: skip
         loss_mask = batch["loss_mask"]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import signal
 import sys
 import time
@@ -132,6 +133,13 @@ def build_data(cfg: RunConfig, tokenizer, layout: BatchLayout):
         samples=(offset + (t.train_iters - n1) * gbs, valid_samples, 0), seed=t.seed,
     )  # fmt: skip
     datasets.update(phase2=train2, valid=valid)
+    for name, dataset in datasets.items():
+        if name != "phase1" or n1 > 0:
+            if dataset is None or len(dataset) == 0:
+                raise ValueError(
+                    f"the data gives no {name} samples of {T if name != 'phase1' else tst.bag_size * T} "
+                    "tokens; lower --seq-length/--tst-bag-size or add data (--data-path, --split)"
+                )
     return datasets, offset
 
 
@@ -356,6 +364,9 @@ def train(cfg: RunConfig) -> dict:
     run.history["exit"] = "finished"
     print_rank0(f" TST: bag size {tst.bag_size}, phase 1 = iterations [0, {n1}), "
                 f"phase 2 = [{n1}, {t.train_iters})")  # fmt: skip
+    if iteration >= t.train_iters:
+        print_rank0(f" nothing to do: the checkpoint is at iteration {iteration} of "
+                    f"--train-iters {t.train_iters}; raise --train-iters to train further")  # fmt: skip
     while iteration < t.train_iters:
         phase = phase_at(iteration, tst, seq_length=cfg.model.seq_length, train_iters=t.train_iters)
         metrics = train_step(run, phase, iteration)
@@ -393,8 +404,10 @@ def main(argv=None) -> int:
     cfg = parse_args(argv)
     try:
         train(cfg)
-    except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr, flush=True)
+    except ValueError as exc:  # configuration and data errors: one line, from rank 0
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            if os.environ.get("RANK", "0") == "0":
+                print(f"error: {exc}", file=sys.stderr, flush=True)
         return 2
     finally:
         destroy()
