@@ -1,0 +1,92 @@
+"""JSONL -> Megatron ``.bin/.idx`` through megatron-core's ``IndexedDatasetBuilder``, with
+Megatron-LM's output names (``<prefix>_<key>_document.bin/.idx``) and dtype choice
+(``DType.optimal_dtype``: uint16 for vocabularies under 65500 ids, else int32)."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+from typing import Optional, Sequence
+
+import sentencepiece as spm
+import torch
+from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
+from tqdm import tqdm
+
+_processor: Optional[spm.SentencePieceProcessor] = None
+
+
+def _init_worker(model: str) -> None:
+    global _processor
+    _processor = spm.SentencePieceProcessor(model_file=model)
+
+
+def _encode(args) -> dict:
+    line, keys, append_eod = args
+    document = json.loads(line)
+    out = {}
+    for key in keys:
+        ids = _processor.encode(document[key]) if document.get(key) else []
+        if ids and append_eod:
+            ids.append(_processor.eos_id())  # megatron-core's SentencePiece EOD is </s>
+        out[key] = ids
+    return out
+
+
+def output_paths(prefix: str, key: str) -> tuple[str, str]:
+    """Megatron-LM's names: ``<prefix>_<key>_document.bin`` and ``.idx``."""
+    base = f"{prefix}_{key}_document"
+    return base + ".bin", base + ".idx"
+
+
+def preprocess(input_path: str, output_prefix: str, tokenizer_model: str, *,
+               json_keys: Sequence[str] = ("text",), append_eod: bool = True,
+               workers: int = 1) -> dict:  # fmt: skip
+    """Tokenize every document of ``input_path`` and write one dataset per JSON key.
+
+    Files are written under temporary names and renamed at the end, ``.bin`` before
+    ``.idx``, so an ``.idx`` file means its dataset is complete.
+
+    Returns ``{key: {"documents": n, "tokens": m, "prefix": dataset prefix}}``.
+
+    Raises:
+        ValueError: missing input/tokenizer, or no document with text (nothing is written).
+    """
+    for path, what in ((input_path, "input"), (tokenizer_model, "tokenizer model")):
+        if not os.path.isfile(path):
+            raise ValueError(f"{what} {path} does not exist")
+    vocab = spm.SentencePieceProcessor(model_file=tokenizer_model).get_piece_size()
+    with open(input_path, encoding="utf-8") as f:
+        lines = [line for line in f if line.strip()]
+    os.makedirs(os.path.dirname(os.path.abspath(output_prefix)), exist_ok=True)
+    final = {key: output_paths(output_prefix, key) for key in json_keys}
+    tmp = {key: tuple(f"{p}.tmp{os.getpid()}" for p in final[key]) for key in json_keys}
+    stats = {key: {"documents": 0, "tokens": 0, "prefix": final[key][0][:-4]} for key in json_keys}
+    try:
+        builders = {key: IndexedDatasetBuilder(tmp[key][0], dtype=DType.optimal_dtype(vocab))
+                    for key in json_keys}  # fmt: skip
+        tasks = ((line, tuple(json_keys), append_eod) for line in lines)
+        with multiprocessing.get_context("spawn").Pool(
+            max(1, workers), initializer=_init_worker, initargs=(tokenizer_model,)
+        ) as pool:
+            for encoded in tqdm(pool.imap(_encode, tasks, chunksize=16), total=len(lines),
+                                desc="tokenizing", unit=" docs"):  # fmt: skip
+                for key, ids in encoded.items():
+                    if ids:
+                        builders[key].add_document(torch.tensor(ids), [len(ids)])
+                        stats[key]["documents"] += 1
+                        stats[key]["tokens"] += len(ids)
+        for key in json_keys:
+            if stats[key]["documents"] == 0:
+                raise ValueError(f"{input_path} has no document with text in key {key!r}")
+            builders[key].finalize(tmp[key][1])
+        for key in json_keys:
+            os.replace(tmp[key][0], final[key][0])
+            os.replace(tmp[key][1], final[key][1])
+    finally:
+        for paths in tmp.values():
+            for path in paths:
+                if os.path.exists(path):
+                    os.remove(path)
+    return stats
