@@ -12,6 +12,7 @@ number of tokens phase 1 consumed, instead of rereading from the start.
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Iterator, Optional
 
 import torch
@@ -57,6 +58,39 @@ def build_tokenizer(tokenizer_type: str, *, vocab_size: Optional[int], model: Op
             tokenizer_path=model, metadata_path={"library": "sentencepiece"}
         )
     raise ValueError(f"unknown --tokenizer-type {tokenizer_type!r}")
+
+
+def check_data_files(data_path: str, vocab_size: int) -> None:
+    """Before any work: every dataset prefix of ``--data-path`` has its ``.bin`` and ``.idx``,
+    and holds only token ids below ``vocab_size`` (one vectorised pass over the memory-mapped
+    ``.bin``).
+
+    Raises:
+        ValueError: a missing file, an empty dataset, or an out-of-vocabulary id, naming it.
+    """
+    import numpy as np
+    from megatron.core.datasets.indexed_dataset import DType
+
+    prefixes = get_blend_from_list(data_path.split())[0]
+    for prefix in prefixes:
+        for suffix in (".bin", ".idx"):
+            if not os.path.isfile(prefix + suffix):
+                raise ValueError(f"--data-path: {prefix + suffix} does not exist "
+                                 "(run tools/preprocess_data.py)")  # fmt: skip
+        with open(prefix + ".idx", "rb") as f:
+            header = f.read(9 + 8 + 1)  # magic, version, dtype code
+        if not header.startswith(b"MMIDIDX\x00\x00") or len(header) < 18:
+            raise ValueError(f"--data-path: {prefix}.idx is not a Megatron index file")
+        dtype = DType.dtype_from_code(header[-1])
+        tokens = np.memmap(prefix + ".bin", dtype=dtype, mode="r")
+        if tokens.size == 0:
+            raise ValueError(f"--data-path: {prefix}.bin holds no tokens")
+        top = int(tokens.max())
+        if top >= vocab_size:
+            raise ValueError(
+                f"--data-path: {prefix}.bin holds token id {top}, outside the vocabulary of "
+                f"{vocab_size}; preprocess with the tokenizer of --tokenizer-model or raise --vocab-size"
+            )
 
 
 def _dataset_config(data, tokenizer, seq_length, seed, blend) -> GPTDatasetConfig:

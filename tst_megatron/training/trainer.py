@@ -37,7 +37,9 @@ from tst_megatron.runtime import (
 from tst_megatron.superposition.schedule import Phase, phase_at
 from tst_megatron.training import checkpointing
 from tst_megatron.training.config import RunConfig, data_parallel_size, validate
-from tst_megatron.training.data import BatchLayout, build_datasets, build_tokenizer, microbatches
+from tst_megatron.training.data import (
+    BatchLayout, build_datasets, build_tokenizer, check_data_files, microbatches,
+)  # fmt: skip
 from tst_megatron.training.forward import make_phase1_step, make_phase2_step
 from tst_megatron.training.model import build_gpt_model, padded_vocab_size, transformer_config
 
@@ -153,11 +155,13 @@ def setup(cfg: RunConfig) -> Run:
     set_seed(cfg.train.seed)
     tokenizer = build_tokenizer(cfg.data.tokenizer_type, vocab_size=cfg.model.vocab_size,
                                 model=cfg.data.tokenizer_model)  # fmt: skip
-    if cfg.model.vocab_size is not None and tokenizer.vocab_size > cfg.model.vocab_size:
+    if cfg.model.vocab_size is not None and tokenizer.vocab_size != cfg.model.vocab_size:
         raise ValueError(
-            f"the tokenizer has {tokenizer.vocab_size} ids but --vocab-size is "
-            f"{cfg.model.vocab_size}; raise --vocab-size"
+            f"--tokenizer-model has {tokenizer.vocab_size} ids but --vocab-size is "
+            f"{cfg.model.vocab_size}; make them equal (or omit --vocab-size)"
         )
+    if cfg.data.data_path:
+        check_data_files(cfg.data.data_path, tokenizer.vocab_size)
     vocab = padded_vocab_size(cfg.model.vocab_size or tokenizer.vocab_size,
                               divisible_by=cfg.model.make_vocab_size_divisible_by,
                               tp=pcfg.tensor_model_parallel_size)  # fmt: skip
@@ -273,6 +277,8 @@ def evaluate(run: Run, eval_round: int) -> float:
 def log_step(run: Run, iteration: int, phase: Phase, metrics: dict, tokens_seen: int) -> None:
     """Megatron-style console line and TensorBoard scalars (against steps and tokens)."""
     run.history["train"][iteration] = metrics["loss"]
+    if run.writer is not None:  # the phase marker at every step, so the switch is exact
+        run.writer.add_scalar("tst-phase", phase.index, iteration)
     if iteration % run.cfg.checkpoint.log_interval and iteration != run.cfg.train.train_iters:
         return
     kind = "mce loss" if phase.index == 1 else "lm loss"
@@ -288,12 +294,13 @@ def log_step(run: Run, iteration: int, phase: Phase, metrics: dict, tokens_seen:
     if run.writer is not None:
         scalars = {"lm loss" if phase.index == 2 else "mce loss": metrics["loss"],
                    "learning-rate": metrics["lr"], "grad-norm": metrics["grad_norm"],
-                   "tst-phase": phase.index, "tokens-per-second": metrics["tokens"] / metrics["step_time"]}  # fmt: skip
+                   "tokens-per-second": metrics["tokens"] / metrics["step_time"]}  # fmt: skip
         if aux is not None:
             scalars["moe aux loss"] = aux
         for name, value in scalars.items():
             run.writer.add_scalar(name, value, iteration)
             run.writer.add_scalar(f"{name} vs tokens", value, tokens_seen)
+        run.writer.add_scalar("tst-phase vs tokens", phase.index, tokens_seen)
 
 
 def log_validation(run: Run, iteration: int, loss: float, tokens_seen: int) -> None:

@@ -1,0 +1,63 @@
+"""A PNG of training and validation loss against steps, with the TST switch marked, read
+from the trainer's TensorBoard events."""
+
+from __future__ import annotations
+
+import os
+
+
+def read_scalars(tensorboard_dir: str) -> dict:
+    """``{tag: [(step, value), ...]}`` of every scalar in ``tensorboard_dir`` (last write of
+    a step wins, so a resumed run's events replace the overlapping ones)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(tensorboard_dir, size_guidance={"scalars": 0})
+    events.Reload()
+    out = {}
+    for tag in events.Tags()["scalars"]:
+        by_step = {e.step: e.value for e in events.Scalars(tag)}
+        out[tag] = sorted(by_step.items())
+    return out
+
+
+def plot_losses(tensorboard_dir: str, output: str, *, title: str = "TST pretraining") -> str:
+    """Write the loss plot to ``output`` (PNG); return its path.
+
+    Raises:
+        ValueError: no loss scalars in ``tensorboard_dir``.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    scalars = read_scalars(tensorboard_dir)
+    if not any(tag in scalars for tag in ("mce loss", "lm loss")):
+        raise ValueError(f"no training loss in {tensorboard_dir}")
+    fig, ax = plt.subplots(figsize=(8, 4.5), dpi=120)
+    if "mce loss" in scalars:
+        ax.plot(*zip(*scalars["mce loss"]), label="train: bag MCE loss (phase 1)", color="tab:orange")
+    if "lm loss" in scalars:
+        ax.plot(*zip(*scalars["lm loss"]), label="train: next-token loss (phase 2)", color="tab:blue")
+    if "validation lm loss" in scalars:
+        ax.plot(*zip(*scalars["validation lm loss"]), "o-", label="validation: next-token loss",
+                color="tab:green", markersize=3)  # fmt: skip
+    # "tst-phase" at iteration i is the phase of the step that produced it, so the first
+    # phase-2 point is N1 + 1 and the switch happens after N1 steps.
+    phase = scalars.get("tst-phase", [])
+    first_phase2 = next((step for step, value in phase if value == 2.0), None)
+    if first_phase2 is not None and any(value == 1.0 for _, value in phase):
+        ax.axvline(first_phase2 - 1, color="gray", linestyle="--",
+                   label=f"switch to next-token at iteration {first_phase2 - 1}")  # fmt: skip
+    ax.set_xlabel("iteration (equal FLOPs per step)")
+    ax.set_ylabel("loss (nats)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
+    tmp = output + ".tmp.png"
+    fig.savefig(tmp)
+    plt.close(fig)
+    os.replace(tmp, output)
+    return output
