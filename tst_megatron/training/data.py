@@ -1,20 +1,28 @@
-"""Data for both TST phases from megatron-core's dataset builder.
+"""Data for both TST phases from one megatron-core dataset.
 
-Phase 1 reads samples of ``S*T`` tokens, phase 2 and validation samples of ``T`` tokens,
-from the same corpus (``GPTDataset``/``MockGPTDataset`` through
-``BlendedMegatronDatasetBuilder``). The data position is a pure function of the iteration:
-micro-batch ``m`` of phase-local step ``k`` on data-parallel rank ``r`` holds samples
-``offset + (k*M + m)*b*DP + r*b + [0, b)`` (megatron-core's pretraining sampler order).
-Phase 2 starts at sample offset ``N1 * global_batch * S`` of its dataset, i.e. after the
-number of tokens phase 1 consumed, instead of rereading from the start.
+The training data is one ``GPTDataset`` (or ``MockGPTDataset``) of ``T``-token samples built
+by ``BlendedMegatronDatasetBuilder``. Read in *stream order* (its shuffle undone), its
+samples are consecutive windows of the packed token stream: window ``j`` holds tokens
+``[j*T, (j+1)*T]``. :class:`TrainStream` groups the windows into blocks of ``S``
+consecutive windows and shuffles the blocks once (seeded):
+- phase-1 sample ``i`` is block ``perm[i]``: ``S`` windows concatenated, exactly ``S*T + 1``
+  contiguous tokens (TST_SPEC.md section 3, "Data");
+- phase 2 reads the windows of the blocks phase 1 did not use, ``perm[n1:]``, in order, so
+  it continues through the data instead of rereading what phase 1 consumed (section 4).
+The data position is a pure function of the iteration: micro-batch ``m`` of phase-local
+step ``k`` on data-parallel rank ``r`` holds samples ``(k*M + m)*b*DP + r*b + [0, b)``
+(megatron-core's pretraining sampler order). Validation reads its own split in the
+dataset's order. A blend of several ``--data-path`` prefixes has no single stream; its
+samples are then taken in the blend's order.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
+import numpy as np
 import torch
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
@@ -110,26 +118,72 @@ def build_datasets(data, tokenizer, *, seq_length: int, samples: tuple[int, int,
     return BlendedMegatronDatasetBuilder(cls, list(samples), lambda: True, config).build()
 
 
+class TrainStream:
+    """Phase-1 and phase-2 training samples from one dataset of ``T``-token windows.
+
+    Args:
+        dataset: a megatron-core ``GPTDataset`` of ``T``-token samples (or a blend).
+        bag_size: ``S``.
+        phase1_samples: samples phase 1 consumes in the whole run (``N1 * global batch``).
+        seed: seeds the block permutation.
+
+    Raises:
+        ValueError: fewer windows than one block per phase-1 sample.
+    """
+
+    def __init__(self, dataset, *, bag_size: int, phase1_samples: int, seed: int):
+        self.dataset, self.bag_size, self.phase1_samples = dataset, bag_size, phase1_samples
+        dataset[0]  # megatron-core may load its indices lazily
+        shuffle = getattr(dataset, "shuffle_index", None)
+        # window j in stream order is dataset[order[j]]
+        self.order = np.argsort(shuffle) if shuffle is not None else np.arange(len(dataset))
+        blocks = len(dataset) // bag_size
+        if blocks < phase1_samples:
+            raise ValueError(
+                f"the data gives {blocks} phase-1 samples of {bag_size} windows but phase 1 needs "
+                f"{phase1_samples}; add data or lower --tst-phase1-iters/--train-iters"
+            )
+        self.blocks = np.random.RandomState(seed).permutation(blocks)
+
+    def _window(self, j: int) -> dict:
+        return self.dataset[int(self.order[j])]
+
+    def phase1_sample(self, i: int) -> dict:
+        """``S*T``-token sample ``i`` of phase 1 (``tokens``, ``labels``, ``loss_mask`` ``[S*T]``)."""
+        if i >= self.phase1_samples:
+            raise ValueError(f"phase-1 sample {i} is past the {self.phase1_samples} planned")
+        first = int(self.blocks[i]) * self.bag_size
+        windows = [self._window(first + k) for k in range(self.bag_size)]
+        return {key: torch.cat([w[key] for w in windows]) for key in ("tokens", "labels", "loss_mask")}
+
+    def phase2_sample(self, i: int) -> dict:
+        """``T``-token sample ``i`` of phase 2: the windows of the blocks phase 1 left."""
+        block_slot, k = divmod(i, self.bag_size)
+        block_slot += self.phase1_samples
+        if block_slot >= len(self.blocks):
+            raise ValueError(
+                f"the data has {len(self.blocks) * self.bag_size} windows; phase-2 sample {i} is "
+                "past them"
+            )
+        return self._window(int(self.blocks[block_slot]) * self.bag_size + k)
+
+
 def _collate(samples: list[dict]) -> dict:
     return {key: torch.stack([s[key] for s in samples]) for key in samples[0]}
 
 
-def microbatches(dataset, layout: BatchLayout, *, step: int, offset: int = 0,
+def microbatches(get_sample: Callable[[int], dict], layout: BatchLayout, *, step: int,
                  device: torch.device) -> Iterator[dict]:  # fmt: skip
     """The ``M`` micro-batches of phase-local step ``step`` for this DP rank.
 
-    Yields dicts of ``tokens``/``labels``/``loss_mask``/``position_ids`` ``[b, L]`` (and
-    ``attention_mask`` ``[b, 1, L, L]`` when the dataset makes one).
+    Yields dicts of ``tokens``/``labels``/``loss_mask`` (and ``position_ids`` and, when the
+    dataset makes one, ``attention_mask``) batched to ``[b, L]``.
 
     Raises:
-        ValueError: the dataset is too small for the requested samples.
+        ValueError: the data has too few samples for the step.
     """
     b, dp = layout.micro_batch_size, layout.data_parallel_size
     for m in range(layout.num_microbatches):
-        start = offset + (step * layout.num_microbatches + m) * b * dp + layout.data_parallel_rank * b
-        if start + b > len(dataset):
-            raise ValueError(
-                f"the dataset has {len(dataset)} samples but step {step} needs sample {start + b - 1}"
-            )
-        batch = _collate([dataset[i] for i in range(start, start + b)])
+        start = (step * layout.num_microbatches + m) * b * dp + layout.data_parallel_rank * b
+        batch = _collate([get_sample(i) for i in range(start, start + b)])
         yield {k: v.to(device) for k, v in batch.items()}

@@ -38,7 +38,7 @@ from tst_megatron.superposition.schedule import Phase, phase_at
 from tst_megatron.training import checkpointing
 from tst_megatron.training.config import RunConfig, data_parallel_size, validate
 from tst_megatron.training.data import (
-    BatchLayout, build_datasets, build_tokenizer, check_data_files, microbatches,
+    BatchLayout, TrainStream, build_datasets, build_tokenizer, check_data_files, microbatches,
 )  # fmt: skip
 from tst_megatron.training.forward import make_phase1_step, make_phase2_step
 from tst_megatron.training.model import build_gpt_model, padded_vocab_size, transformer_config
@@ -54,10 +54,10 @@ class Run:
     optimizer: object
     scheduler: OptimizerParamScheduler
     layout: BatchLayout
-    datasets: dict
-    """``phase1``, ``phase2`` (train) and ``valid`` datasets."""
-    phase2_offset: int
-    """Samples of the phase-2 dataset skipped: the tokens phase 1 consumed."""
+    stream: TrainStream
+    """Training samples of both phases (see :mod:`.data`)."""
+    valid: object
+    """The validation dataset (``T``-token samples)."""
     writer: Optional[object]
     history: dict = dataclasses.field(default_factory=lambda: {"train": {}, "valid": {}})
     """Per-iteration training loss and validation loss (for tests and plots)."""
@@ -119,30 +119,24 @@ def build_optimizer(cfg: RunConfig, chunks):
 
 
 def build_data(cfg: RunConfig, tokenizer, layout: BatchLayout):
-    """Datasets sized for the whole run; ``(datasets, phase2_offset)``."""
+    """The training stream (both phases) and the validation dataset, sized for the run."""
     t, c, tst, T = cfg.train, cfg.checkpoint, cfg.tst, cfg.model.seq_length
     gbs = layout.global_batch_size
     n1 = tst.phase1_steps(t.train_iters)
-    offset = n1 * gbs * tst.bag_size
+    windows = n1 * gbs * tst.bag_size + (t.train_iters - n1) * gbs + tst.bag_size  # whole blocks
     evals = (t.train_iters // c.eval_interval + 1) if c.eval_interval else 1
-    valid_samples = c.eval_iters * gbs * evals
-    datasets = {"phase1": None}
-    if n1 > 0:
-        datasets["phase1"] = build_datasets(cfg.data, tokenizer, seq_length=tst.bag_size * T,
-                                            samples=(n1 * gbs, 0, 0), seed=t.seed)[0]  # fmt: skip
-    train2, valid, _ = build_datasets(
+    train, valid, _ = build_datasets(
         cfg.data, tokenizer, seq_length=T,
-        samples=(offset + (t.train_iters - n1) * gbs, valid_samples, 0), seed=t.seed,
+        samples=(windows, c.eval_iters * gbs * evals, 0), seed=t.seed,
     )  # fmt: skip
-    datasets.update(phase2=train2, valid=valid)
-    for name, dataset in datasets.items():
-        if name != "phase1" or n1 > 0:
-            if dataset is None or len(dataset) == 0:
-                raise ValueError(
-                    f"the data gives no {name} samples of {T if name != 'phase1' else tst.bag_size * T} "
-                    "tokens; lower --seq-length/--tst-bag-size or add data (--data-path, --split)"
-                )
-    return datasets, offset
+    for name, dataset in (("training", train), ("validation", valid)):
+        if dataset is None or len(dataset) == 0:
+            raise ValueError(
+                f"the data gives no {name} samples of {T} tokens; lower --seq-length or add "
+                "data (--data-path, --split)"
+            )
+    stream = TrainStream(train, bag_size=tst.bag_size, phase1_samples=n1 * gbs, seed=t.seed)
+    return stream, valid
 
 
 def setup(cfg: RunConfig) -> Run:
@@ -174,13 +168,13 @@ def setup(cfg: RunConfig) -> Run:
     gbs = cfg.train.global_batch_size or cfg.train.micro_batch_size * dp
     layout = BatchLayout(cfg.train.micro_batch_size, dp, ps.get_data_parallel_rank(),
                          gbs // (cfg.train.micro_batch_size * dp))  # fmt: skip
-    datasets, offset = build_data(cfg, tokenizer, layout)
+    stream, valid = build_data(cfg, tokenizer, layout)
     writer = None
     if cfg.checkpoint.tensorboard_dir and dist.get_rank() == dist.get_world_size() - 1:
         from torch.utils.tensorboard import SummaryWriter
 
         writer = SummaryWriter(log_dir=cfg.checkpoint.tensorboard_dir)
-    return Run(cfg, info.device, chunks, optimizer, scheduler, layout, datasets, offset, writer)
+    return Run(cfg, info.device, chunks, optimizer, scheduler, layout, stream, valid, writer)
 
 
 # --- one step -----------------------------------------------------------------------------
@@ -224,16 +218,16 @@ def train_step(run: Run, phase: Phase, iteration: int) -> dict:
     """One optimizer step of ``phase``; returns the step's metrics."""
     n1 = run.cfg.tst.phase1_steps(run.cfg.train.train_iters)
     if phase.index == 1:
-        dataset, step, offset = run.datasets["phase1"], iteration, 0
+        get_sample, step = run.stream.phase1_sample, iteration
         forward_step = make_phase1_step(
             bag_size=phase.bag_size, weighting=run.cfg.tst.bag_weighting,
             tp_group=ps.get_tensor_model_parallel_group(),
             cp_group=ps.get_context_parallel_group(),
         )  # fmt: skip
     else:
-        dataset, step, offset = run.datasets["phase2"], iteration - n1, run.phase2_offset
+        get_sample, step = run.stream.phase2_sample, iteration - n1
         forward_step = make_phase2_step(cp_group=ps.get_context_parallel_group())
-    batches = list(microbatches(dataset, run.layout, step=step, offset=offset, device=run.device))
+    batches = list(microbatches(get_sample, run.layout, step=step, device=run.device))
     start = time.perf_counter()
     for chunk in run.model:
         chunk.zero_grad_buffer()
@@ -262,7 +256,7 @@ def evaluate(run: Run, eval_round: int) -> float:
     with torch.no_grad():
         for i in range(run.cfg.checkpoint.eval_iters):
             step = eval_round * run.cfg.checkpoint.eval_iters + i
-            batches = list(microbatches(run.datasets["valid"], run.layout, step=step,
+            batches = list(microbatches(run.valid.__getitem__, run.layout, step=step,
                                         device=run.device))  # fmt: skip
             reports += run_schedule(run, forward_step, batches, forward_only=True)
     for chunk in run.model:
