@@ -11,6 +11,8 @@ def read_scalars(tensorboard_dir: str) -> dict:
     a step wins, so a resumed run's events replace the overlapping ones)."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+    if not os.path.isdir(tensorboard_dir):
+        raise ValueError(f"{tensorboard_dir} is not a directory of TensorBoard events")
     events = EventAccumulator(tensorboard_dir, size_guidance={"scalars": 0})
     events.Reload()
     out = {}
@@ -20,11 +22,20 @@ def read_scalars(tensorboard_dir: str) -> dict:
     return out
 
 
+def switch_iteration(phase_points) -> "int | None":
+    """The iteration after which training switched to phase 2, from ``tst-phase`` points
+    (the value at iteration ``i`` is the phase of the step that produced it), or None."""
+    first_phase2 = next((step for step, value in phase_points if value == 2.0), None)
+    if first_phase2 is None or not any(value == 1.0 for _, value in phase_points):
+        return None
+    return first_phase2 - 1
+
+
 def plot_losses(tensorboard_dir: str, output: str, *, title: str = "TST pretraining") -> str:
     """Write the loss plot to ``output`` (PNG); return its path.
 
     Raises:
-        ValueError: no loss scalars in ``tensorboard_dir``.
+        ValueError: ``tensorboard_dir`` is missing or holds no training loss.
     """
     import matplotlib
 
@@ -42,13 +53,10 @@ def plot_losses(tensorboard_dir: str, output: str, *, title: str = "TST pretrain
     if "validation lm loss" in scalars:
         ax.plot(*zip(*scalars["validation lm loss"]), "o-", label="validation: next-token loss",
                 color="tab:green", markersize=3)  # fmt: skip
-    # "tst-phase" at iteration i is the phase of the step that produced it, so the first
-    # phase-2 point is N1 + 1 and the switch happens after N1 steps.
-    phase = scalars.get("tst-phase", [])
-    first_phase2 = next((step for step, value in phase if value == 2.0), None)
-    if first_phase2 is not None and any(value == 1.0 for _, value in phase):
-        ax.axvline(first_phase2 - 1, color="gray", linestyle="--",
-                   label=f"switch to next-token at iteration {first_phase2 - 1}")  # fmt: skip
+    switch = switch_iteration(scalars.get("tst-phase", []))
+    if switch is not None:
+        ax.axvline(switch, color="gray", linestyle="--",
+                   label=f"switch to next-token at iteration {switch}")  # fmt: skip
     ax.set_xlabel("iteration (equal FLOPs per step)")
     ax.set_ylabel("loss (nats)")
     ax.set_title(title)

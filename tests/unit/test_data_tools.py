@@ -1,0 +1,216 @@
+"""Real-data tools: corpus, tokenizer, preprocessing, and the TST training stream."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import sentencepiece as spm
+import torch
+from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+from tst_megatron.data.corpus import build_corpus
+from tst_megatron.data.preprocess import preprocess
+from tst_megatron.data.tokenizer import train_tokenizer
+from tst_megatron.data.corpus import jsonl_documents
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """60 standard-library documents, a 512-id tokenizer, and their .bin/.idx dataset."""
+    d = tmp_path_factory.mktemp("data")
+    build_corpus("python-stdlib", str(d / "corpus.jsonl"), max_documents=60)
+    model = train_tokenizer(jsonl_documents(str(d / "corpus.jsonl")), str(d / "tok"), vocab_size=512)
+    stats = preprocess(str(d / "corpus.jsonl"), str(d / "tiny"), model, append_eod=True, workers=2)
+    return d, model, stats["text"]["prefix"]
+
+
+def test_corpus_is_deterministic_and_real(tmp_path):
+    a = build_corpus("python-stdlib", str(tmp_path / "a.jsonl"), max_documents=25)
+    b = build_corpus("python-stdlib", str(tmp_path / "b.jsonl"), max_documents=25)
+    assert a == b and a["documents"] == 25
+    assert (tmp_path / "a.jsonl").read_bytes() == (tmp_path / "b.jsonl").read_bytes()
+    first = json.loads((tmp_path / "a.jsonl").read_text().splitlines()[0])["text"]
+    assert "import" in first or '"""' in first  # Python source text
+    assert [p.name for p in tmp_path.iterdir() if ".tmp" in p.name] == []
+
+
+def test_corpus_from_directory_and_jsonl(tmp_path):
+    src = tmp_path / "texts"
+    (src / "sub").mkdir(parents=True)
+    (src / "b.txt").write_text("second")
+    (src / "a.md").write_text("first")
+    (src / "sub" / "c.rst").write_text("third")
+    (src / "skip.bin").write_text("not text")
+    (src / "empty.txt").write_text("   ")
+    build_corpus(str(src), str(tmp_path / "dir.jsonl"))
+    texts = [json.loads(l)["text"] for l in (tmp_path / "dir.jsonl").read_text().splitlines()]
+    assert texts == ["first", "second", "third"]
+    build_corpus(str(tmp_path / "dir.jsonl"), str(tmp_path / "copy.jsonl"))
+    assert (tmp_path / "copy.jsonl").read_text() == (tmp_path / "dir.jsonl").read_text()
+
+
+def test_corpus_errors_write_nothing(tmp_path):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="has no non-empty document"):
+        build_corpus(str(tmp_path / "empty"), str(tmp_path / "out.jsonl"))
+    with pytest.raises(ValueError, match="is not python-stdlib, a directory or a .jsonl file"):
+        build_corpus(str(tmp_path / "missing"), str(tmp_path / "out.jsonl"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty"]
+
+
+def test_tokenizer_round_trip_and_special_ids(tiny):
+    _, model, _ = tiny
+    sp = spm.SentencePieceProcessor(model_file=model)
+    assert sp.get_piece_size() == 512
+    assert (sp.unk_id(), sp.bos_id(), sp.eos_id(), sp.pad_id()) == (0, 1, 2, 3)
+    for text in ["def f(x):\n    return x ** 2\n", "naïve café — ∑ 東京 🙂", "  two  spaces\ttab"]:
+        assert sp.decode(sp.encode(text)) == text  # byte fallback: nothing is lost
+
+
+def test_preprocess_gives_the_exact_ids(tiny):
+    d, model, prefix = tiny
+    sp = spm.SentencePieceProcessor(model_file=model)
+    dataset = IndexedDataset(prefix)
+    docs = [json.loads(l)["text"] for l in (d / "corpus.jsonl").read_text().splitlines()]
+    assert len(dataset) == len(docs) == 60
+    assert dataset[0].dtype == np.uint16
+    for i in (0, 17, 59):
+        assert dataset[i].tolist() == sp.encode(docs[i]) + [sp.eos_id()]
+    assert [p.name for p in d.iterdir() if ".tmp" in p.name] == []
+
+
+def test_preprocess_errors(tmp_path, tiny):
+    _, model, _ = tiny
+    with pytest.raises(ValueError, match="input .* does not exist"):
+        preprocess(str(tmp_path / "nope.jsonl"), str(tmp_path / "x"), model)
+    (tmp_path / "blank.jsonl").write_text(json.dumps({"text": ""}) + "\n")
+    with pytest.raises(ValueError, match="has no document with text in key 'text'"):
+        preprocess(str(tmp_path / "blank.jsonl"), str(tmp_path / "x"), model)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["blank.jsonl"]
+
+
+def test_check_data_files(tmp_path, tiny):
+    from tst_megatron.training.data import check_data_files
+
+    _, _, prefix = tiny
+    check_data_files(prefix, 512)
+    with pytest.raises(ValueError, match=r"holds token id \d+, outside the vocabulary of 100"):
+        check_data_files(prefix, 100)
+    with pytest.raises(ValueError, match="missing_text_document.bin does not exist"):
+        check_data_files(str(tmp_path / "missing_text_document"), 512)
+    (tmp_path / "bad.bin").write_bytes(b"\x00\x01")
+    (tmp_path / "bad.idx").write_bytes(b"garbage-not-an-index")
+    with pytest.raises(ValueError, match="bad.idx is not a Megatron index file"):
+        check_data_files(str(tmp_path / "bad"), 512)
+
+
+def _stream(tiny, bag, phase1_samples, seq_length=16):
+    from megatron.core.tokenizers import MegatronTokenizer
+
+    from tst_megatron.training.config import DataArgs
+    from tst_megatron.training.data import TrainStream, build_datasets
+
+    d, model, prefix = tiny
+    tok = MegatronTokenizer.from_pretrained(tokenizer_path=model, metadata_path={"library": "sentencepiece"})
+    data = DataArgs(data_path=prefix, split="100,0,0", data_cache_path=str(d / "cache"))
+    train, _, _ = build_datasets(data, tok, seq_length=seq_length, samples=(400, 0, 0), seed=3)
+    return train, TrainStream(train, bag_size=bag, phase1_samples=phase1_samples, seed=3)
+
+
+def test_phase1_and_phase2_cover_the_same_token_stream(tiny):
+    bag, n1 = 4, 30
+    train, stream = _stream(tiny, bag, n1)
+    windows = [train[int(j)] for j in stream.order]  # stream order
+    # consecutive windows continue each other: the stream is contiguous
+    for a, b in zip(windows[:50], windows[1:51]):
+        assert a["labels"][-1] == b["tokens"][0]
+    used = []
+    for i in range(n1):
+        sample = stream.phase1_sample(i)
+        assert sample["tokens"].shape == (bag * 16,)
+        assert torch.equal(sample["tokens"][1:], sample["labels"][:-1])  # S*T+1 contiguous tokens
+        block = int(stream.blocks[i])
+        expected = torch.cat([windows[block * bag + k]["tokens"] for k in range(bag)])
+        assert torch.equal(sample["tokens"], expected)
+        used += range(block * bag, block * bag + bag)
+    phase2 = []
+    for i in range(40):
+        sample = stream.phase2_sample(i)
+        j = int(stream.blocks[n1 + i // bag]) * bag + i % bag
+        assert torch.equal(sample["tokens"], windows[j]["tokens"])
+        phase2.append(j)
+    assert not set(used) & set(phase2), "phase 2 reread text phase 1 consumed"
+    assert len(set(used)) == n1 * bag and len(set(phase2)) == 40
+
+
+def test_stream_too_small_is_a_clear_error(tiny):
+    with pytest.raises(ValueError, match="phase-1 samples of 4 windows but phase 1 needs 100000"):
+        _stream(tiny, 4, 100000)
+
+
+def _e2e_child(rank, world, *, argv):
+    from tst_megatron.training.trainer import train
+    from tst_megatron.training.config import parse_args
+
+    return train(parse_args(argv))
+
+
+@pytest.mark.slow
+def test_end_to_end_on_a_slice_of_the_real_corpus(tiny, tmp_path):
+    from tests.distributed.harness import run_distributed
+
+    d, model, prefix = tiny
+    ranks = run_distributed(_e2e_child, 2, argv=[
+        "--device", "cpu", "--data-path", prefix, "--split", "95,5,0", "--data-cache-path", str(d / "cache"),
+        "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", model, "--vocab-size", "512",
+        "--seq-length", "32", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+        "--swiglu", "--disable-bias-linear", "--untie-embeddings-and-output-weights",
+        "--num-experts", "4", "--moe-ffn-hidden-size", "64", "--expert-model-parallel-size", "2",
+        "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "8",
+        "--tst-bag-size", "4", "--tst-phase1-iters", "3", "--eval-interval", "4", "--eval-iters", "1",
+        "--lr", "3e-3", "--save", str(tmp_path / "ckpt"), "--log-interval", "1",
+    ])  # fmt: skip
+    for history in ranks:
+        assert sorted(history["train"]) == list(range(1, 9))
+        assert all(np.isfinite(v) for v in history["train"].values())
+        assert sorted(history["valid"]) == [3, 4, 8]
+    assert (tmp_path / "ckpt" / "iter_0000003").is_dir()  # the switch checkpoint
+    assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text() == "8"
+
+
+def test_tools_are_thin_command_lines(tmp_path):
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    run = lambda *a: subprocess.run([sys.executable, *a], capture_output=True, text=True,
+                                    timeout=300, cwd=ROOT, env=env)  # noqa: E731
+    r = run("tools/build_corpus.py", "--output", str(tmp_path / "c.jsonl"), "--max-documents", "5")
+    assert r.returncode == 0 and "wrote 5 documents" in r.stdout, r.stderr
+    r = run("tools/preprocess_data.py", "--input", str(tmp_path / "c.jsonl"), "--output-prefix",
+            str(tmp_path / "x"), "--tokenizer-model", str(tmp_path / "missing.model"))
+    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].startswith("error: tokenizer model")
+
+
+def test_loss_plot_marks_the_switch(tmp_path):
+    from torch.utils.tensorboard import SummaryWriter
+
+    from tst_megatron.plots import plot_losses, read_scalars, switch_iteration
+
+    writer = SummaryWriter(str(tmp_path / "tb"))
+    for i in range(1, 11):
+        writer.add_scalar("tst-phase", 1 if i <= 4 else 2, i)
+        writer.add_scalar("mce loss" if i <= 4 else "lm loss", 5.0 - 0.1 * i, i)
+    writer.add_scalar("validation lm loss", 4.5, 5)
+    writer.close()
+    assert switch_iteration(read_scalars(str(tmp_path / "tb"))["tst-phase"]) == 4
+    out = plot_losses(str(tmp_path / "tb"), str(tmp_path / "loss.png"))
+    assert open(out, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+    assert switch_iteration([(1, 2.0), (2, 2.0)]) is None  # a baseline run has no switch
+    with pytest.raises(ValueError, match="is not a directory of TensorBoard events"):
+        plot_losses(str(tmp_path / "nothing"), str(tmp_path / "x.png"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="no training loss"):
+        plot_losses(str(tmp_path / "empty"), str(tmp_path / "x.png"))
