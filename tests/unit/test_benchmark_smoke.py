@@ -4,6 +4,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 
 def test_core_cost_smoke(tmp_path):
     out = tmp_path / "core_cost.md"
@@ -33,3 +35,25 @@ def test_step_cost_smoke(tmp_path):
     report = out.read_text()
     for row in ("| step time (ms) |", "| peak tensor memory (MiB) |", "| tokens/s |"):
         assert row in report
+
+
+@pytest.mark.slow
+def test_tst_vs_baseline_smoke(tmp_path):
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    out = tmp_path / "results"
+    result = subprocess.run(
+        [sys.executable, "benchmarks/tst_vs_baseline.py", "--smoke", "--output-dir", str(out),
+         "--work-dir", str(tmp_path / "work"), "--data-dir", str(tmp_path / "data")],
+        capture_output=True, text=True, timeout=900, cwd=root,
+        env=dict(os.environ, PYTHONWARNINGS="ignore"),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    report = (out / "tst_vs_baseline_smoke.md").read_text()
+    assert "| arm | final validation loss | tokens consumed | wall-clock (s) |" in report
+    assert "| LR | baseline final validation loss |" in report
+    rows = [l for l in report.splitlines() if l.startswith("| baseline (LR") or l.startswith("| TST S=")]
+    assert len(rows) == 2
+    base_tokens, tst_tokens = (int(r.split("|")[3]) for r in rows)
+    assert tst_tokens > base_tokens  # phase 1 reads S x more text per step
+    assert (out / "tst_vs_baseline_smoke.png").read_bytes()[:4] == b"\x89PNG"
+    assert "tst_vs_baseline_smoke" in (tmp_path / "results.md").read_text()
