@@ -65,7 +65,9 @@ def jsonl_documents(path: str, key: str = "text") -> Iterator[str]:
                 try:
                     yield json.loads(line)[key]
                 except (json.JSONDecodeError, KeyError) as exc:
-                    raise ValueError(f"{path}:{number}: not a JSON object with {key!r}: {exc}")
+                    raise ValueError(
+                        f"{path}:{number}: not a JSON object with {key!r}: {exc}"
+                    ) from exc
 
 
 def documents(source: str) -> Iterator[str]:

@@ -46,7 +46,9 @@ def train_tokenizer(texts: Iterable[str], model_prefix: str, *, vocab_size: int 
             minloglevel=2, **SPECIAL_IDS,
         )  # fmt: skip
     except RuntimeError as exc:
-        raise ValueError(f"SentencePiece training failed: {str(exc).strip().splitlines()[-1]}")
+        raise ValueError(
+            f"SentencePiece training failed: {str(exc).strip().splitlines()[-1]}"
+        ) from exc
     path = model_prefix + ".model"
     with atomic_path(path) as tmp, open(tmp, "wb") as f:
         f.write(model.getvalue())
