@@ -54,3 +54,20 @@ def measure(fn, repeats):
     with PeakTensorMemory() as mem:
         fn()
     return statistics.median(times), mem.peak
+
+
+class CollectiveBytes(TorchDispatchMode):
+    """Count the bytes of the tensors passed to torch.distributed collectives (c10d ops)."""
+
+    def __init__(self):
+        super().__init__()
+        self.bytes = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = str(func)
+        if name.startswith("c10d."):
+            first = args[0]
+            tensors = first if isinstance(first, (list, tuple)) else [first]
+            size = sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+            self.bytes[name] = self.bytes.get(name, 0) + size
+        return func(*args, **(kwargs or {}))

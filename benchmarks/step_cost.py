@@ -24,7 +24,59 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from measure import PeakTensorMemory  # noqa: E402
+from measure import CollectiveBytes, PeakTensorMemory  # noqa: E402
+
+
+def _traffic_child(rank, world, port, sp, bag, out):
+    """TP=2: bytes the embedding sends through TP collectives, bag_embedding vs standard."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))  # fmt: skip
+    from megatron.core.models.common.embeddings.language_model_embedding import (
+        LanguageModelEmbedding,
+    )
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from tst_megatron.runtime import (
+        ParallelConfig, destroy, init_distributed, initialize_model_parallel, set_seed,
+    )  # fmt: skip
+    from tst_megatron.superposition import bag_embedding
+
+    init_distributed(device="cpu")
+    initialize_model_parallel(ParallelConfig(tensor_model_parallel_size=world))
+    set_seed(1)
+    config = TransformerConfig(num_layers=1, hidden_size=256, num_attention_heads=2,
+                               tensor_model_parallel_size=world, sequence_parallel=sp,
+                               use_cpu_initialization=True, hidden_dropout=0.0)  # fmt: skip
+    emb = LanguageModelEmbedding(config, vocab_size=4096, max_sequence_length=128,
+                                 position_embedding_type="rope")  # fmt: skip
+    b, T = 4, 128
+    ids = torch.randint(0, 4096, (b, T, bag))
+    result = {}
+    for name, fn in (("baseline", lambda: emb(ids[..., 0], None)),
+                     ("phase1", lambda: bag_embedding(emb, ids))):  # fmt: skip
+        with CollectiveBytes() as counter:
+            out_t = fn()
+            out_t.backward(torch.ones_like(out_t))
+        result[name] = sum(counter.bytes.values())
+    if rank == 0:
+        torch.save(result, out)
+    destroy()
+
+
+def embedding_tp_traffic(bag: int, sp: bool) -> dict:
+    import socket
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "traffic.pt")
+        mp.start_processes(_traffic_child, args=(2, port, sp, bag, out), nprocs=2,
+                           start_method="spawn")  # fmt: skip
+        return torch.load(out)
 
 
 def main():
@@ -96,6 +148,13 @@ def main():
         f"| tokens/s | {tps1:.0f} | {tps2:.0f} | {tps1 / tps2:.2f} | >= {0.95 * s:.2f} |",
         f"| reading samples, main process (ms) | {1000 * l1:.1f} | {1000 * l2:.1f} | {l1 / l2:.2f} | - |",
     ]
+    lines += ["", "## Embedding traffic across TP (TP = 2, b = 4, T = 128, h = 256, fwd + bwd)", "",
+              "| layout | bytes through TP collectives, phase 1 | baseline | ratio | goal |",
+              "|---|---|---|---|---|"]  # fmt: skip
+    for sp in (False, True):
+        traffic = embedding_tp_traffic(s, sp)
+        lines.append(f"| TP=2{' + SP' if sp else ''} | {traffic['phase1']} | {traffic['baseline']} | "
+                     f"{traffic['phase1'] / traffic['baseline']:.3f} | 1.000 (T positions, not S*T) |")  # fmt: skip
     report = "\n".join(lines) + "\n"
     print(report)
     if args.output:
