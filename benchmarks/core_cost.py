@@ -9,7 +9,7 @@ Time: median of ``--repeats`` runs. Peak memory: the most bytes held by tensors 
 inside the measured region (inputs excluded), tracked with a ``TorchDispatchMode``, so it
 works on CPU and GPU alike.
 
-    .venv/bin/python benchmarks/core_cost.py            # full sizes (a few minutes on 2 cores)
+    .venv/bin/python benchmarks/core_cost.py --output docs/results/core_cost.md   # ~3 min
     .venv/bin/python benchmarks/core_cost.py --smoke    # tiny sizes, seconds (run by the tests)
 """
 
@@ -23,7 +23,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from measure import measure  # noqa: E402
+from measure import measure, write, write_index  # noqa: E402
 
 
 def init_single_process():
@@ -113,7 +113,8 @@ def main():
     p = argparse.ArgumentParser(description="TST core cost ratios")
     p.add_argument("--smoke", action="store_true", help="tiny sizes, for CI")
     p.add_argument("--repeats", type=int, default=None)
-    p.add_argument("--output", default=None, help="also write the Markdown report here")
+    p.add_argument("--output", default=None, help="also write the Markdown report here "
+                   "(e.g. docs/results/core_cost.md; docs/results.md is then re-indexed)")
     args = p.parse_args()
     torch.set_num_threads(max(1, torch.get_num_threads()))
     init_single_process()
@@ -150,10 +151,8 @@ def main():
     report = "\n".join(lines) + "\n"
     print(report)
     if args.output:
-        tmp = args.output + ".tmp"
-        with open(tmp, "w") as f:
-            f.write(report)
-        os.replace(tmp, args.output)
+        write(args.output, report)
+        write_index(os.path.dirname(os.path.abspath(args.output)))
     from tst_megatron.runtime import destroy
 
     destroy()

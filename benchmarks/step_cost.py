@@ -8,7 +8,7 @@ without reading the samples, which Megatron users do in data-loader workers; the
 read the samples in the main process is reported on its own row. Peak memory counts
 tensors allocated during the step (see measure.py).
 
-    .venv/bin/python benchmarks/step_cost.py            # ~2 minutes on 2 cores
+    .venv/bin/python benchmarks/step_cost.py --output docs/results/step_cost.md   # ~2 min
     .venv/bin/python benchmarks/step_cost.py --smoke    # seconds
 """
 
@@ -24,7 +24,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from measure import CollectiveBytes, PeakTensorMemory  # noqa: E402
+from measure import CollectiveBytes, PeakTensorMemory, write, write_index  # noqa: E402
 
 
 def _traffic_child(rank, world, port, sp, bag, out):
@@ -84,7 +84,8 @@ def main():
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--bag-size", type=int, default=4)
     p.add_argument("--steps", type=int, default=None, help="measured steps per phase")
-    p.add_argument("--output", default=None)
+    p.add_argument("--output", default=None, help="also write the Markdown report here "
+                   "(e.g. docs/results/step_cost.md; docs/results.md is then re-indexed)")
     args = p.parse_args()
     for key, value in dict(MASTER_ADDR="127.0.0.1", MASTER_PORT="29581", RANK="0",
                            WORLD_SIZE="1", LOCAL_RANK="0").items():  # fmt: skip
@@ -158,9 +159,8 @@ def main():
     report = "\n".join(lines) + "\n"
     print(report)
     if args.output:
-        with open(args.output + ".tmp", "w") as f:
-            f.write(report)
-        os.replace(args.output + ".tmp", args.output)
+        write(args.output, report)
+        write_index(os.path.dirname(os.path.abspath(args.output)))
     destroy()
 
 

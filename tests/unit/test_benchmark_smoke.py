@@ -8,7 +8,7 @@ import pytest
 
 
 def test_core_cost_smoke(tmp_path):
-    out = tmp_path / "core_cost.md"
+    out = tmp_path / "results" / "core_cost.md"
     env = dict(os.environ, MASTER_PORT="29571", PYTHONWARNINGS="ignore")
     result = subprocess.run(
         [sys.executable, "benchmarks/core_cost.py", "--smoke", "--output", str(out)],
@@ -26,15 +26,16 @@ def test_core_cost_smoke(tmp_path):
 
 
 def test_step_cost_smoke(tmp_path):
-    out = tmp_path / "step_cost.md"
+    out = tmp_path / "results" / "step_cost.md"
     env = dict(os.environ, PYTHONWARNINGS="ignore", MASTER_PORT="29591")
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     result = subprocess.run([sys.executable, "benchmarks/step_cost.py", "--smoke", "--output", str(out)],
                             capture_output=True, text=True, timeout=600, env=env, cwd=root)  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     report = out.read_text()
-    for row in ("| step time (ms) |", "| peak tensor memory (MiB) |", "| tokens/s |"):
+    for row in ("| step time (ms) |", "| peak tensor memory (MiB) |", "| tokens/s |", "| TP=2 + SP |"):
         assert row in report
+    assert "step_cost" in (tmp_path / "results.md").read_text()
 
 
 @pytest.mark.slow
