@@ -78,8 +78,17 @@ def model_flags(args, data_prefix: str) -> list[str]:
     ]  # fmt: skip
 
 
-def run_arm(args, name: str, flags: list[str], port: int) -> dict:
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run_arm(args, name: str, flags: list[str]) -> dict:
     """Train one arm with torchrun (2 processes); return its curves and wall-clock time."""
+    port = _free_port()
     tb = os.path.join(args.work_dir, name, "tensorboard")
     if os.path.isdir(tb):
         import shutil
@@ -185,11 +194,10 @@ def main() -> int:
     args.work_dir = args.work_dir or os.path.join(ROOT, "runs", "bench", kind)
     prefix = ensure_data(args.data_dir, args.vocab_size, 60 if args.smoke else None)
     base_flags = model_flags(args, prefix)
-    port = 29800
     baselines = []
-    for i, lr in enumerate(float(x) for x in args.lrs.split(",")):
+    for lr in (float(x) for x in args.lrs.split(",")):
         arm = run_arm(args, f"baseline-lr{lr:g}", base_flags + ["--lr", str(lr), "--min-lr", str(lr / 10),
-                                                               "--tst-bag-size", "1"], port + i)  # fmt: skip
+                                                               "--tst-bag-size", "1"])  # fmt: skip
         arm["lr"] = lr
         baselines.append(arm)
         print(f"baseline LR {lr:g}: final validation loss {arm['valid'][-1][1]:.4f} ({arm['wall_s']:.0f} s)")
@@ -198,11 +206,11 @@ def main() -> int:
             else [(args.bag_size, args.phase1_fraction)])  # fmt: skip
     os.makedirs(args.output_dir, exist_ok=True)
     grid_rows = []
-    for j, (s, r) in enumerate(grid):
+    for s, r in grid:
         args.bag_size, args.phase1_fraction = s, r
         tst = run_arm(args, f"tst-s{s}-r{r}", base_flags + [
             "--lr", str(best["lr"]), "--min-lr", str(best["lr"] / 10), "--tst-bag-size", str(s),
-            "--tst-phase1-fraction", str(r)], port + 10 + j)  # fmt: skip
+            "--tst-phase1-fraction", str(r)])  # fmt: skip
         print(f"TST S={s} r={r}: final validation loss {tst['valid'][-1][1]:.4f} ({tst['wall_s']:.0f} s)")
         reach = first_step_reaching(tst["valid"], best["valid"][-1][1])
         grid_rows.append(f"| {s} | {r} | {tst['valid'][-1][1]:.4f} | {tst['valid'][-1][1] - best['valid'][-1][1]:+.4f} "
