@@ -83,6 +83,8 @@ def main():
     p = argparse.ArgumentParser(description="TST phase-1 step cost vs baseline step")
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--bag-size", type=int, default=4)
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                   help="cuda measures the step on the GPU (the TP-traffic part stays on gloo)")
     p.add_argument("--steps", type=int, default=None, help="measured steps per phase")
     p.add_argument("--output", default=None, help="also write the Markdown report here "
                    "(e.g. docs/results/step_cost.md; docs/results.md is then re-indexed)")
@@ -103,7 +105,7 @@ def main():
     steps = args.steps or (2 if args.smoke else 8)
     train_iters = 2 * (steps + 2)
     cfg = parse_args(size + [
-        "--mock-data", "--device", "cpu", "--num-attention-heads", "4", "--swiglu",
+        "--mock-data", "--device", args.device, "--num-attention-heads", "4", "--swiglu",
         "--disable-bias-linear", "--untie-embeddings-and-output-weights", "--micro-batch-size", "4",
         "--train-iters", str(train_iters), "--tst-bag-size", str(args.bag_size),
         "--tst-phase1-iters", str(steps + 2), "--hidden-dropout", "0", "--attention-dropout", "0",
@@ -138,7 +140,8 @@ def main():
     lines = [
         "# TST step cost: phase-1 step vs baseline step",
         "",
-        f"Machine: {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, CPU, "
+        f"Machine: {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
+        f"{torch.cuda.get_device_name() if args.device == 'cuda' else 'CPU'}, "
         f"1 process. Model: {' '.join(size)}; micro-batch 4; S = {s}; median of {len(results[1]['time'])} steps.",
         "",
         "| quantity | phase 1 (S=%d) | baseline | ratio | goal |" % s,
