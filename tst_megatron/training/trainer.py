@@ -180,12 +180,13 @@ def setup(cfg: RunConfig) -> Run:
 # --- one step -----------------------------------------------------------------------------
 
 
-def _reduce_report(reports: list) -> float:
-    """Megatron's ``[loss_sum, tokens]`` reports of this step -> mean loss over DP/CP."""
-    total = torch.zeros(2, dtype=torch.float64)
+def _reduce_report(reports: list, device: torch.device) -> float:
+    """Megatron's ``[loss_sum, tokens]`` reports of this step -> mean loss over DP/CP.
+    (On ``device``: NCCL reduces only CUDA tensors.)"""
+    total = torch.zeros(2, dtype=torch.float64, device=device)
     if ps.is_pipeline_last_stage(ignore_virtual=True) and ps.get_tensor_model_parallel_rank() == 0:
         for report in reports:
-            total += report["lm loss"].detach().double().cpu()
+            total += report["lm loss"].detach().double()
     dist.all_reduce(total)  # contributions: one per distinct DP/CP slice of the data
     return (total[0] / total[1].clamp_min(1)).item()
 
@@ -238,7 +239,7 @@ def train_step(run: Run, phase: Phase, iteration: int) -> dict:
     elapsed = time.perf_counter() - start
     tokens = run.layout.global_batch_size * phase.data_seq_length
     return {
-        "loss": _reduce_report(reports),
+        "loss": _reduce_report(reports, run.device),
         "moe_aux_loss": _moe_aux_loss(run.cfg, run.layout.num_microbatches),
         "grad_norm": grad_norm,
         "lr": run.optimizer.param_groups[0]["lr"],
@@ -262,7 +263,7 @@ def evaluate(run: Run, eval_round: int) -> float:
     for chunk in run.model:
         chunk.train()
     moe_utils.clear_aux_losses_tracker()
-    return _reduce_report(reports)
+    return _reduce_report(reports, run.device)
 
 
 # --- logging, saving, signals -------------------------------------------------------------
@@ -317,8 +318,8 @@ def save(run: Run, iteration: int, tokens_seen: int) -> None:
 class SignalFlag:
     """Set by SIGTERM; checked (on all ranks together) at the end of each step."""
 
-    def __init__(self, enabled: bool):
-        self.received = False
+    def __init__(self, enabled: bool, device: torch.device):
+        self.received, self.device = False, device
         if enabled:
             signal.signal(signal.SIGTERM, self._handle)
 
@@ -326,7 +327,7 @@ class SignalFlag:
         self.received = True
 
     def any_rank(self) -> bool:
-        flag = torch.tensor([1.0 if self.received else 0.0])
+        flag = torch.tensor([1.0 if self.received else 0.0], device=self.device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
 
@@ -361,7 +362,7 @@ def train(cfg: RunConfig) -> dict:
     n1 = tst.phase1_steps(t.train_iters)
     iteration, tokens_seen = resume(run)
     start_iteration = iteration
-    signals = SignalFlag(c.exit_signal_handler)
+    signals = SignalFlag(c.exit_signal_handler, run.device)
     run.history["exit"] = "finished"
     print_rank0(f" TST: bag size {tst.bag_size}, phase 1 = iterations [0, {n1}), "
                 f"phase 2 = [{n1}, {t.train_iters})")  # fmt: skip
