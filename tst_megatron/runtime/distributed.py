@@ -171,14 +171,8 @@ def initialize_model_parallel(config: ParallelConfig) -> None:
         raise RuntimeError("call init_distributed() before initialize_model_parallel()")
     config.validate(dist.get_world_size())
     parallel_state.destroy_model_parallel()
-    parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=config.tensor_model_parallel_size,
-        pipeline_model_parallel_size=config.pipeline_model_parallel_size,
-        virtual_pipeline_model_parallel_size=config.virtual_pipeline_model_parallel_size,
-        context_parallel_size=config.context_parallel_size,
-        expert_model_parallel_size=config.expert_model_parallel_size,
-        expert_tensor_parallel_size=config.expert_tensor_parallel_size,
-    )
+    # The field names are megatron-core's keyword names.
+    parallel_state.initialize_model_parallel(**dataclasses.asdict(config))
 
 
 def set_seed(seed: int) -> None:

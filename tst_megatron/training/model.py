@@ -165,12 +165,7 @@ def transformer_config(cfg, *, use_cpu_initialization: bool) -> TransformerConfi
         add_bias_linear=not m.disable_bias_linear, qk_layernorm=m.qk_layernorm,
         init_method_std=m.init_method_std, hidden_dropout=m.hidden_dropout,
         attention_dropout=m.attention_dropout,
-        tensor_model_parallel_size=pcfg.tensor_model_parallel_size,
-        pipeline_model_parallel_size=pcfg.pipeline_model_parallel_size,
-        virtual_pipeline_model_parallel_size=pcfg.virtual_pipeline_model_parallel_size,
-        context_parallel_size=pcfg.context_parallel_size,
-        expert_model_parallel_size=pcfg.expert_model_parallel_size,
-        expert_tensor_parallel_size=pcfg.expert_tensor_parallel_size,
+        **dataclasses.asdict(pcfg),  # the same names as megatron-core's ModelParallelConfig
         sequence_parallel=t.sequence_parallel, use_cpu_initialization=use_cpu_initialization,
         params_dtype=dtype, pipeline_dtype=dtype, bf16=t.bf16,
         num_moe_experts=moe.num_experts,
