@@ -75,10 +75,11 @@ class CollectiveBytes(TorchDispatchMode):
 
 
 def write(path: str, text: str) -> None:
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path + ".tmp", "w") as f:
+    """Write ``text`` to ``path`` atomically (temporary name, then rename)."""
+    from tst_megatron.data.files import atomic_path
+
+    with atomic_path(path) as tmp, open(tmp, "w") as f:
         f.write(text)
-    os.replace(path + ".tmp", path)
 
 
 def write_index(output_dir: str) -> None:

@@ -28,6 +28,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from tst_megatron.data.files import atomic_path  # noqa: E402
 from tst_megatron.plots import read_scalars, switch_iteration  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -166,9 +167,9 @@ def plot(args, best: dict, tst: dict, path: str) -> None:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path + ".tmp.png")
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png")
     plt.close(fig)
-    os.replace(path + ".tmp.png", path)
 
 
 def main() -> int:

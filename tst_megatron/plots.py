@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 
+from tst_megatron.data.files import atomic_path
+
 
 def read_scalars(tensorboard_dir: str) -> dict:
     """``{tag: [(step, value), ...]}`` of every scalar in ``tensorboard_dir`` (last write of
@@ -63,9 +65,7 @@ def plot_losses(tensorboard_dir: str, output: str, *, title: str = "TST pretrain
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
-    tmp = output + ".tmp.png"
-    fig.savefig(tmp)
+    with atomic_path(output) as tmp:
+        fig.savefig(tmp, format="png")
     plt.close(fig)
-    os.replace(tmp, output)
     return output

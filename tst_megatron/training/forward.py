@@ -19,6 +19,7 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 from megatron.core.utils import get_batch_on_this_cp_rank
 
 from tst_megatron.superposition import (
@@ -42,7 +43,9 @@ def _report(loss_sum: torch.Tensor, num_tokens: torch.Tensor) -> dict:
     return {"lm loss": torch.stack([loss_sum.detach().float(), num_tokens.float()])}
 
 
-def make_phase1_step(*, bag_size: int, weighting: str, tp_group, cp_group: Optional = None):
+def make_phase1_step(
+    *, bag_size: int, weighting: str, tp_group, cp_group: Optional[dist.ProcessGroup] = None
+):
     """Forward step of the superposition phase for samples of ``S*T`` tokens."""
     weights = bag_weights(bag_size, weighting)
 
@@ -71,7 +74,7 @@ def make_phase1_step(*, bag_size: int, weighting: str, tp_group, cp_group: Optio
     return forward_step
 
 
-def make_phase2_step(*, cp_group: Optional = None):
+def make_phase2_step(*, cp_group: Optional[dist.ProcessGroup] = None):
     """Forward step of ordinary next-token training (and of validation in both phases)."""
 
     def forward_step(data_iterator, model):
