@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The main job, from nothing to a trained model on real text (2 CPU processes, ~5 minutes):
+# The main job, from nothing to a trained model on real text (2 CPU processes, ~4 minutes):
 #   1. set up ./.venv;
 #   2. build a corpus of the running Python's standard library and pydoc topics (JSONL);
 #   3. train a SentencePiece BPE tokenizer (4096 ids) on it;
