@@ -39,6 +39,9 @@ def main(argv=None) -> int:
     i.add_argument("--force", action="store_true", help="replace an existing --save")
     args = p.parse_args(argv)
 
+    from tst_megatron.quiet import quiet_known_warnings
+
+    quiet_known_warnings()
     from tst_megatron.conversion import export_checkpoint, import_checkpoint
 
     try:

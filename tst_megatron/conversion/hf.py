@@ -9,6 +9,7 @@ way the installed ``transformers`` writes them; safetensors shards are split by
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -164,6 +165,7 @@ def args_from_hf(config, *, make_vocab_size_divisible_by: int = 128, tp: int = 1
             represent (biases, non-SiLU activation, RoPE scaling, sliding windows, a dense-layer
             pattern that is not every n-th layer), named in one line.
     """
+    from tst_megatron.training.config import ModelArgs, MoEArgs
     from tst_megatron.training.model import padded_vocab_size
 
     model_type = getattr(config, "model_type", None)
@@ -191,7 +193,7 @@ def args_from_hf(config, *, make_vocab_size_divisible_by: int = 128, tp: int = 1
     model = dict(
         num_layers=layers, hidden_size=hidden, num_attention_heads=heads,
         group_query_attention=kv_heads != heads, num_query_groups=kv_heads if kv_heads != heads else 1,
-        kv_channels=head_dim if head_dim != hidden // heads else None,
+        kv_channels=head_dim,
         seq_length=min(config.max_position_embeddings, 4096),
         max_position_embeddings=config.max_position_embeddings,
         position_embedding_type="rope", rotary_base=int(theta) if float(theta).is_integer() else theta,
@@ -228,9 +230,9 @@ def args_from_hf(config, *, make_vocab_size_divisible_by: int = 128, tp: int = 1
         moe.update(moe_router_topk=config.num_experts_per_tok,
                    moe_aux_loss_coeff=_get(config, "router_aux_loss_coef", default=0.0))  # fmt: skip
     dtype = str(_get(config, "dtype", "torch_dtype", default="float32")).replace("torch.", "")
-    args = {
-        "model": model,
-        "moe": moe,
+    args = {  # every flag's value, as the trainer stores them
+        "model": dict(dataclasses.asdict(ModelArgs()), **model),
+        "moe": dict(dataclasses.asdict(MoEArgs()), **moe),
         "padded_vocab_size": padded_vocab_size(
             config.vocab_size, divisible_by=make_vocab_size_divisible_by, tp=tp
         ),

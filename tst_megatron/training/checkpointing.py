@@ -68,12 +68,28 @@ def checkpoint_args(cfg, *, vocab_size: int, padded_vocab_size: int) -> dict:
     }
 
 
+def _effective(args: dict) -> dict:
+    """``args`` with the defaults that None stands for filled in (Megatron's meanings)."""
+    m, moe = dict(args["model"]), dict(args["moe"])
+    m["kv_channels"] = m.get("kv_channels") or m["hidden_size"] // m["num_attention_heads"]
+    m["ffn_hidden_size"] = m.get("ffn_hidden_size") or 4 * m["hidden_size"]
+    if not m.get("group_query_attention"):
+        m["num_query_groups"] = m["num_attention_heads"]
+    if moe.get("num_experts"):
+        moe["moe_ffn_hidden_size"] = moe.get("moe_ffn_hidden_size") or m["ffn_hidden_size"]
+    else:
+        moe = {"num_experts": None}
+    return {"model": m, "moe": moe}
+
+
 def check_architecture(saved: dict, current: dict, path: str) -> None:
     """Raise ``ValueError`` naming the first flag whose value differs between the ``args``
-    of the checkpoint at ``path`` (``saved``) and this run's (``current``); padded vocab too."""
+    of the checkpoint at ``path`` (``saved``) and this run's (``current``); padded vocab too.
+    Unset values compare as their defaults (``--kv-channels`` = h / heads, ...)."""
+    old_args, new_args = _effective(saved), _effective(current)
     for group, names in ARCHITECTURE_FIELDS.items():
         for name in names:
-            old, new = saved[group].get(name), current[group].get(name)
+            old, new = old_args[group].get(name), new_args[group].get(name)
             if old != new:
                 raise ValueError(
                     f"checkpoint {path} was saved with --{name.replace('_', '-')} {old} but "
