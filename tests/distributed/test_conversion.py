@@ -1,6 +1,7 @@
 """Hugging Face conversion: a TST-trained checkpoint is an ordinary model.
 
-Tiny MoE models are trained by the trainer on 2 gloo processes (PP=2, TP=2+SP, EP=2), through
+Tiny MoE models are trained by the trainer on 2 gloo processes (PP=2 with virtual stages,
+TP=2+SP, EP=2), through
 the TST switch, exported with ``tools/convert_checkpoint.py``, and loaded with
 ``transformers``. References: megatron-core's own ``GPTModel`` forward (logits, greedy
 decoding) and the checkpoint read with stock ``torch.distributed.checkpoint`` (weights).
@@ -40,8 +41,10 @@ TRAIN = [
 ]  # fmt: skip
 CASES = {
     # name: (architecture flags, layout flags)
-    "qwen3_moe-untied-pp2": (["--qk-layernorm", "--untie-embeddings-and-output-weights"],
-                             ["--pipeline-model-parallel-size", "2"]),
+    "qwen3_moe-untied-vpp": (["--qk-layernorm", "--untie-embeddings-and-output-weights",
+                              "--num-layers", "4"],
+                             ["--pipeline-model-parallel-size", "2",
+                              "--num-layers-per-virtual-pipeline-stage", "1"]),
     "qwen3_moe-tied-ep2": (["--qk-layernorm"], ["--expert-model-parallel-size", "2"]),
     "mixtral-untied-tp2": (["--untie-embeddings-and-output-weights"],
                            ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
@@ -159,7 +162,7 @@ def test_export_logits_match_megatron(trained, megatron_outputs, name):
     assert (theirs - megatron_outputs[name]["logits"]).abs().max().item() <= 1e-4
 
 
-@pytest.mark.parametrize("name", ["qwen3_moe-untied-pp2", "mixtral-tied-ep2"])
+@pytest.mark.parametrize("name", ["qwen3_moe-untied-vpp", "mixtral-tied-ep2"])
 def test_exported_weights_are_the_checkpoint_tensors(trained, name):
     """Stock-PyTorch read of the torch_dist files vs the safetensors, mapped by hand here."""
     from safetensors.torch import load_file
@@ -191,7 +194,7 @@ def test_exported_weights_are_the_checkpoint_tensors(trained, name):
         torch.testing.assert_close(hf[f"model.layers.{layer}.self_attn.v_proj.weight"][16:], rows[48:], rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("name", ["qwen3_moe-untied-pp2", "mixtral-tied-ep2"])
+@pytest.mark.parametrize("name", ["qwen3_moe-untied-vpp", "mixtral-tied-ep2"])
 def test_greedy_generation_matches_megatron(trained, megatron_outputs, name):
     root = trained[name]
     model = _hf_model(root / "hf")
@@ -208,7 +211,7 @@ def test_switch_checkpoint_exports_like_a_baseline_one(trained, tmp_path):
     baseline (bag size 1) run's, and its logits match too."""
     from safetensors.torch import load_file
 
-    name = "qwen3_moe-untied-pp2"
+    name = "qwen3_moe-untied-vpp"
     arch, layout = CASES[name]
     root = trained[name]
     _convert("export", "--load", root / "ckpt", "--ckpt-step", N1, "--save", tmp_path / "switch")
@@ -231,14 +234,14 @@ def test_switch_checkpoint_exports_like_a_baseline_one(trained, tmp_path):
 # --- Hugging Face -> Megatron -> Hugging Face -------------------------------------------------
 
 HF_MODELS = {
-    # model_type: (config kwargs, the layout the Megatron checkpoint is resharded to)
+    # model_type: (config kwargs, the layouts the Megatron checkpoint is resharded through)
     "qwen3_moe": (dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
                        intermediate_size=40, mlp_only_layers=[1], norm_topk_prob=True,
-                       num_hidden_layers=2), "ep2"),
+                       num_hidden_layers=2), ("ep2", "etp2")),
     "mixtral": (dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=24,
-                     num_hidden_layers=2), "tp2"),
-    "qwen3": (dict(intermediate_size=40, num_hidden_layers=2, tie_word_embeddings=True), "tp2"),
-    "llama": (dict(intermediate_size=40, num_hidden_layers=2), "pp2"),
+                     num_hidden_layers=2), ("tp2",)),
+    "qwen3": (dict(intermediate_size=40, num_hidden_layers=2, tie_word_embeddings=True), ("tp2",)),
+    "llama": (dict(intermediate_size=40, num_hidden_layers=2), ("pp2",)),
 }  # fmt: skip
 
 
@@ -268,7 +271,8 @@ def _reshard_child(rank, world, *, src, dst, layout):
 
     args = dist_checkpointing.load_common_state_dict(os.path.join(src, "release"))["args"]
     sizes = {"tp2": dict(tensor_model_parallel_size=2), "pp2": dict(pipeline_model_parallel_size=2),
-             "ep2": dict(expert_model_parallel_size=2)}[layout]  # fmt: skip
+             "ep2": dict(expert_model_parallel_size=2),
+             "etp2": dict(expert_tensor_parallel_size=2)}[layout]  # fmt: skip
     initialize_model_parallel(ParallelConfig(**sizes))
     from megatron.core import parallel_state as ps, tensor_parallel
 
@@ -307,15 +311,21 @@ def test_round_trip_hf_megatron_hf_is_bit_identical(tmp_path):
         _make_hf(tmp_path / model_type / "hf", model_type, kwargs, dtype)
     run_distributed(_import_child, 1, jobs=[
         (str(tmp_path / t / "hf"), str(tmp_path / t / "m1")) for t in HF_MODELS])  # fmt: skip
-    (held, _) = run_distributed(_reshard_all_child, 2, jobs=[
-        dict(src=str(tmp_path / t / "m1"), dst=str(tmp_path / t / "m2"), layout=layout)
-        for t, (_, layout) in HF_MODELS.items()])  # fmt: skip
+    jobs, last = [], {}
+    for t, (_, layouts) in HF_MODELS.items():
+        for i, layout in enumerate(layouts):
+            jobs.append(dict(src=str(tmp_path / t / f"m{i + 1}"), dst=str(tmp_path / t / f"m{i + 2}"),
+                             layout=layout))  # fmt: skip
+        last[t] = str(tmp_path / t / f"m{len(layouts) + 1}")
+    (held, _) = run_distributed(_reshard_all_child, 2, jobs=jobs)
     run_distributed(_export_child, 1, jobs=[
-        (str(tmp_path / t / "m2"), str(tmp_path / t / "hf2"), None) for t in HF_MODELS])  # fmt: skip
-    for (model_type, (kwargs, layout)), rank_params in zip(HF_MODELS.items(), held):
+        (last[t], str(tmp_path / t / "hf2"), None) for t in HF_MODELS])  # fmt: skip
+    held = iter(held)
+    for model_type, (kwargs, layouts) in HF_MODELS.items():
+        rank_params = min(next(held) for _ in layouts)
         before = load_file(str(tmp_path / model_type / "hf" / "model.safetensors"))
         after = load_file(str(tmp_path / model_type / "hf2" / "model.safetensors"))
-        assert rank_params < sum(t.numel() for t in before.values()), layout  # really split
+        assert rank_params < sum(t.numel() for t in before.values()), layouts  # really split
         if kwargs.get("tie_word_embeddings") and "lm_head.weight" in before:
             del before["lm_head.weight"]  # a tied model's output weight is stored once
         assert sorted(before) == sorted(after), model_type
