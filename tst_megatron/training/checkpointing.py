@@ -170,12 +170,6 @@ def save_checkpoint(root, iteration, model_chunks, optimizer, scheduler, *, loop
 
     ``args`` is :func:`checkpoint_args` (stored for converters and the architecture check).
     """
-    final = checkpoint_dir(root, iteration)
-    tmp = final + ".tmp"
-    if dist.get_rank() == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
-    dist.barrier()
     sharded = _model_sharded(model_chunks)
     state = dict(sharded)
     state["optimizer"] = optimizer.sharded_state_dict(sharded, metadata=_OPTIMIZER_METADATA)
@@ -184,12 +178,23 @@ def save_checkpoint(root, iteration, model_chunks, optimizer, scheduler, *, loop
     state["tst"] = dataclasses.asdict(tst)
     state["args"] = args
     state["rng_state"] = _rng_object()
+    return _save_and_track(root, checkpoint_dir(root, iteration), state, iteration)
+
+
+def _save_and_track(root: str, final: str, state: dict, tracker_value) -> str:
+    """``dist_checkpointing.save`` into ``final + ".tmp"``, rename to ``final`` once every
+    rank is done, then point the tracker at ``tracker_value``. Collective."""
+    tmp = final + ".tmp"
+    if dist.get_rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    dist.barrier()
     dist_checkpointing.save(state, tmp)
     dist.barrier()
     if dist.get_rank() == 0:
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
-        write_tracker(root, iteration)
+        write_tracker(root, tracker_value)
     dist.barrier()
     return final
 
@@ -292,22 +297,9 @@ def save_release(root: str, model_chunks, *, args: dict) -> str:
 
     Written to ``release.tmp`` and renamed when complete. Returns the directory.
     """
-    final = os.path.join(root, RELEASE)
-    tmp = final + ".tmp"
-    if dist.get_rank() == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
-    dist.barrier()
     state = dict(_model_sharded(model_chunks))
     state["args"] = args
-    dist_checkpointing.save(state, tmp)
-    dist.barrier()
-    if dist.get_rank() == 0:
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-        write_tracker(root, RELEASE)
-    dist.barrier()
-    return final
+    return _save_and_track(root, os.path.join(root, RELEASE), state, RELEASE)
 
 
 def load_model_weights(path: str, model_chunks) -> dict:
