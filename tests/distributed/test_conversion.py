@@ -215,6 +215,10 @@ def test_switch_checkpoint_exports_like_a_baseline_one(trained, tmp_path):
     arch, layout = CASES[name]
     root = trained[name]
     _convert("export", "--load", root / "ckpt", "--ckpt-step", N1, "--save", tmp_path / "switch")
+    before = {p: os.path.getmtime(tmp_path / "switch" / p) for p in os.listdir(tmp_path / "switch")}
+    refused = _convert("export", "--load", root / "ckpt", "--save", tmp_path / "switch", expect=2)
+    assert refused.stderr.strip().splitlines()[-1] == f"error: {tmp_path / 'switch'} exists; pass --force to replace it"
+    assert before == {p: os.path.getmtime(tmp_path / "switch" / p) for p in os.listdir(tmp_path / "switch")}
     base_train = [a if a != "2" or i == 0 or TRAIN[i - 1] != "--tst-bag-size" else "1"
                   for i, a in enumerate(TRAIN)]  # fmt: skip
     run_distributed(_train_child, 2, argv=MODEL + arch + layout + base_train + [

@@ -16,7 +16,9 @@ import shutil
 from typing import Optional
 
 from tst_megatron.conversion import hf, rules
-from tst_megatron.conversion.megatron import read_checkpoint, resolve_checkpoint, write_release
+from tst_megatron.conversion.megatron import (
+    read_args, read_checkpoint, resolve_checkpoint, write_release,
+)  # fmt: skip
 
 
 def export_checkpoint(
@@ -56,8 +58,9 @@ def export_checkpoint(
         raise ValueError(f"--dtype must be auto, float32, bfloat16 or float16, got {dtype!r}")
     hf.require_transformers()
     path = resolve_checkpoint(load, ckpt_step)
+    hf.target_architecture(read_args(path))  # before the weights are read
     args, state, _ = read_checkpoint(path)
-    arch = hf.target_architecture(args)  # before any file is written
+    arch = hf.target_architecture(args)
     if dtype == "auto":
         dtype = args.get("hf_dtype") or args.get("params_dtype") or "float32"
     if tokenizer_model is None:

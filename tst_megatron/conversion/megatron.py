@@ -137,6 +137,21 @@ def resolve_checkpoint(load: str, ckpt_step: Optional[int] = None) -> str:
     return path
 
 
+def read_args(path: str) -> dict:
+    """The ``args`` stored in the checkpoint directory ``path`` (no weights are read).
+
+    Raises:
+        ValueError: the checkpoint has no ``args`` (written before they were stored).
+    """
+    from megatron.core import dist_checkpointing
+
+    common = dist_checkpointing.load_common_state_dict(path)
+    if "args" not in common:
+        raise ValueError(f"{path} stores no model args (saved by an older version); "
+                         "re-save it with this trainer (--load it, train one step, --save)")  # fmt: skip
+    return common["args"]
+
+
 def read_checkpoint(path: str) -> Tuple[dict, Dict[str, torch.Tensor], dict]:
     """Load the ``torch_dist`` checkpoint directory ``path`` into a 1-process model.
 
@@ -149,11 +164,8 @@ def read_checkpoint(path: str) -> Tuple[dict, Dict[str, torch.Tensor], dict]:
     """
     from megatron.core import dist_checkpointing
 
+    args = read_args(path)
     common = dist_checkpointing.load_common_state_dict(path)
-    if "args" not in common:
-        raise ValueError(f"{path} stores no model args (saved by an older version); "
-                         "re-save it with this trainer (--load it, train one step, --save)")  # fmt: skip
-    args = common["args"]
     with single_process():
         model = build_model(args)
         checkpointing.load_model_weights(path, [model])
