@@ -32,7 +32,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.moe import moe_utils
 
 from tst_megatron.runtime import (
-    init_distributed, initialize_model_parallel, resolve_process, set_seed,
+    describe_layout, init_distributed, initialize_model_parallel, resolve_process, set_seed,
 )  # fmt: skip
 from tst_megatron.superposition.schedule import Phase, phase_at
 from tst_megatron.training import checkpointing
@@ -146,6 +146,7 @@ def setup(cfg: RunConfig) -> Run:
     info = init_distributed(device=cfg.train.device)
     pcfg = cfg.parallel.to_parallel_config(cfg.model.num_layers)
     initialize_model_parallel(pcfg)
+    print_rank0(describe_layout(info))
     set_seed(cfg.train.seed)
     tokenizer = build_tokenizer(cfg.data.tokenizer_type, vocab_size=cfg.model.vocab_size,
                                 model=cfg.data.tokenizer_model)  # fmt: skip
@@ -408,7 +409,7 @@ def main(argv=None) -> int:
         train(cfg)
     except ValueError as exc:  # configuration and data errors: one line, from rank 0
         if not dist.is_initialized() or dist.get_rank() == 0:
-            if os.environ.get("RANK", "0") == "0":
+            if os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0":
                 print(f"error: {exc}", file=sys.stderr, flush=True)
         return 2
     finally:
