@@ -4,11 +4,11 @@ Hostlist expansion is checked against lists written out by hand here and, when t
 client is installed, against ``scontrol show hostnames`` itself (it needs no daemon).
 """
 
-import shutil
 import subprocess
 
 import pytest
 
+from tests.slurm.local_cluster import Unavailable, ensure_installed
 from tst_megatron.runtime import ProcessInfo, resolve_process
 from tst_megatron.runtime.distributed import format_layout
 from tst_megatron.runtime.slurm import PORT_BASE, PORT_SPAN, expand_hostlist, slurm_rendezvous
@@ -28,8 +28,11 @@ def test_expand_hostlist(hostlist):
     assert expand_hostlist(hostlist) == HOSTLISTS[hostlist]
 
 
-@pytest.mark.skipif(shutil.which("scontrol") is None, reason="the Slurm client (scontrol) is not installed")
 def test_expand_hostlist_agrees_with_scontrol(tmp_path):
+    try:
+        ensure_installed()  # apt-get install slurm-wlm munge when missing (root)
+    except Unavailable as exc:
+        pytest.skip(f"no Slurm client: {exc}")
     conf = tmp_path / "slurm.conf"  # scontrol wants a configuration, not a controller
     conf.write_text("ClusterName=hostlist\nSlurmctldHost=localhost\n")
     for hostlist, expected in HOSTLISTS.items():
