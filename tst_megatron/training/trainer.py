@@ -358,12 +358,15 @@ def train(cfg: RunConfig) -> dict:
     Returns the history ``{"train": {iteration: loss}, "valid": {iteration: loss},
     "exit": "finished" | "signal"}`` (the same on every rank).
     """
+    # The handler goes in before set-up, which can take minutes on a cluster: a preemption
+    # notice that arrives while the model and checkpoint load is acted on after the first step.
+    signals = SignalFlag(cfg.checkpoint.exit_signal_handler,
+                         resolve_process(device=cfg.train.device).device)  # fmt: skip
     run = setup(cfg)
     t, c, tst = cfg.train, cfg.checkpoint, cfg.tst
     n1 = tst.phase1_steps(t.train_iters)
     iteration, tokens_seen = resume(run)
     start_iteration = iteration
-    signals = SignalFlag(c.exit_signal_handler, run.device)
     run.history["exit"] = "finished"
     print_rank0(f" TST: bag size {tst.bag_size}, phase 1 = iterations [0, {n1}), "
                 f"phase 2 = [{n1}, {t.train_iters})")  # fmt: skip
