@@ -107,3 +107,14 @@ def test_layout_line():
                     "rendezvous n1:11234, gloo | TP 2, PP 1, VPP -, EP 2, DP 2")  # fmt: skip
     many = format_layout(info, [f"h{i}" for i in range(6)], {"TP": 1})
     assert "6 nodes [h0, h1, h2, h3, ... (2 more)], 6 ranks (1 per node)" in many
+
+
+@pytest.mark.parametrize("visible,expected", [(8, 1), (1, 0)])
+def test_gpu_index_with_all_gpus_or_one_bound_gpu_per_task(monkeypatch, visible, expected):
+    """Local rank 1 uses cuda:1 when it sees the node's 8 GPUs, cuda:0 under --gpus-per-task=1."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: visible)
+    info = resolve_process(STEP, device="auto")
+    assert (info.device, info.backend) == (torch.device("cuda", expected), "nccl")

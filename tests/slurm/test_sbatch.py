@@ -154,6 +154,8 @@ def test_preempted_job_requeues_and_matches_uninterrupted_run(cluster, uninterru
     assert sorted(steps) == list(range(1, N + 1))  # each step once: no replay, no gap
     assert max(iterations(first)) == k
     assert steps == reference, "losses, phases or consumed tokens differ from the uninterrupted run"
-    assert steps[N][2] == reference[N][2]  # the final loss, named for the report
+    print(f"preempted after iteration {k}; final lm loss {steps[N][2]} (requeued) vs "
+          f"{reference[N][2]} (uninterrupted)")
+    assert steps[N][2] == reference[N][2]
     assert cluster.job_field(job_id, "JobState") == "COMPLETED"
     assert cluster.job_field(job_id, "Restarts") == "1"

@@ -35,9 +35,10 @@ class ProcessInfo:
     world_size: int
     """Number of processes in the job."""
     local_rank: int
-    """Rank on this node; the CUDA device index on GPUs."""
+    """Rank on this node."""
     device: torch.device
-    """``cuda:<local_rank>`` or ``cpu``."""
+    """``cuda:<local_rank % visible GPUs>`` or ``cpu``: ``cuda:<local_rank>`` when the task sees
+    all the node's GPUs, ``cuda:0`` when Slurm binds one GPU per task (``--gpus-per-task=1``)."""
     backend: str
     """``nccl`` or ``gloo``."""
     launcher: str = "none"
@@ -155,7 +156,8 @@ def resolve_process(
         rank=rank,
         world_size=world_size,
         local_rank=local_rank,
-        device=torch.device("cuda", local_rank) if use_cuda else torch.device("cpu"),
+        device=(torch.device("cuda", local_rank % torch.cuda.device_count()) if use_cuda
+                else torch.device("cpu")),  # fmt: skip
         backend="nccl" if use_cuda else "gloo",
         launcher=launcher,
         master_addr=addr,
@@ -181,7 +183,7 @@ def init_distributed(
     if info.device.type == "cpu":
         cpu.enable()
     else:
-        torch.cuda.set_device(info.local_rank)
+        torch.cuda.set_device(info.device)
     if not dist.is_initialized():
         os.environ["MASTER_ADDR"] = info.master_addr
         os.environ["MASTER_PORT"] = str(info.master_port)
