@@ -8,13 +8,10 @@ Run with --help for every flag. All logic lives in tst_megatron.training.trainer
 """
 
 import sys
-import warnings
 
-# Expected on machines without Transformer Engine/Apex, and upstream deprecations that the
-# user cannot act on: keep them out of the training log.
-for _message in ("Transformer Engine and Apex are not installed", "Apex is not installed",
-                 "full scope is deprecated", r"`torch.distributed.\w+` is deprecated"):
-    warnings.filterwarnings("ignore", message=_message)
+from tst_megatron.quiet import quiet_known_warnings
+
+quiet_known_warnings()  # before megatron-core is imported
 
 from tst_megatron.training.trainer import main  # noqa: E402
 

@@ -7,7 +7,9 @@
 #   5. pretrain a small MoE GPT (4 layers, h=128, 8 experts top-2, RoPE, RMSNorm, SwiGLU)
 #      with TST (S=4, r=0.3) on 2 processes with expert parallelism (EP=2), through the
 #      phase switch to the end; checkpoints, TensorBoard logs;
-#   6. plot training and validation loss against steps with the switch marked.
+#   6. plot training and validation loss against steps with the switch marked;
+#   7. export the final checkpoint to Hugging Face (Mixtral) and continue a prompt with
+#      plain transformers.
 # Each step reuses its output when it is already there, so a second run starts training at
 # once (and, when the last checkpoint is at --train-iters, only redraws the plot).
 # Extra arguments are appended to the trainer's flags (e.g. --train-iters 800).
@@ -43,9 +45,15 @@ data=$out/data
     --tensorboard-dir "$out/tensorboard" "$@"
 $py tools/plot_losses.py --tensorboard-dir "$out/tensorboard" --output "$out/loss.png" \
     --title "TST (S=4, r=0.3) on the Python stdlib corpus, MoE 8x top-2, EP=2"
+# The trained model is an ordinary one: export it to Hugging Face (our own output, so --force
+# refreshes it) and let plain transformers continue a prompt.
+$py tools/convert_checkpoint.py export --load "$out/checkpoints" --save "$out/hf" --force
+echo "greedy continuation of 'def main(' by Hugging Face transformers:"
+$py examples/generate_hf.py "$out/hf" --prompt "def main(" --max-new-tokens 32
 echo
 echo "artifacts:"
 echo "  corpus, tokenizer, dataset: $data/"
 echo "  checkpoints (torch_dist):   $out/checkpoints/ (latest: $(cat $out/checkpoints/latest_checkpointed_iteration.txt))"
 echo "  TensorBoard logs:           $out/tensorboard/  (.venv/bin/tensorboard --logdir $out/tensorboard)"
 echo "  loss plot:                  $out/loss.png"
+echo "  Hugging Face model:         $out/hf/  (MixtralForCausalLM; examples/generate_hf.py $out/hf)"

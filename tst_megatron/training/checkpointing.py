@@ -3,8 +3,11 @@
 A checkpoint is named parts plus the config (Megatron-LM's layout, so its tools find it):
 ``<dir>/iter_0000042/`` holds ``model`` (``model0``, ``model1``... with virtual pipelines),
 ``optimizer``, ``opt_param_scheduler``, ``loop`` (iteration, tokens consumed), ``tst``
-(the TST settings) and each rank's RNG states; ``<dir>/latest_checkpointed_iteration.txt``
-names the newest. Each checkpoint is written to ``iter_XXXXXXX.tmp`` and renamed when every
+(the TST settings), ``args`` (the architecture, as Megatron-LM stores its ``args``) and each
+rank's RNG states; ``<dir>/latest_checkpointed_iteration.txt`` names the newest. A tracker
+that reads ``release`` names ``<dir>/release/``: model weights only (Megatron-LM's layout for
+converted checkpoints, e.g. from ``tools/convert_checkpoint.py import``), loaded as the
+starting point of iteration 0. Each checkpoint is written to ``iter_XXXXXXX.tmp`` and renamed when every
 rank has finished, and the tracker file is replaced atomically, so a crash never leaves a
 checkpoint that looks complete but is not. The data position is a function of the
 iteration (see :mod:`.data`), so it needs no separate state.
@@ -28,6 +31,76 @@ from tst_megatron.superposition.schedule import TSTConfig
 from tst_megatron.training.forward import unwrap
 
 TRACKER = "latest_checkpointed_iteration.txt"
+RELEASE = "release"
+
+#: Settings that fix the shapes or the function of the weights. A checkpoint loads only into
+#: a model with the same values (the message names the flag, instead of a shape mismatch).
+ARCHITECTURE_FIELDS = {
+    "model": ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
+              "group_query_attention", "num_query_groups", "kv_channels",
+              "position_embedding_type", "normalization", "swiglu",
+              "untie_embeddings_and_output_weights", "disable_bias_linear", "qk_layernorm"),
+    "moe": ("num_experts", "moe_ffn_hidden_size", "moe_router_topk", "moe_layer_freq",
+            "moe_shared_expert_intermediate_size", "moe_router_score_function",
+            "moe_router_pre_softmax"),
+}  # fmt: skip
+
+
+def checkpoint_args(cfg, *, vocab_size: int, padded_vocab_size: int) -> dict:
+    """The ``args`` entry of a checkpoint: what a converter needs to rebuild the model.
+
+    Args:
+        cfg: the run's :class:`~tst_megatron.training.config.RunConfig`.
+        vocab_size: the vocabulary before padding (tokenizer size or ``--vocab-size``).
+        padded_vocab_size: rows of the embedding and output weights (Megatron's padding).
+
+    Returns:
+        ``{"model": ModelArgs fields (vocab_size resolved), "moe": MoEArgs fields,
+        "padded_vocab_size": int, "params_dtype": "float32" | "bfloat16",
+        "tokenizer": {"type": str, "model": str | None}}`` (plain Python values).
+    """
+    return {
+        "model": dict(dataclasses.asdict(cfg.model), vocab_size=vocab_size),
+        "moe": dataclasses.asdict(cfg.moe),
+        "padded_vocab_size": padded_vocab_size,
+        "params_dtype": "bfloat16" if cfg.train.bf16 else "float32",
+        "tokenizer": {"type": cfg.data.tokenizer_type, "model": cfg.data.tokenizer_model},
+    }
+
+
+def _effective(args: dict) -> dict:
+    """``args`` with the defaults that None stands for filled in (Megatron's meanings)."""
+    m, moe = dict(args["model"]), dict(args["moe"])
+    m["kv_channels"] = m.get("kv_channels") or m["hidden_size"] // m["num_attention_heads"]
+    m["ffn_hidden_size"] = m.get("ffn_hidden_size") or 4 * m["hidden_size"]
+    if not m.get("group_query_attention"):
+        m["num_query_groups"] = m["num_attention_heads"]
+    if moe.get("num_experts"):
+        moe["moe_ffn_hidden_size"] = moe.get("moe_ffn_hidden_size") or m["ffn_hidden_size"]
+    else:
+        moe = {"num_experts": None}
+    return {"model": m, "moe": moe}
+
+
+def check_architecture(saved: dict, current: dict, path: str) -> None:
+    """Raise ``ValueError`` naming the first flag whose value differs between the ``args``
+    of the checkpoint at ``path`` (``saved``) and this run's (``current``); padded vocab too.
+    Unset values compare as their defaults (``--kv-channels`` = h / heads, ...)."""
+    old_args, new_args = _effective(saved), _effective(current)
+    for group, names in ARCHITECTURE_FIELDS.items():
+        for name in names:
+            old, new = old_args[group].get(name), new_args[group].get(name)
+            if old != new:
+                raise ValueError(
+                    f"checkpoint {path} was saved with --{name.replace('_', '-')} {old} but "
+                    f"this run has {new}; use the checkpoint's value"
+                )
+    if saved["padded_vocab_size"] != current["padded_vocab_size"]:
+        raise ValueError(
+            f"checkpoint {path} has a padded vocabulary of {saved['padded_vocab_size']} rows "
+            f"but this run pads to {current['padded_vocab_size']}; match --vocab-size/"
+            "--make-vocab-size-divisible-by (times --tensor-model-parallel-size)"
+        )
 # Key optimizer state by parameter only, so a checkpoint reshards across TP/PP/EP/DP layouts
 # (megatron-core ChainedOptimizer otherwise prefixes "chained_<i>." by optimizer count).
 _OPTIMIZER_METADATA = {"chained_optim_avoid_prefix": True}
@@ -37,13 +110,31 @@ def checkpoint_dir(root: str, iteration: int) -> str:
     return os.path.join(root, f"iter_{iteration:07d}")
 
 
-def latest_iteration(root: str) -> Optional[int]:
-    """The iteration named by the tracker file, or None when there is none."""
+def latest_iteration(root: str):
+    """The iteration named by the tracker file (int), ``"release"``, or None when there is none.
+
+    Raises:
+        ValueError: the tracker holds something else.
+    """
     path = os.path.join(root, TRACKER)
     if not os.path.isfile(path):
         return None
     with open(path) as f:
-        return int(f.read().strip())
+        text = f.read().strip()
+    if text == RELEASE:
+        return RELEASE
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"{path} holds {text!r}, not an iteration or 'release'") from None
+
+
+def write_tracker(root: str, value) -> None:
+    """Point ``root``'s tracker file at ``value`` (an iteration or ``"release"``), atomically."""
+    tracker_tmp = os.path.join(root, TRACKER + ".tmp")
+    with open(tracker_tmp, "w") as f:
+        f.write(str(value))
+    os.replace(tracker_tmp, os.path.join(root, TRACKER))
 
 
 def _model_sharded(model_chunks):
@@ -74,8 +165,11 @@ def _restore_rng(state: dict) -> None:
 
 
 def save_checkpoint(root, iteration, model_chunks, optimizer, scheduler, *, loop: dict,
-                    tst: TSTConfig) -> str:  # fmt: skip
-    """Write the checkpoint of ``iteration`` under ``root``; return its directory."""
+                    tst: TSTConfig, args: dict) -> str:  # fmt: skip
+    """Write the checkpoint of ``iteration`` under ``root``; return its directory.
+
+    ``args`` is :func:`checkpoint_args` (stored for converters and the architecture check).
+    """
     final = checkpoint_dir(root, iteration)
     tmp = final + ".tmp"
     if dist.get_rank() == 0:
@@ -88,16 +182,14 @@ def save_checkpoint(root, iteration, model_chunks, optimizer, scheduler, *, loop
     state["opt_param_scheduler"] = scheduler.state_dict()
     state["loop"] = dict(loop, iteration=iteration, world_size=dist.get_world_size())
     state["tst"] = dataclasses.asdict(tst)
+    state["args"] = args
     state["rng_state"] = _rng_object()
     dist_checkpointing.save(state, tmp)
     dist.barrier()
     if dist.get_rank() == 0:
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
-        tracker_tmp = os.path.join(root, TRACKER + ".tmp")
-        with open(tracker_tmp, "w") as f:
-            f.write(str(iteration))
-        os.replace(tracker_tmp, os.path.join(root, TRACKER))
+        write_tracker(root, iteration)
     dist.barrier()
     return final
 
@@ -110,12 +202,15 @@ def _optimizer_count(optimizer) -> int:
 
 
 def load_checkpoint(root, model_chunks, optimizer, scheduler, *, tst: TSTConfig,
-                    train_iters: int, load_optim: bool = True,
+                    train_iters: int, args: dict, load_optim: bool = True,
                     load_rng: bool = True) -> Optional[dict]:  # fmt: skip
     """Restore the newest checkpoint under ``root`` into the given objects.
 
     Returns:
         The saved ``loop`` dict (with ``iteration``), or None when ``root`` has no checkpoint.
+        A ``release`` checkpoint (weights only) restores the model and returns
+        ``{"iteration": 0, "consumed_tokens": 0, "release": True}``: training starts at
+        iteration 0 with a fresh optimizer and schedule, as Megatron-LM does.
 
     The model always loads into any TP/PP/EP/DP layout (``torch_dist`` reshards). The
     optimizer state does too, except between layouts whose megatron-core optimizer is split
@@ -123,15 +218,21 @@ def load_checkpoint(root, model_chunks, optimizer, scheduler, *, tst: TSTConfig,
     load stops with a message suggesting ``--no-load-optim``.
 
     Raises:
-        ValueError: the checkpoint's TST settings differ from this run's in a way that would
-            change the run (bag size, weighting, phase-1 length), naming the field; or the
-            optimizer layouts differ (see above).
+        ValueError: the checkpoint's architecture (:data:`ARCHITECTURE_FIELDS`, padded
+            vocabulary) differs from ``args``, or its TST settings differ from this run's in a
+            way that would change the run (bag size, weighting, phase-1 length), naming the
+            field; or the optimizer layouts differ (see above).
     """
     iteration = latest_iteration(root)
     if iteration is None:
         return None
-    path = checkpoint_dir(root, iteration)
+    path = os.path.join(root, RELEASE) if iteration == RELEASE else checkpoint_dir(root, iteration)
     common = dist_checkpointing.load_common_state_dict(path)
+    if "args" in common:
+        check_architecture(common["args"], args, path)
+    if iteration == RELEASE:
+        _load_model(model_chunks, path)
+        return {"iteration": 0, "consumed_tokens": 0, "release": True}
     saved_tst = TSTConfig(**common["tst"])
     for name in _RUN_CHANGING:
         if getattr(saved_tst, name) != getattr(tst, name):
@@ -163,14 +264,57 @@ def load_checkpoint(root, model_chunks, optimizer, scheduler, *, tst: TSTConfig,
     if same_world:
         request["rng_state"] = _rng_object()
     state = dist_checkpointing.load(request, path)
-    if len(model_chunks) == 1:
-        unwrap(model_chunks[0]).load_state_dict(state["model"])
-    else:
-        for i, chunk in enumerate(model_chunks):
-            unwrap(chunk).load_state_dict(state[f"model{i}"])
+    _set_model(model_chunks, state)
     if load_optim:
         optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["opt_param_scheduler"])
     if same_world:
         _restore_rng(state["rng_state"])
     return state["loop"]
+
+
+def _set_model(model_chunks, state: dict) -> None:
+    if len(model_chunks) == 1:
+        unwrap(model_chunks[0]).load_state_dict(state["model"])
+    else:
+        for i, chunk in enumerate(model_chunks):
+            unwrap(chunk).load_state_dict(state[f"model{i}"])
+
+
+def _load_model(model_chunks, path: str) -> None:
+    """Load only the weights of the checkpoint at ``path`` (any layout it was saved in)."""
+    _set_model(model_chunks, dist_checkpointing.load(_model_sharded(model_chunks), path))
+
+
+def save_release(root: str, model_chunks, *, args: dict) -> str:
+    """Write ``model_chunks``' weights as ``<root>/release`` (Megatron-LM's weights-only
+    layout) with ``args``, and point the tracker at it. Collective over all ranks.
+
+    Written to ``release.tmp`` and renamed when complete. Returns the directory.
+    """
+    final = os.path.join(root, RELEASE)
+    tmp = final + ".tmp"
+    if dist.get_rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    dist.barrier()
+    state = dict(_model_sharded(model_chunks))
+    state["args"] = args
+    dist_checkpointing.save(state, tmp)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        write_tracker(root, RELEASE)
+    dist.barrier()
+    return final
+
+
+def load_model_weights(path: str, model_chunks) -> dict:
+    """Load the weights of the checkpoint directory ``path`` (``iter_XXXXXXX`` or
+    ``release``, saved with any TP/PP/VPP/EP layout) into ``model_chunks`` (this process's
+    layout; ``torch_dist`` reshards). Collective. Returns the checkpoint's common state
+    (``args``, and ``tst``/``loop`` for training checkpoints)."""
+    common = dist_checkpointing.load_common_state_dict(path)
+    _load_model(model_chunks, path)
+    return common

@@ -36,6 +36,8 @@ class ModelArgs:
     """Use grouped-query attention (with --num-query-groups)."""
     num_query_groups: int = 1
     """KV groups under --group-query-attention."""
+    kv_channels: Optional[int] = None
+    """Attention head dimension; None = --hidden-size / --num-attention-heads."""
     seq_length: int = 128
     """T: positions the transformer processes per sample (phase-1 samples hold S*T tokens)."""
     max_position_embeddings: Optional[int] = None
@@ -46,6 +48,8 @@ class ModelArgs:
     """RoPE base."""
     normalization: str = "RMSNorm"
     """LayerNorm or RMSNorm."""
+    norm_epsilon: float = 1e-5
+    """Epsilon of every LayerNorm/RMSNorm."""
     swiglu: bool = False
     """SwiGLU MLPs (gated linear unit with SiLU)."""
     untie_embeddings_and_output_weights: bool = False
@@ -84,6 +88,8 @@ class MoEArgs:
     """Router z-loss coefficient."""
     moe_router_score_function: str = "softmax"
     """softmax or sigmoid."""
+    moe_router_pre_softmax: bool = False
+    """Softmax over all experts before top-k (weights not renormalised); default: softmax over the top-k."""
     moe_router_dtype: Optional[str] = None
     """fp32 or fp64 router computation; None = model dtype."""
     moe_token_dispatcher_type: str = "alltoall"

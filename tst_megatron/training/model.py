@@ -158,7 +158,8 @@ def transformer_config(cfg, *, use_cpu_initialization: bool) -> TransformerConfi
     kwargs = dict(
         num_layers=m.num_layers, hidden_size=m.hidden_size,
         ffn_hidden_size=m.ffn_hidden_size or 4 * m.hidden_size,
-        num_attention_heads=m.num_attention_heads,
+        num_attention_heads=m.num_attention_heads, kv_channels=m.kv_channels,
+        layernorm_epsilon=m.norm_epsilon,
         num_query_groups=m.num_query_groups if m.group_query_attention else None,
         normalization=m.normalization, gated_linear_unit=m.swiglu,
         activation_func=torch.nn.functional.silu if m.swiglu else torch.nn.functional.gelu,
@@ -174,6 +175,7 @@ def transformer_config(cfg, *, use_cpu_initialization: bool) -> TransformerConfi
         moe_router_load_balancing_type=moe.moe_router_load_balancing_type,
         moe_aux_loss_coeff=moe.moe_aux_loss_coeff, moe_z_loss_coeff=moe.moe_z_loss_coeff,
         moe_router_score_function=moe.moe_router_score_function,
+        moe_router_pre_softmax=moe.moe_router_pre_softmax,
         moe_router_dtype=moe.moe_router_dtype,
         moe_token_dispatcher_type=moe.moe_token_dispatcher_type,
         moe_grouped_gemm=moe.moe_grouped_gemm, moe_layer_freq=moe.moe_layer_freq,

@@ -59,6 +59,8 @@ class Run:
     valid: object
     """The validation dataset (``T``-token samples)."""
     writer: Optional[object]
+    args: dict
+    """The checkpoint ``args`` entry (:func:`.checkpointing.checkpoint_args`)."""
     history: dict = dataclasses.field(default_factory=lambda: {"train": {}, "valid": {}})
     """Per-iteration training loss and validation loss (for tests and plots)."""
 
@@ -175,7 +177,10 @@ def setup(cfg: RunConfig) -> Run:
         from torch.utils.tensorboard import SummaryWriter
 
         writer = SummaryWriter(log_dir=cfg.checkpoint.tensorboard_dir)
-    return Run(cfg, info.device, chunks, optimizer, scheduler, layout, stream, valid, writer)
+    args = checkpointing.checkpoint_args(
+        cfg, vocab_size=cfg.model.vocab_size or tokenizer.vocab_size, padded_vocab_size=vocab
+    )
+    return Run(cfg, info.device, chunks, optimizer, scheduler, layout, stream, valid, writer, args)
 
 
 # --- one step -----------------------------------------------------------------------------
@@ -311,7 +316,7 @@ def log_validation(run: Run, iteration: int, loss: float, tokens_seen: int) -> N
 def save(run: Run, iteration: int, tokens_seen: int) -> None:
     path = checkpointing.save_checkpoint(
         run.cfg.checkpoint.save, iteration, run.model, run.optimizer, run.scheduler,
-        loop={"consumed_tokens": tokens_seen}, tst=run.cfg.tst,
+        loop={"consumed_tokens": tokens_seen}, tst=run.cfg.tst, args=run.args,
     )  # fmt: skip
     print_rank0(f" saved checkpoint of iteration {iteration} to {path}")
 
@@ -343,12 +348,16 @@ def resume(run: Run) -> tuple[int, int]:
     loop = checkpointing.load_checkpoint(run.cfg.checkpoint.load, run.model, run.optimizer,
                                          run.scheduler, tst=run.cfg.tst,
                                          train_iters=run.cfg.train.train_iters,
-                                         load_optim=run.cfg.checkpoint.load_optim,
+                                         args=run.args, load_optim=run.cfg.checkpoint.load_optim,
                                          load_rng=run.cfg.checkpoint.load_rng)  # fmt: skip
     if loop is None:
         print_rank0(f" no checkpoint in {run.cfg.checkpoint.load}; starting from scratch")
         return 0, 0
-    print_rank0(f" resumed from iteration {loop['iteration']} of {run.cfg.checkpoint.load}")
+    if loop.get("release"):
+        print_rank0(f" loaded the weights of {run.cfg.checkpoint.load}/release (a converted "
+                    "checkpoint); training starts at iteration 0 with a new optimizer")  # fmt: skip
+    else:
+        print_rank0(f" resumed from iteration {loop['iteration']} of {run.cfg.checkpoint.load}")
     return loop["iteration"], loop["consumed_tokens"]
 
 

@@ -1,0 +1,142 @@
+"""Checkpoint conversion between Megatron ``torch_dist`` and Hugging Face ``transformers``.
+
+- :func:`export_checkpoint`: a trainer checkpoint (any TP/PP/VPP/EP layout, TST or not) ->
+  a Hugging Face directory (Qwen3-MoE, Mixtral, Qwen3 or Llama, chosen from the settings).
+- :func:`import_checkpoint`: a Hugging Face directory of those architectures -> a
+  weights-only ``release`` checkpoint the trainer loads with ``--load`` into any layout.
+
+The name and layout mapping is data (:mod:`.rules`); :mod:`.hf` and :mod:`.megatron` hold the
+file handling of each side. CLI: ``tools/convert_checkpoint.py``.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from typing import Optional
+
+from tst_megatron.conversion import hf, rules
+from tst_megatron.conversion.megatron import read_checkpoint, resolve_checkpoint, write_release
+
+
+def export_checkpoint(
+    load: str,
+    out: str,
+    *,
+    ckpt_step: Optional[int] = None,
+    dtype: str = "auto",
+    tokenizer_model: Optional[str] = None,
+    max_shard_size="5GB",
+    force: bool = False,
+) -> dict:
+    """Megatron ``torch_dist`` checkpoint -> Hugging Face directory.
+
+    Args:
+        load: a ``--save`` root (latest checkpoint, or ``ckpt_step``) or a checkpoint directory.
+        out: the Hugging Face directory to create.
+        dtype: ``auto`` (the dtype the model was imported from, else its parameter dtype),
+            ``float32``, ``bfloat16`` or ``float16``.
+        tokenizer_model: a SentencePiece model to include; default: the one the checkpoint's
+            run used (``--tokenizer-model``), if that file exists.
+        max_shard_size: safetensors shard limit (``"5GB"``, or bytes); above it the weights
+            are sharded with ``model.safetensors.index.json``.
+        force: replace an existing ``out``.
+
+    Returns:
+        ``{"architecture", "checkpoint", "out", "tensors", "dtype"}``.
+
+    Raises:
+        FileExistsError: ``out`` exists without ``force`` (checked before any work).
+        FileNotFoundError: no checkpoint at ``load``.
+        ValueError: a setting or a tensor with no place in any target (named).
+    """
+    if os.path.exists(out) and not force:
+        raise FileExistsError(f"{out} exists; pass --force to replace it")
+    if dtype != "auto" and dtype not in hf.DTYPES:
+        raise ValueError(f"--dtype must be auto, float32, bfloat16 or float16, got {dtype!r}")
+    hf.require_transformers()
+    path = resolve_checkpoint(load, ckpt_step)
+    args, state, _ = read_checkpoint(path)
+    arch = hf.target_architecture(args)  # before any file is written
+    if dtype == "auto":
+        dtype = args.get("hf_dtype") or args.get("params_dtype") or "float32"
+    if tokenizer_model is None:
+        saved = (args.get("tokenizer") or {}).get("model")
+        tokenizer_model = saved if saved and os.path.isfile(saved) else None
+    weights = rules.megatron_to_hf(state, arch, hf.shapes_of(args))
+    weights = {k: v.to(hf.DTYPES[dtype]) for k, v in weights.items()}
+    config = hf.hf_config(args, dtype=dtype,
+                          special_ids=hf.special_ids(tokenizer_model, args["model"]["vocab_size"]))  # fmt: skip
+    hf.write_hf_dir(out, config, weights, max_shard_size=max_shard_size,
+                    tokenizer_model=tokenizer_model, force=force)  # fmt: skip
+    return {"architecture": arch.name, "checkpoint": path, "out": out,
+            "tensors": len(weights), "dtype": dtype}  # fmt: skip
+
+
+def import_checkpoint(
+    hf_dir: str,
+    save: str,
+    *,
+    make_vocab_size_divisible_by: int = 128,
+    tensor_model_parallel_size: int = 1,
+    force: bool = False,
+) -> dict:
+    """Hugging Face directory -> ``<save>/release`` (+ tracker), loadable with ``--load``.
+
+    Args:
+        hf_dir: a Hugging Face model directory (Qwen3-MoE, Mixtral, Qwen3, Llama).
+        save: the checkpoint root to create.
+        make_vocab_size_divisible_by / tensor_model_parallel_size: the vocabulary padding of
+            the runs that will load it (Megatron pads to a multiple of their product).
+        force: replace an existing ``save``.
+
+    Returns:
+        ``{"architecture", "checkpoint", "args", "flags"}``; ``flags`` are the trainer flags
+        that rebuild this architecture.
+
+    Raises:
+        FileExistsError: ``save`` exists without ``force``.
+        FileNotFoundError / ValueError: see :func:`.hf.read_hf_dir`, :func:`.hf.args_from_hf`,
+            :func:`.rules.hf_to_megatron` (missing, extra or misshapen tensors are listed).
+    """
+    if os.path.exists(save) and not force:
+        raise FileExistsError(f"{save} exists; pass --force to replace it")
+    config, hf_state = hf.read_hf_dir(hf_dir)
+    args, arch = hf.args_from_hf(config, make_vocab_size_divisible_by=make_vocab_size_divisible_by,
+                                 tp=tensor_model_parallel_size)  # fmt: skip
+    from tst_megatron.conversion.megatron import build_model, single_process, tensor_names
+
+    with single_process():
+        expected = tensor_names(build_model(args))
+    state = rules.hf_to_megatron(hf_state, expected, arch, hf.shapes_of(args))
+    tmp = save.rstrip("/") + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    write_release(tmp, args, state)
+    if os.path.exists(save):
+        shutil.rmtree(save)
+    os.replace(tmp, save)
+    return {"architecture": arch.name, "checkpoint": os.path.join(save, "release"),
+            "args": args, "flags": trainer_flags(args)}  # fmt: skip
+
+
+def trainer_flags(args: dict) -> list:
+    """The trainer flags (Megatron names) that rebuild the architecture of ``args``."""
+    from tst_megatron.conversion.megatron import run_config
+    from tst_megatron.training.checkpointing import ARCHITECTURE_FIELDS
+
+    cfg = run_config(args)
+    flags = []
+    for group, names in ARCHITECTURE_FIELDS.items():
+        if group == "moe" and not cfg.moe.num_experts:
+            continue
+        values = getattr(cfg, group)
+        for name in names + (("vocab_size", "make_vocab_size_divisible_by", "norm_epsilon",
+                              "rotary_base") if group == "model" else ()):  # fmt: skip
+            value = getattr(values, name)
+            flag = "--" + name.replace("_", "-")
+            if isinstance(value, bool):
+                if value:
+                    flags.append(flag)
+            elif value is not None:
+                flags += [flag, str(value)]
+    return flags
