@@ -124,8 +124,10 @@ def test_resolve_process_from_torchrun_and_slurm():
     torchrun = resolve_process({"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "1"}, device="cpu")
     assert (torchrun.rank, torchrun.world_size, torchrun.local_rank) == (3, 8, 1)
     assert torchrun.backend == "gloo" and torchrun.device.type == "cpu"
-    slurm = resolve_process({"SLURM_PROCID": "5", "SLURM_NTASKS": "16", "SLURM_LOCALID": "5"}, device="cpu")
+    slurm = resolve_process({"SLURM_PROCID": "5", "SLURM_NTASKS": "16", "SLURM_LOCALID": "5",
+                             "SLURM_STEP_ID": "0", "SLURM_JOB_NODELIST": "n[1-2]"}, device="cpu")  # fmt: skip
     assert (slurm.rank, slurm.world_size, slurm.local_rank) == (5, 16, 5)
+    assert (slurm.launcher, slurm.master_addr) == ("srun", "n1")  # more in tests/slurm/
     both = resolve_process({"RANK": "0", "SLURM_PROCID": "5", "WORLD_SIZE": "2", "SLURM_NTASKS": "9"}, device="cpu")
     assert (both.rank, both.world_size) == (0, 2)  # torchrun wins
     assert resolve_process({}, device="cpu").world_size == 1

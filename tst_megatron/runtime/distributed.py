@@ -2,10 +2,10 @@
 
 One way to start, GPU or CPU: rank and world size come from torchrun's environment
 (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``) or, when a
-process is started by ``srun`` without torchrun, from Slurm's (``SLURM_PROCID``,
-``SLURM_NTASKS``, ``SLURM_LOCALID``; ``MASTER_ADDR``/``MASTER_PORT`` must be exported by
-the batch script). CUDA processes use NCCL; CPU processes use gloo and
-:func:`tst_megatron.runtime.cpu.enable`.
+process is a task of an ``srun`` step without torchrun, from Slurm's (``SLURM_PROCID``,
+``SLURM_STEP_NUM_TASKS``/``SLURM_NTASKS``, ``SLURM_LOCALID``; the rendezvous is the first
+host of the step's node list, see :mod:`tst_megatron.runtime.slurm`). CUDA processes use
+NCCL; CPU processes use gloo and :func:`tst_megatron.runtime.cpu.enable`.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import dataclasses
 import datetime
 import os
 import random
+import socket
 from typing import Mapping, Optional
 
 import numpy as np
@@ -22,6 +23,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 
 from tst_megatron.runtime import cpu
+from tst_megatron.runtime.slurm import in_srun_step, slurm_rendezvous
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,11 +35,18 @@ class ProcessInfo:
     world_size: int
     """Number of processes in the job."""
     local_rank: int
-    """Rank on this node; the CUDA device index on GPUs."""
+    """Rank on this node."""
     device: torch.device
-    """``cuda:<local_rank>`` or ``cpu``."""
+    """``cuda:<local_rank % visible GPUs>`` or ``cpu``: ``cuda:<local_rank>`` when the task sees
+    all the node's GPUs, ``cuda:0`` when Slurm binds one GPU per task (``--gpus-per-task=1``)."""
     backend: str
     """``nccl`` or ``gloo``."""
+    launcher: str = "none"
+    """Whose environment gave the rank: ``torchrun``, ``srun`` or ``none`` (rank 0 of 1)."""
+    master_addr: str = "127.0.0.1"
+    """Rendezvous host (rank 0's node): ``MASTER_ADDR``, or the step's first Slurm node."""
+    master_port: int = 29500
+    """Rendezvous TCP port: ``MASTER_PORT``, or derived from ``SLURM_JOB_ID`` under srun."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,18 +108,27 @@ def _env_int(env: Mapping[str, str], *names: str, default: Optional[int] = None)
 def resolve_process(
     env: Optional[Mapping[str, str]] = None, *, device: str = "auto"
 ) -> ProcessInfo:
-    """Read rank, world size and local rank from torchrun's or Slurm's environment.
+    """Read rank, world size, local rank and the rendezvous from torchrun's or Slurm's environment.
+
+    In order:
+      1. ``RANK`` set (torchrun, or exported by hand): ``RANK``, ``WORLD_SIZE``,
+         ``LOCAL_RANK``, ``MASTER_ADDR``/``MASTER_PORT``; torchrun wins over Slurm.
+      2. a task of an ``srun`` step (``SLURM_PROCID`` and ``SLURM_STEP_ID`` set): rank
+         ``SLURM_PROCID``, world ``SLURM_STEP_NUM_TASKS`` (else ``SLURM_NTASKS``), local rank
+         ``SLURM_LOCALID``, rendezvous from :func:`~tst_megatron.runtime.slurm.slurm_rendezvous`.
+      3. otherwise (including a batch script's own shell, which has ``SLURM_PROCID`` but is one
+         process): rank 0 of 1 on ``127.0.0.1:29500``.
 
     Args:
-        env: the environment (default ``os.environ``). torchrun's variables win over Slurm's.
-            A process with neither is rank 0 of 1.
+        env: the environment (default ``os.environ``).
         device: ``"auto"`` (CUDA when available), ``"cuda"`` or ``"cpu"``.
 
     Returns:
         A :class:`ProcessInfo`. Reads only; sets nothing.
 
     Raises:
-        ValueError: unknown ``device``, or ``"cuda"`` without a CUDA device.
+        ValueError: unknown ``device``, ``"cuda"`` without a CUDA device, a rank outside
+            ``[0, world size)``, or a malformed Slurm node list.
     """
     env = os.environ if env is None else env
     if device not in ("auto", "cuda", "cpu"):
@@ -118,15 +136,32 @@ def resolve_process(
     if device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda was given but no CUDA device is available")
     use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
-    rank = _env_int(env, "RANK", "SLURM_PROCID", default=0)
-    world_size = _env_int(env, "WORLD_SIZE", "SLURM_NTASKS", default=1)
-    local_rank = _env_int(env, "LOCAL_RANK", "SLURM_LOCALID", default=0)
+    addr, port = env.get("MASTER_ADDR", "127.0.0.1"), int(env.get("MASTER_PORT", "29500"))
+    if "RANK" in env:
+        launcher = "torchrun"
+        rank = _env_int(env, "RANK")
+        world_size = _env_int(env, "WORLD_SIZE", default=1)
+        local_rank = _env_int(env, "LOCAL_RANK", default=0)
+    elif in_srun_step(env):
+        launcher = "srun"
+        rank = _env_int(env, "SLURM_PROCID")
+        world_size = _env_int(env, "SLURM_STEP_NUM_TASKS", "SLURM_NTASKS", default=1)
+        local_rank = _env_int(env, "SLURM_LOCALID", default=0)
+        addr, port = slurm_rendezvous(env)
+    else:
+        launcher, rank, world_size, local_rank = "none", 0, 1, 0
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is outside [0, world size {world_size}) ({launcher} environment)")
     return ProcessInfo(
         rank=rank,
         world_size=world_size,
         local_rank=local_rank,
-        device=torch.device("cuda", local_rank) if use_cuda else torch.device("cpu"),
+        device=(torch.device("cuda", local_rank % torch.cuda.device_count()) if use_cuda
+                else torch.device("cpu")),  # fmt: skip
         backend="nccl" if use_cuda else "gloo",
+        launcher=launcher,
+        master_addr=addr,
+        master_port=port,
     )
 
 
@@ -136,8 +171,9 @@ def init_distributed(
     """Initialise ``torch.distributed`` (NCCL on CUDA, gloo on CPU) for this process.
 
     On CPU, first calls :func:`tst_megatron.runtime.cpu.enable`. Idempotent: when the
-    default process group already exists it is kept. ``MASTER_ADDR`` defaults to
-    ``127.0.0.1`` and ``MASTER_PORT`` to ``29500`` for single-node runs.
+    default process group already exists it is kept. The rendezvous is
+    :attr:`ProcessInfo.master_addr`/``master_port`` (exported as ``MASTER_ADDR``/``MASTER_PORT``
+    for ``env://``): torchrun's, the first node of an ``srun`` step, or ``127.0.0.1:29500``.
 
     Raises:
         ValueError: see :func:`resolve_process`.
@@ -147,10 +183,10 @@ def init_distributed(
     if info.device.type == "cpu":
         cpu.enable()
     else:
-        torch.cuda.set_device(info.local_rank)
+        torch.cuda.set_device(info.device)
     if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", "29500")
+        os.environ["MASTER_ADDR"] = info.master_addr
+        os.environ["MASTER_PORT"] = str(info.master_port)
         dist.init_process_group(
             backend=info.backend,
             rank=info.rank,
@@ -173,6 +209,48 @@ def initialize_model_parallel(config: ParallelConfig) -> None:
     parallel_state.destroy_model_parallel()
     # The field names are megatron-core's keyword names.
     parallel_state.initialize_model_parallel(**dataclasses.asdict(config))
+
+
+def format_layout(info: ProcessInfo, hosts: list[str], sizes: Mapping[str, Optional[int]]) -> str:
+    """The start-of-run layout line from already-gathered facts (pure; see :func:`describe_layout`).
+
+    Args:
+        info: this process (launcher and rendezvous are read).
+        hosts: the host name of every rank, indexed by global rank.
+        sizes: parallel sizes by short name in print order, e.g. ``{"TP": 2, ..., "DP": 4}``;
+            ``None`` prints ``-``.
+    """
+    nodes = list(dict.fromkeys(hosts))  # in rank order, each once
+    per_node = sorted({hosts.count(node) for node in nodes})
+    shown = ", ".join(nodes[:4]) + (f", ... ({len(nodes) - 4} more)" if len(nodes) > 4 else "")
+    parallel = ", ".join(f"{name} {'-' if size is None else size}" for name, size in sizes.items())
+    return (
+        f" layout: {len(nodes)} node{'s' if len(nodes) != 1 else ''} [{shown}], "
+        f"{len(hosts)} ranks ({'/'.join(map(str, per_node))} per node), launched by "
+        f"{info.launcher}, rendezvous {info.master_addr}:{info.master_port}, {info.backend} | "
+        f"{parallel}"
+    )
+
+
+def describe_layout(info: ProcessInfo) -> str:
+    """One line naming the nodes, ranks, launcher, rendezvous and TP/PP/VPP/CP/EP/ETP/DP sizes.
+
+    Collective: every rank must call it (one ``all_gather_object`` of host names), after
+    :func:`initialize_model_parallel`. Returns the same line on every rank; print it once.
+    """
+    hosts = [None] * dist.get_world_size()
+    dist.all_gather_object(hosts, socket.gethostname())
+    sizes = {
+        "TP": parallel_state.get_tensor_model_parallel_world_size(),
+        "PP": parallel_state.get_pipeline_model_parallel_world_size(),
+        "VPP": parallel_state.get_virtual_pipeline_model_parallel_world_size(),
+        "CP": parallel_state.get_context_parallel_world_size(),
+        "EP": parallel_state.get_expert_model_parallel_world_size(),
+        "ETP": parallel_state.get_expert_tensor_parallel_world_size(),
+        "DP": parallel_state.get_data_parallel_world_size(),
+        "expert DP": parallel_state.get_expert_data_parallel_world_size(),
+    }
+    return format_layout(info, hosts, sizes)
 
 
 def set_seed(seed: int) -> None:

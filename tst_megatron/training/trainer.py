@@ -32,7 +32,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.moe import moe_utils
 
 from tst_megatron.runtime import (
-    init_distributed, initialize_model_parallel, resolve_process, set_seed,
+    describe_layout, init_distributed, initialize_model_parallel, resolve_process, set_seed,
 )  # fmt: skip
 from tst_megatron.superposition.schedule import Phase, phase_at
 from tst_megatron.training import checkpointing
@@ -148,6 +148,7 @@ def setup(cfg: RunConfig) -> Run:
     info = init_distributed(device=cfg.train.device)
     pcfg = cfg.parallel.to_parallel_config(cfg.model.num_layers)
     initialize_model_parallel(pcfg)
+    print_rank0(describe_layout(info))
     set_seed(cfg.train.seed)
     tokenizer = build_tokenizer(cfg.data.tokenizer_type, vocab_size=cfg.model.vocab_size,
                                 model=cfg.data.tokenizer_model)  # fmt: skip
@@ -366,12 +367,15 @@ def train(cfg: RunConfig) -> dict:
     Returns the history ``{"train": {iteration: loss}, "valid": {iteration: loss},
     "exit": "finished" | "signal"}`` (the same on every rank).
     """
+    # The handler goes in before set-up, which can take minutes on a cluster: a preemption
+    # notice that arrives while the model and checkpoint load is acted on after the first step.
+    signals = SignalFlag(cfg.checkpoint.exit_signal_handler,
+                         resolve_process(device=cfg.train.device).device)  # fmt: skip
     run = setup(cfg)
     t, c, tst = cfg.train, cfg.checkpoint, cfg.tst
     n1 = tst.phase1_steps(t.train_iters)
     iteration, tokens_seen = resume(run)
     start_iteration = iteration
-    signals = SignalFlag(c.exit_signal_handler, run.device)
     run.history["exit"] = "finished"
     print_rank0(f" TST: bag size {tst.bag_size}, phase 1 = iterations [0, {n1}), "
                 f"phase 2 = [{n1}, {t.train_iters})")  # fmt: skip
@@ -417,7 +421,7 @@ def main(argv=None) -> int:
         train(cfg)
     except ValueError as exc:  # configuration and data errors: one line, from rank 0
         if not dist.is_initialized() or dist.get_rank() == 0:
-            if os.environ.get("RANK", "0") == "0":
+            if os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0":
                 print(f"error: {exc}", file=sys.stderr, flush=True)
         return 2
     finally:

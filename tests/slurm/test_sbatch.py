@@ -1,0 +1,161 @@
+"""slurm/pretrain_tst_moe.sbatch submitted to a real Slurm (one node, 2 CPUs) with sbatch --wait.
+
+The CPU variant of the template (``TST_DEVICE=cpu``, GPU resources overridden on the sbatch
+command line) trains a tiny MoE GPT with EP=2 on 2 srun tasks through the TST switch:
+  - uninterrupted, it finishes, writes checkpoints (at the switch and the end), TensorBoard
+    events and a log per job name;
+  - preempted (``scancel --batch --signal=USR1``, what ``--signal=B:USR1@N`` delivers) in
+    phase 1, it saves at the end of the current step, requeues itself, resumes in phase 1 at
+    the right data position, crosses the switch and ends with the uninterrupted run's losses.
+The reference is the uninterrupted run's own log, printed by the same trainer to 7 digits;
+a resumed run that replays or skips data, or restores a wrong phase or optimizer state,
+prints different numbers (resume is bitwise exact on CPU, see tests/distributed/test_trainer.py).
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.slurm.local_cluster import LocalSlurm, Unavailable
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[2]
+TEMPLATE = REPO / "slurm" / "pretrain_tst_moe.sbatch"
+N, N1 = 40, 20  # iterations; the switch
+TINY = {  # the template's variables: a 2-layer MoE GPT, EP=2, TST S=4 for the first half
+    "TST_DEVICE": "cpu", "PYTHON": sys.executable, "TST_ROOT": str(REPO),
+    "VOCAB_SIZE": "128", "NUM_LAYERS": "2", "HIDDEN_SIZE": "64", "NUM_ATTENTION_HEADS": "4",
+    "FFN_HIDDEN_SIZE": "128", "SEQ_LENGTH": "64", "NUM_EXPERTS": "4", "MOE_FFN_HIDDEN_SIZE": "64",
+    "MOE_ROUTER_TOPK": "2", "TP": "1", "PP": "1", "EP": "2", "CP": "1",
+    "MICRO_BATCH_SIZE": "2", "GLOBAL_BATCH_SIZE": "4", "TRAIN_ITERS": str(N),
+    "TST_BAG_SIZE": "4", "TST_PHASE1_FRACTION": str(N1 / N), "LR": "3e-3", "LR_WARMUP_ITERS": "2",
+    "LOG_INTERVAL": "1", "EVAL_INTERVAL": str(N1), "EVAL_ITERS": "1", "SAVE_INTERVAL": "1000",
+    "EXTRA_ARGS": "--make-vocab-size-divisible-by 64",
+}  # fmt: skip
+CPU_RESOURCES = ["--nodes=1", "--ntasks-per-node=2", "--cpus-per-task=1", "--gpus-per-node=0",
+                 "--time=15"]  # fmt: skip
+ITERATION = re.compile(r"^ iteration\s+(\d+)/\s*(\d+) \| phase (\d) \| consumed tokens:\s+(\d+) \|"
+                       r".*\| (mce|lm) loss: (\S+) \|")  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    slurm = LocalSlurm(tmp_path_factory.mktemp("slurm"))
+    try:
+        slurm.start()
+    except Unavailable as exc:
+        slurm.stop()
+        pytest.skip(f"no local Slurm cluster: {exc}")
+    yield slurm
+    slurm.stop()
+
+
+def submit(cluster: LocalSlurm, workdir: Path, name: str) -> tuple[subprocess.Popen, str]:
+    """``sbatch --wait`` the template as job ``name`` from ``workdir``; returns (sbatch, job id)."""
+    (workdir / "logs").mkdir(parents=True, exist_ok=True)
+    env = cluster.env(**TINY, RUNS_DIR=str(workdir / "runs"))
+    proc = subprocess.Popen(
+        ["sbatch", "--parsable", "--wait", f"--job-name={name}", *CPU_RESOURCES, str(TEMPLATE)],
+        cwd=workdir, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    job_id = proc.stdout.readline().strip().split(";")[0]
+    if not job_id.isdigit():
+        proc.kill()
+        pytest.fail(f"sbatch did not submit: {job_id!r} {proc.stderr.read()}")
+    return proc, job_id
+
+
+def finish(cluster: LocalSlurm, proc: subprocess.Popen, job_id: str, log: Path, timeout: float = 300) -> str:
+    """Wait for ``sbatch --wait``; fail with the log if the job failed; return the log text."""
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        cluster.run("scancel", job_id, check=False)
+        proc.kill()
+        pytest.fail(f"job {job_id} still running after {timeout} s:\n{log.read_text()[-3000:]}")
+    text = log.read_text()
+    assert proc.returncode == 0, f"job {job_id} failed ({proc.returncode}):\n{text[-3000:]}"
+    return text
+
+
+def iterations(log: str) -> dict:
+    """``{iteration: (phase, consumed tokens, loss string)}``; each iteration must appear once."""
+    seen = {}
+    for line in log.splitlines():
+        match = ITERATION.match(line)
+        if match:
+            it, total, phase, tokens, _, loss = match.groups()
+            assert int(it) not in seen, f"iteration {it} was trained twice"
+            assert int(total) == N
+            seen[int(it)] = (int(phase), int(tokens), loss)
+    return seen
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(cluster, tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("uninterrupted")
+    start = time.monotonic()
+    proc, job_id = submit(cluster, workdir, "tst-a")
+    text = finish(cluster, proc, job_id, workdir / "logs" / f"tst-a-{job_id}.out")
+    return workdir, job_id, text, time.monotonic() - start
+
+
+def test_tst_run_through_the_switch(cluster, uninterrupted):
+    workdir, job_id, text, seconds = uninterrupted
+    print(f"uninterrupted job: {seconds:.1f} s")
+    assert " layout: 1 node [" in text and "2 ranks (2 per node), launched by srun" in text
+    assert "| TP 1, PP 1, VPP -, CP 1, EP 2, ETP 1, DP 2" in text
+    steps = iterations(text)
+    assert sorted(steps) == list(range(1, N + 1))
+    assert all(steps[i][0] == (1 if i <= N1 else 2) for i in steps)
+    assert steps[N][1] == N1 * 4 * 4 * 64 + (N - N1) * 4 * 64  # gbs x S*T, then gbs x T
+    assert f"TST switch at iteration {N1}" in text
+    assert float(steps[N][2]) < float(steps[N1 + 1][2])  # it learns in phase 2
+    ckpt = workdir / "runs" / "tst-a" / "checkpoints"
+    assert sorted(p.name for p in ckpt.iterdir()) == [
+        f"iter_{N1:07d}", f"iter_{N:07d}", "latest_checkpointed_iteration.txt"]
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == str(N)
+    assert list((workdir / "runs" / "tst-a" / "tensorboard").glob("events.out.tfevents.*"))
+    assert cluster.job_field(job_id, "JobState") == "COMPLETED"
+    assert cluster.job_field(job_id, "Restarts") == "0"
+
+
+def test_preempted_job_requeues_and_matches_uninterrupted_run(cluster, uninterrupted, tmp_path):
+    _, _, reference_text, _ = uninterrupted
+    reference = iterations(reference_text)
+    start = time.monotonic()
+    proc, job_id = submit(cluster, tmp_path, "tst-b")
+    log = tmp_path / "logs" / f"tst-b-{job_id}.out"
+    deadline = time.monotonic() + 180  # the preemption notice, once training is under way
+    while not (log.exists() and re.search(r"^ iteration\s+2/", log.read_text(), re.M)):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            pytest.fail(f"job {job_id} did not reach iteration 2:\n{log.read_text()[-3000:] if log.exists() else ''}")
+        time.sleep(0.1)
+    cluster.run("scancel", "--batch", "--signal=USR1", job_id)
+    text = finish(cluster, proc, job_id, log)
+    print(f"preempted + requeued job: {time.monotonic() - start:.1f} s")
+
+    saved = re.search(r"exiting on SIGTERM after iteration (\d+)", text)
+    assert saved, text[-3000:]
+    k = int(saved.group(1))
+    assert 2 <= k < N1, f"the signal should land in phase 1 (before {N1}), it landed after {k}"
+    first, second = text.split("start 2:", 1)  # the requeued run's header
+    assert f"saved checkpoint of iteration {k} " in first and "requeueing job" in first
+    assert f"resumed from iteration {k} of" in second
+    assert second.index(f"TST switch at iteration {N1}") > second.index("resumed from")
+    steps = iterations(text)
+    assert sorted(steps) == list(range(1, N + 1))  # each step once: no replay, no gap
+    assert max(iterations(first)) == k
+    assert steps == reference, "losses, phases or consumed tokens differ from the uninterrupted run"
+    print(f"preempted after iteration {k}; final lm loss {steps[N][2]} (requeued) vs "
+          f"{reference[N][2]} (uninterrupted)")
+    assert steps[N][2] == reference[N][2]
+    assert cluster.job_field(job_id, "JobState") == "COMPLETED"
+    assert cluster.job_field(job_id, "Restarts") == "1"

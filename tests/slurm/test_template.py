@@ -1,0 +1,56 @@
+"""The sbatch template's trainer command line, without Slurm (``TST_DRY_RUN=1``): the H100
+defaults, a dense variant, a bigger layout and the CPU variant each parse with the trainer's
+own flags and pass its validation for their world size, and carry what preemption needs."""
+
+import shlex
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tst_megatron.training.config import parse_args, validate
+
+REPO = Path(__file__).resolve().parents[2]
+TEMPLATE = REPO / "slurm" / "pretrain_tst_moe.sbatch"
+DATA = {"DATA_PATH": "/data/corpus_text_document", "TOKENIZER_MODEL": "/data/tokenizer.model"}
+
+CASES = {  # name: (variables, world size, device)
+    "moe_2x8_h100_defaults": (DATA, 16, "cuda"),
+    "moe_4x8_tp2_pp2_ep4": (DATA | {"TP": "2", "PP": "2", "EP": "4", "GLOBAL_BATCH_SIZE": "256"}, 32, "cuda"),
+    "dense_2x8_tp2": (DATA | {"NUM_EXPERTS": "0", "EP": "1", "TP": "2", "NUM_LAYERS": "24"}, 16, "cuda"),
+    "cpu_variant": ({"TST_DEVICE": "cpu", "VOCAB_SIZE": "128", "NUM_LAYERS": "2", "HIDDEN_SIZE": "64",
+                     "FFN_HIDDEN_SIZE": "128", "SEQ_LENGTH": "64", "NUM_EXPERTS": "4",
+                     "MOE_FFN_HIDDEN_SIZE": "64", "MOE_ROUTER_TOPK": "2", "EP": "2",
+                     "GLOBAL_BATCH_SIZE": "4", "TRAIN_ITERS": "40", "LR_WARMUP_ITERS": "2"}, 2, "cpu"),
+}  # fmt: skip
+
+
+def dry_run(tmp_path, variables: dict) -> list:
+    env = {"PATH": "/usr/bin:/bin", "SLURM_JOB_NAME": "tst-job", "SLURM_SUBMIT_DIR": str(REPO),
+           "RUNS_DIR": str(tmp_path / "runs"), "TST_DRY_RUN": "1", **variables}  # fmt: skip
+    out = subprocess.run(["bash", str(TEMPLATE)], env=env, capture_output=True, text=True, check=True)
+    argv = shlex.split(out.stdout)
+    assert argv[:2] == [str(REPO / ".venv" / "bin" / "python"), str(REPO / "examples" / "pretrain_gpt_tst.py")]
+    return argv[2:]
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_template_command_line_is_valid(case, tmp_path):
+    variables, world, device = CASES[case]
+    argv = dry_run(tmp_path, variables)
+    cfg = parse_args(argv)
+    validate(cfg, world, device)
+    ckpt = str(tmp_path / "runs" / "tst-job" / "checkpoints")
+    assert cfg.checkpoint.save == cfg.checkpoint.load == ckpt  # resume where it saved, per job name
+    assert cfg.checkpoint.exit_signal_handler  # SIGTERM -> save after the step -> exit 0
+    assert cfg.train.sequence_parallel == (cfg.parallel.tensor_model_parallel_size > 1)
+    gpu_flags = {"--bf16", "--transformer-impl", "--use-distributed-optimizer", "--moe-grouped-gemm"}
+    assert bool(gpu_flags & set(argv)) == (device == "cuda")
+    assert ("--num-experts" in argv) == (variables.get("NUM_EXPERTS") != "0")
+    assert (tmp_path / "runs" / "tst-job" / "tensorboard").is_dir()
+
+
+def test_extra_args_reach_the_trainer(tmp_path):
+    argv = dry_run(tmp_path, DATA | {"EXTRA_ARGS": "--fp8-format hybrid --fp8-recipe delayed"})
+    assert argv[-4:] == ["--fp8-format", "hybrid", "--fp8-recipe", "delayed"]
+    assert parse_args(argv).train.fp8_format == "hybrid"
