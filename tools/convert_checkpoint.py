@@ -53,13 +53,17 @@ def main(argv=None) -> int:
             )  # fmt: skip
             print(f"exported {done['checkpoint']} as {done['architecture']} "
                   f"({done['tensors']} tensors, {done['dtype']}) to {done['out']}")  # fmt: skip
+            if done["tokenizer"] is None:
+                print("note: no tokenizer included (the run's is unknown or missing); "
+                      "pass --tokenizer-model to add one")  # fmt: skip
         else:
             done = import_checkpoint(
                 args.load, args.save,
                 make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
                 tensor_model_parallel_size=args.tensor_model_parallel_size, force=args.force,
             )  # fmt: skip
-            print(f"imported {args.load} ({done['architecture']}) to {done['checkpoint']}")
+            print(f"imported {args.load} ({done['architecture']}) to {done['checkpoint']}"
+                  + (f", tokenizer {done['tokenizer']}" if done["tokenizer"] else ""))
             print("train from it with: --load " + args.save + " " + " ".join(done["flags"]))
     except (ValueError, FileExistsError, FileNotFoundError, ImportError) as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -54,3 +54,15 @@ def test_extra_args_reach_the_trainer(tmp_path):
     argv = dry_run(tmp_path, DATA | {"EXTRA_ARGS": "--fp8-format hybrid --fp8-recipe delayed"})
     assert argv[-4:] == ["--fp8-format", "hybrid", "--fp8-recipe", "delayed"]
     assert parse_args(argv).train.fp8_format == "hybrid"
+
+
+@pytest.mark.parametrize("variables,message", [
+    ({}, "error: set DATA_PATH and TOKENIZER_MODEL (real data), or VOCAB_SIZE for --mock-data"),
+    ({"DATA_PATH": "/data/corpus_text_document"}, "error: DATA_PATH is set but TOKENIZER_MODEL is not"),
+])  # fmt: skip
+def test_missing_data_settings_stop_before_srun(variables, message, tmp_path):
+    env = {"PATH": "/usr/bin:/bin", "SLURM_JOB_NAME": "tst-job", "SLURM_SUBMIT_DIR": str(REPO),
+           "RUNS_DIR": str(tmp_path / "runs"), "TST_DRY_RUN": "1", **variables}  # fmt: skip
+    out = subprocess.run(["bash", str(TEMPLATE)], env=env, capture_output=True, text=True)
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr.strip().startswith(message)

@@ -205,6 +205,11 @@ def test_architecture_check_names_the_flag_and_fills_defaults():
     same = _args()
     same["model"]["kv_channels"] = None  # None means h / heads = 24 / 6 = 4, as saved
     check_architecture(saved, same, "ckpt")
+    # every layer is MoE: the dense width shapes no weight, so it may differ
+    check_architecture(saved, _args(["--ffn-hidden-size", "64"]), "ckpt")
+    with pytest.raises(ValueError, match="--ffn-hidden-size 40 but this run has 64"):
+        check_architecture(_args(["--moe-layer-freq", "2"]),
+                           _args(["--moe-layer-freq", "2", "--ffn-hidden-size", "64"]), "ckpt")
     other = _args(["--moe-ffn-hidden-size", "16"])
     with pytest.raises(ValueError, match="checkpoint ckpt was saved with --moe-ffn-hidden-size 8 but this run has 16"):
         check_architecture(saved, other, "ckpt")

@@ -45,7 +45,8 @@ def export_checkpoint(
         force: replace an existing ``out``.
 
     Returns:
-        ``{"architecture", "checkpoint", "out", "tensors", "dtype"}``.
+        ``{"architecture", "checkpoint", "out", "tensors", "dtype", "tokenizer"}`` (the
+        SentencePiece model included, or None).
 
     Raises:
         FileExistsError: ``out`` exists without ``force`` (checked before any work).
@@ -73,7 +74,7 @@ def export_checkpoint(
     hf.write_hf_dir(out, config, weights, max_shard_size=max_shard_size,
                     tokenizer_model=tokenizer_model, force=force)  # fmt: skip
     return {"architecture": arch.name, "checkpoint": path, "out": out,
-            "tensors": len(weights), "dtype": dtype}  # fmt: skip
+            "tensors": len(weights), "dtype": dtype, "tokenizer": tokenizer_model}  # fmt: skip
 
 
 def import_checkpoint(
@@ -94,8 +95,10 @@ def import_checkpoint(
         force: replace an existing ``save``.
 
     Returns:
-        ``{"architecture", "checkpoint", "args", "flags"}``; ``flags`` are the trainer flags
-        that rebuild this architecture.
+        ``{"architecture", "checkpoint", "args", "flags", "tokenizer"}``; ``flags`` are the
+        trainer flags that rebuild this architecture; ``tokenizer`` is the copied SentencePiece
+        ``<save>/tokenizer.model`` (None when ``hf_dir`` has none), which a later export
+        includes again.
 
     Raises:
         FileExistsError: ``save`` exists without ``force``.
@@ -114,12 +117,18 @@ def import_checkpoint(
     state = rules.hf_to_megatron(hf_state, expected, arch, hf.shapes_of(args))
     tmp = save.rstrip("/") + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
+    tokenizer = None
+    if os.path.isfile(os.path.join(hf_dir, "tokenizer.model")):  # SentencePiece: keep it
+        tokenizer = os.path.join(os.path.abspath(save), "tokenizer.model")
+        args["tokenizer"] = {"type": "SentencePieceTokenizer", "model": tokenizer}
+        os.makedirs(tmp)
+        shutil.copyfile(os.path.join(hf_dir, "tokenizer.model"), os.path.join(tmp, "tokenizer.model"))
     write_release(tmp, args, state)
     if os.path.exists(save):
         shutil.rmtree(save)
     os.replace(tmp, save)
     return {"architecture": arch.name, "checkpoint": os.path.join(save, "release"),
-            "args": args, "flags": trainer_flags(args)}  # fmt: skip
+            "args": args, "flags": trainer_flags(args), "tokenizer": tokenizer}  # fmt: skip
 
 
 def trainer_flags(args: dict) -> list:
@@ -132,6 +141,8 @@ def trainer_flags(args: dict) -> list:
     for group, names in ARCHITECTURE_FIELDS.items():
         if group == "moe" and not cfg.moe.num_experts:
             continue
+        if group == "model" and not cfg.model.group_query_attention:
+            names = tuple(n for n in names if n != "num_query_groups")
         values = getattr(cfg, group)
         for name in names + (("vocab_size", "make_vocab_size_divisible_by", "norm_epsilon",
                               "rotary_base") if group == "model" else ()):  # fmt: skip

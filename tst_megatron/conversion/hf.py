@@ -260,6 +260,8 @@ def read_hf_dir(path: str) -> Tuple[object, Dict[str, torch.Tensor]]:
     transformers = require_transformers()
     from safetensors.torch import load_file
 
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"{path} does not exist")
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise FileNotFoundError(f"{path} has no config.json (not a Hugging Face model directory)")
     config = transformers.AutoConfig.from_pretrained(path)
@@ -333,7 +335,11 @@ def write_hf_dir(
         with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
             json.dump(index, f, indent=2, sort_keys=True)
     if tokenizer_model:
-        write_tokenizer(tmp, tokenizer_model)
+        write_tokenizer(tmp, tokenizer_model, max_length=config.max_position_embeddings)
+    umask = os.umask(0)
+    os.umask(umask)
+    for name in os.listdir(tmp):  # safetensors writes 0600; give every file the usual mode
+        os.chmod(os.path.join(tmp, name), 0o666 & ~umask)
     if os.path.exists(out):
         shutil.rmtree(out)
     os.replace(tmp, out)
@@ -352,7 +358,7 @@ def special_ids(tokenizer_model: Optional[str], vocab_size: int) -> dict:
     return {k: v for k, v in ids.items() if v >= 0}
 
 
-def write_tokenizer(out: str, tokenizer_model: str) -> None:
+def write_tokenizer(out: str, tokenizer_model: str, max_length: int = 1 << 30) -> None:
     """Copy a SentencePiece model as ``tokenizer.model`` with a ``LlamaTokenizer`` config
     (special pieces read from the model; no BOS/EOS added, as Megatron's tokenizer)."""
     import sentencepiece
@@ -361,7 +367,7 @@ def write_tokenizer(out: str, tokenizer_model: str) -> None:
     shutil.copyfile(tokenizer_model, os.path.join(out, "tokenizer.model"))
     config = {"tokenizer_class": "LlamaTokenizer", "add_bos_token": False,
               "add_eos_token": False, "legacy": True,
-              "model_max_length": 1 << 30}  # fmt: skip
+              "model_max_length": max_length}  # fmt: skip
     for name, index in (("unk_token", sp.unk_id()), ("bos_token", sp.bos_id()),
                         ("eos_token", sp.eos_id()), ("pad_token", sp.pad_id())):  # fmt: skip
         if index >= 0:

@@ -119,8 +119,15 @@ def resolve_checkpoint(load: str, ckpt_step: Optional[int] = None) -> str:
     Raises:
         FileNotFoundError: nothing loadable at ``load``.
     """
+    if not os.path.exists(load):
+        raise FileNotFoundError(f"{load} does not exist")
     if ckpt_step is not None:
         path = checkpointing.checkpoint_dir(load, ckpt_step)
+        if not os.path.isdir(path):
+            steps = sorted(int(n[5:]) for n in os.listdir(load)
+                           if n.startswith("iter_") and n[5:].isdigit())  # fmt: skip
+            raise FileNotFoundError(f"{load} has no iter_{ckpt_step:07d}; saved steps: "
+                                    f"{', '.join(map(str, steps)) or 'none'}")  # fmt: skip
     elif os.path.isfile(os.path.join(load, "metadata.json")):
         path = load
     else:

@@ -77,6 +77,8 @@ def _effective(args: dict) -> dict:
         m["num_query_groups"] = m["num_attention_heads"]
     if moe.get("num_experts"):
         moe["moe_ffn_hidden_size"] = moe.get("moe_ffn_hidden_size") or m["ffn_hidden_size"]
+        if moe.get("moe_layer_freq", 1) == 1:
+            m["ffn_hidden_size"] = None  # every layer is MoE: the dense width shapes nothing
     else:
         moe = {"num_experts": None}
     return {"model": m, "moe": moe}
