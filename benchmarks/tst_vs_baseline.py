@@ -28,8 +28,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from tst_megatron.data.files import atomic_path  # noqa: E402
-from tst_megatron.plots import read_scalars, switch_iteration  # noqa: E402
+from tst_megatron.plots import read_scalars, save_figure, switch_iteration  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from measure import write, write_index  # noqa: E402
@@ -164,12 +163,7 @@ def plot(args, best: dict, tst: dict, path: str) -> None:
     ax.axhline(best["valid"][-1][1], color="tab:blue", ls=":", lw=1, label="baseline final")
     ax.set_xlabel("iteration (equal FLOPs per step)")
     ax.set_ylabel("validation next-token loss (nats)")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    with atomic_path(path) as tmp:
-        fig.savefig(tmp, format="png")
-    plt.close(fig)
+    save_figure(fig, ax, path)
 
 
 def main() -> int:

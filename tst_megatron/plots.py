@@ -62,10 +62,18 @@ def plot_losses(tensorboard_dir: str, output: str, *, title: str = "TST pretrain
     ax.set_xlabel("iteration (equal FLOPs per step)")
     ax.set_ylabel("loss (nats)")
     ax.set_title(title)
+    return save_figure(fig, ax, output)
+
+
+def save_figure(fig, ax, path: str) -> str:
+    """Grid, legend and tight layout on ``ax``, then write ``fig`` as PNG to ``path``
+    atomically (temporary name, then rename) and close it. Returns ``path``."""
+    import matplotlib.pyplot as plt
+
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    with atomic_path(output) as tmp:
+    with atomic_path(path) as tmp:
         fig.savefig(tmp, format="png")
     plt.close(fig)
-    return output
+    return path

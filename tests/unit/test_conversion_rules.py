@@ -1,6 +1,5 @@
 """The Megatron <-> Hugging Face mapping on its own (no processes, no checkpoints)."""
 
-import dataclasses
 import json
 import os
 

@@ -60,7 +60,7 @@ def export_checkpoint(
     hf.require_transformers()
     path = resolve_checkpoint(load, ckpt_step)
     hf.target_architecture(read_args(path))  # before the weights are read
-    args, state, _ = read_checkpoint(path)
+    args, state = read_checkpoint(path)
     arch = hf.target_architecture(args)
     if dtype == "auto":
         dtype = args.get("hf_dtype") or args.get("params_dtype") or "float32"

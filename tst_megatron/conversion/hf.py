@@ -283,17 +283,6 @@ def read_hf_dir(path: str) -> Tuple[object, Dict[str, torch.Tensor]]:
     return config, state
 
 
-def _parse_size(text) -> int:
-    if isinstance(text, int):
-        return text
-    units = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "B": 1}
-    text = str(text).strip().upper()
-    for unit, factor in units.items():
-        if text.endswith(unit):
-            return int(float(text[: -len(unit)]) * factor)
-    return int(text)
-
-
 def write_hf_dir(
     out: str,
     config,
@@ -326,7 +315,7 @@ def write_hf_dir(
     os.makedirs(tmp)
     config.save_pretrained(tmp)
     GenerationConfig.from_model_config(config).save_pretrained(tmp)
-    split = split_torch_state_dict_into_shards(state, max_shard_size=_parse_size(max_shard_size))
+    split = split_torch_state_dict_into_shards(state, max_shard_size=max_shard_size)
     for filename, names in split.filename_to_tensors.items():
         save_file({n: state[n] for n in names}, os.path.join(tmp, filename),
                   metadata={"format": "pt"})  # fmt: skip

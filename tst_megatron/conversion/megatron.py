@@ -159,26 +159,23 @@ def read_args(path: str) -> dict:
     return common["args"]
 
 
-def read_checkpoint(path: str) -> Tuple[dict, Dict[str, torch.Tensor], dict]:
+def read_checkpoint(path: str) -> Tuple[dict, Dict[str, torch.Tensor]]:
     """Load the ``torch_dist`` checkpoint directory ``path`` into a 1-process model.
 
     Returns:
-        ``(args, state, common)``: the stored ``args``, the model's weights
-        ``{megatron name: tensor}`` (parameter dtype), and the checkpoint's common state.
+        ``(args, state)``: the stored ``args`` and the model's weights
+        ``{megatron name: tensor}`` (parameter dtype).
 
     Raises:
         ValueError: the checkpoint has no ``args`` (written before they were stored).
     """
-    from megatron.core import dist_checkpointing
-
     args = read_args(path)
-    common = dist_checkpointing.load_common_state_dict(path)
     with single_process():
         model = build_model(args)
         checkpointing.load_model_weights(path, [model])
-        state = {k: v.detach().clone() for k, v in model.state_dict().items()
-                 if isinstance(v, torch.Tensor) and not k.endswith("_extra_state")}  # fmt: skip
-    return args, state, common
+        weights = model.state_dict()
+        state = {name: weights[name].detach().clone() for name in tensor_names(model)}
+    return args, state
 
 
 def write_release(root: str, args: dict, state: Dict[str, torch.Tensor]) -> str:
