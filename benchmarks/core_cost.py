@@ -79,10 +79,16 @@ def bench_embedding(batch, latent, bags, hidden, vocab, repeats):
 
     from tst_megatron.superposition import bag_embedding
 
-    config = TransformerConfig(num_layers=1, hidden_size=hidden, num_attention_heads=1,
-                               use_cpu_initialization=True, hidden_dropout=0.0)  # fmt: skip
-    emb = LanguageModelEmbedding(config, vocab_size=vocab, max_sequence_length=latent,
-                                 position_embedding_type="rope")  # fmt: skip
+    config = TransformerConfig(
+        num_layers=1,
+        hidden_size=hidden,
+        num_attention_heads=1,
+        use_cpu_initialization=True,
+        hidden_dropout=0.0,
+    )
+    emb = LanguageModelEmbedding(
+        config, vocab_size=vocab, max_sequence_length=latent, position_embedding_type="rope"
+    )
     g = torch.Generator().manual_seed(1)
     rows = []
     for size in bags:
@@ -113,8 +119,12 @@ def main():
     p = argparse.ArgumentParser(description="TST core cost ratios")
     p.add_argument("--smoke", action="store_true", help="tiny sizes, for CI")
     p.add_argument("--repeats", type=int, default=None)
-    p.add_argument("--output", default=None, help="also write the Markdown report here "
-                   "(e.g. docs/results/core_cost.md; docs/results.md is then re-indexed)")
+    p.add_argument(
+        "--output",
+        default=None,
+        help="also write the Markdown report here "
+        "(e.g. docs/results/core_cost.md; docs/results.md is then re-indexed)",
+    )
     args = p.parse_args()
     torch.set_num_threads(max(1, torch.get_num_threads()))
     init_single_process()
@@ -123,7 +133,9 @@ def main():
     else:
         ce_size, emb_size, repeats = (2048, 32768), (4, 512, 512, 32000), args.repeats or 5
     base_time, ce_rows = bench_cross_entropy(*ce_size, ks=(1, 2, 4, 8, 16), repeats=repeats)
-    emb_rows = bench_embedding(emb_size[0], emb_size[1], (2, 4, 8), emb_size[2], emb_size[3], repeats)
+    emb_rows = bench_embedding(
+        emb_size[0], emb_size[1], (2, 4, 8), emb_size[2], emb_size[3], repeats
+    )
 
     lines = [
         "# TST core cost",

@@ -43,8 +43,11 @@ def main(argv=None) -> int:
     from benchmarks.measure import write, write_index
     from tst_megatron.conversion import export_checkpoint
     from tst_megatron.conversion.megatron import (
-        build_model, read_args, resolve_checkpoint, single_process,
-    )  # fmt: skip
+        build_model,
+        read_args,
+        resolve_checkpoint,
+        single_process,
+    )
     from tst_megatron.training.checkpointing import load_model_weights
 
     path = resolve_checkpoint(args.load)
@@ -78,35 +81,44 @@ def main(argv=None) -> int:
             next_id = megatron_logits(greedy_ours)[:, -1].argmax(-1, keepdim=True)
             greedy_ours = torch.cat([greedy_ours, next_id], dim=1)
     hf = transformers.AutoModelForCausalLM.from_pretrained(
-        os.path.join(out, "hf"), dtype=torch.float32, attn_implementation="eager").eval()  # fmt: skip
+        os.path.join(out, "hf"), dtype=torch.float32, attn_implementation="eager"
+    ).eval()
     hf.generation_config.eos_token_id = None
     with torch.no_grad():
         theirs = hf(inputs).logits.double()
-        greedy_theirs = hf.generate(inputs[:1, :16], max_new_tokens=32, do_sample=False,
-                                    pad_token_id=0)  # fmt: skip
+        greedy_theirs = hf.generate(
+            inputs[:1, :16], max_new_tokens=32, do_sample=False, pad_token_id=0
+        )
     shutil.rmtree(out)
 
     def loss(logits):
-        return torch.nn.functional.cross_entropy(logits.reshape(-1, vocab), labels.reshape(-1)).item()
+        return torch.nn.functional.cross_entropy(
+            logits.reshape(-1, vocab), labels.reshape(-1)
+        ).item()
 
     diff = (ours - theirs).abs().max().item()
     agree = (ours.argmax(-1) == theirs.argmax(-1)).double().mean().item()
     same_greedy = greedy_ours.tolist() == greedy_theirs.tolist()
     lines = [
-        "# Hugging Face export parity (`benchmarks/hf_parity.py`)", "",
+        "# Hugging Face export parity (`benchmarks/hf_parity.py`)",
+        "",
         f"Checkpoint `{done['checkpoint']}` exported as {done['architecture']} "
         f"({done['tensors']} tensors, {done['dtype']}) in {export_s:.1f} s; "
-        f"{args.windows} windows of {args.seq_length} tokens from the end of `{args.data_path}`.", "",
-        "| | value |", "| --- | --- |",
+        f"{args.windows} windows of {args.seq_length} tokens from the end of `{args.data_path}`.",
+        "",
+        "| | value |",
+        "| --- | --- |",
         f"| max abs logit difference (megatron-core vs transformers, fp32) | {diff:.2e} |",
         f"| argmax agreement | {100 * agree:.2f}% |",
         f"| next-token loss, megatron-core | {loss(ours):.6f} |",
         f"| next-token loss, transformers | {loss(theirs):.6f} |",
-        f"| 32 greedy tokens identical | {'yes' if same_greedy else 'NO'} |", "",
+        f"| 32 greedy tokens identical | {'yes' if same_greedy else 'NO'} |",
+        "",
         f"Command: `python benchmarks/hf_parity.py {' '.join(argv or sys.argv[1:])}`  ",
         f"Machine: {platform.platform()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
-        f"transformers {transformers.__version__}.", "",
-    ]  # fmt: skip
+        f"transformers {transformers.__version__}.",
+        "",
+    ]
     os.makedirs(args.output_dir, exist_ok=True)
     write(os.path.join(args.output_dir, "hf_parity.md"), "\n".join(lines))
     write_index(args.output_dir)

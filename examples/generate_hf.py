@@ -21,8 +21,12 @@ def main(argv=None) -> int:
     tokenizer = transformers.AutoTokenizer.from_pretrained(args.model)
     model = transformers.AutoModelForCausalLM.from_pretrained(args.model).eval()
     inputs = tokenizer(args.prompt, return_tensors="pt", add_special_tokens=False)
-    output = model.generate(**inputs, max_new_tokens=args.max_new_tokens, do_sample=False,
-                            pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+    output = model.generate(
+        **inputs,
+        max_new_tokens=args.max_new_tokens,
+        do_sample=False,
+        pad_token_id=tokenizer.pad_token_id,
+    )
     print(tokenizer.decode(output[0], skip_special_tokens=True))
     return 0
 

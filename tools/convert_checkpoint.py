@@ -18,24 +18,46 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     sub = p.add_subparsers(dest="direction", required=True)
     e = sub.add_parser("export", help="Megatron torch_dist -> Hugging Face")
-    e.add_argument("--load", required=True,
-                   help="a --save root (its latest checkpoint) or one checkpoint directory")
-    e.add_argument("--ckpt-step", type=int, default=None,
-                   help="export iter_<N> of the --load root instead of the latest")
+    e.add_argument(
+        "--load",
+        required=True,
+        help="a --save root (its latest checkpoint) or one checkpoint directory",
+    )
+    e.add_argument(
+        "--ckpt-step",
+        type=int,
+        default=None,
+        help="export iter_<N> of the --load root instead of the latest",
+    )
     e.add_argument("--save", required=True, help="Hugging Face directory to create")
-    e.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
-                   help="tensor dtype (auto: as imported, else the parameter dtype)")
-    e.add_argument("--tokenizer-model", default=None,
-                   help="SentencePiece model to include (default: the run's, if it exists)")
+    e.add_argument(
+        "--dtype",
+        default="auto",
+        choices=("auto", "float32", "bfloat16", "float16"),
+        help="tensor dtype (auto: as imported, else the parameter dtype)",
+    )
+    e.add_argument(
+        "--tokenizer-model",
+        default=None,
+        help="SentencePiece model to include (default: the run's, if it exists)",
+    )
     e.add_argument("--max-shard-size", default="5GB", help="safetensors shard limit (default 5GB)")
     e.add_argument("--force", action="store_true", help="replace an existing --save")
     i = sub.add_parser("import", help="Hugging Face -> Megatron torch_dist (release)")
     i.add_argument("--load", required=True, help="Hugging Face model directory")
     i.add_argument("--save", required=True, help="checkpoint root to create (for --load)")
-    i.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
-                   help="vocabulary padding, as the trainer's flag (default 128)")
-    i.add_argument("--tensor-model-parallel-size", type=int, default=1,
-                   help="the TP of the runs that will load it (vocabulary padding only)")
+    i.add_argument(
+        "--make-vocab-size-divisible-by",
+        type=int,
+        default=128,
+        help="vocabulary padding, as the trainer's flag (default 128)",
+    )
+    i.add_argument(
+        "--tensor-model-parallel-size",
+        type=int,
+        default=1,
+        help="the TP of the runs that will load it (vocabulary padding only)",
+    )
     i.add_argument("--force", action="store_true", help="replace an existing --save")
     args = p.parse_args(argv)
 
@@ -47,23 +69,35 @@ def main(argv=None) -> int:
     try:
         if args.direction == "export":
             done = export_checkpoint(
-                args.load, args.save, ckpt_step=args.ckpt_step, dtype=args.dtype,
-                tokenizer_model=args.tokenizer_model, max_shard_size=args.max_shard_size,
+                args.load,
+                args.save,
+                ckpt_step=args.ckpt_step,
+                dtype=args.dtype,
+                tokenizer_model=args.tokenizer_model,
+                max_shard_size=args.max_shard_size,
                 force=args.force,
-            )  # fmt: skip
-            print(f"exported {done['checkpoint']} as {done['architecture']} "
-                  f"({done['tensors']} tensors, {done['dtype']}) to {done['out']}")  # fmt: skip
+            )
+            print(
+                f"exported {done['checkpoint']} as {done['architecture']} "
+                f"({done['tensors']} tensors, {done['dtype']}) to {done['out']}"
+            )
             if done["tokenizer"] is None:
-                print("note: no tokenizer included (the run's is unknown or missing); "
-                      "pass --tokenizer-model to add one")  # fmt: skip
+                print(
+                    "note: no tokenizer included (the run's is unknown or missing); "
+                    "pass --tokenizer-model to add one"
+                )
         else:
             done = import_checkpoint(
-                args.load, args.save,
+                args.load,
+                args.save,
                 make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
-                tensor_model_parallel_size=args.tensor_model_parallel_size, force=args.force,
-            )  # fmt: skip
-            print(f"imported {args.load} ({done['architecture']}) to {done['checkpoint']}"
-                  + (f", tokenizer {done['tokenizer']}" if done["tokenizer"] else ""))
+                tensor_model_parallel_size=args.tensor_model_parallel_size,
+                force=args.force,
+            )
+            print(
+                f"imported {args.load} ({done['architecture']}) to {done['checkpoint']}"
+                + (f", tokenizer {done['tokenizer']}" if done["tokenizer"] else "")
+            )
             print("train from it with: --load " + args.save + " " + " ".join(done["flags"]))
     except (ValueError, FileExistsError, FileNotFoundError, ImportError) as exc:
         print(f"error: {exc}", file=sys.stderr)

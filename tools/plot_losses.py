@@ -1,6 +1,6 @@
 """Plot training and validation loss (with the TST switch) from a --tensorboard-dir.
 
-    python tools/plot_losses.py --tensorboard-dir runs/quickstart/tensorboard --output runs/quickstart/loss.png
+python tools/plot_losses.py --tensorboard-dir runs/quickstart/tensorboard --output runs/quickstart/loss.png
 """
 
 import argparse

@@ -15,16 +15,22 @@ def main() -> int:
     p.add_argument("--input", required=True)
     p.add_argument("--json-keys", nargs="+", default=["text"])
     p.add_argument("--output-prefix", required=True)
-    p.add_argument("--tokenizer-type", default="SentencePieceTokenizer",
-                   choices=("SentencePieceTokenizer",))
+    p.add_argument(
+        "--tokenizer-type", default="SentencePieceTokenizer", choices=("SentencePieceTokenizer",)
+    )
     p.add_argument("--tokenizer-model", required=True)
     p.add_argument("--append-eod", action="store_true")
     p.add_argument("--workers", type=int, default=1)
     args = p.parse_args()
     try:
-        stats = preprocess(args.input, args.output_prefix, args.tokenizer_model,
-                           json_keys=args.json_keys, append_eod=args.append_eod,
-                           workers=args.workers)
+        stats = preprocess(
+            args.input,
+            args.output_prefix,
+            args.tokenizer_model,
+            json_keys=args.json_keys,
+            append_eod=args.append_eod,
+            workers=args.workers,
+        )
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

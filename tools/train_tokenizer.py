@@ -20,8 +20,12 @@ def main() -> int:
     p.add_argument("--model-type", default="bpe", choices=("bpe", "unigram"))
     args = p.parse_args()
     try:
-        path = train_tokenizer(jsonl_documents(args.input, args.json_key), args.model_prefix,
-                               vocab_size=args.vocab_size, model_type=args.model_type)
+        path = train_tokenizer(
+            jsonl_documents(args.input, args.json_key),
+            args.model_prefix,
+            vocab_size=args.vocab_size,
+            model_type=args.model_type,
+        )
     except (ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

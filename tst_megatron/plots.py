@@ -49,16 +49,29 @@ def plot_losses(tensorboard_dir: str, output: str, *, title: str = "TST pretrain
         raise ValueError(f"no training loss in {tensorboard_dir}")
     fig, ax = plt.subplots(figsize=(8, 4.5), dpi=120)
     if "mce loss" in scalars:
-        ax.plot(*zip(*scalars["mce loss"]), label="train: bag MCE loss (phase 1)", color="tab:orange")
+        ax.plot(
+            *zip(*scalars["mce loss"]), label="train: bag MCE loss (phase 1)", color="tab:orange"
+        )
     if "lm loss" in scalars:
-        ax.plot(*zip(*scalars["lm loss"]), label="train: next-token loss (phase 2)", color="tab:blue")
+        ax.plot(
+            *zip(*scalars["lm loss"]), label="train: next-token loss (phase 2)", color="tab:blue"
+        )
     if "validation lm loss" in scalars:
-        ax.plot(*zip(*scalars["validation lm loss"]), "o-", label="validation: next-token loss",
-                color="tab:green", markersize=3)  # fmt: skip
+        ax.plot(
+            *zip(*scalars["validation lm loss"]),
+            "o-",
+            label="validation: next-token loss",
+            color="tab:green",
+            markersize=3,
+        )
     switch = switch_iteration(scalars.get("tst-phase", []))
     if switch is not None:
-        ax.axvline(switch, color="gray", linestyle="--",
-                   label=f"switch to next-token at iteration {switch}")  # fmt: skip
+        ax.axvline(
+            switch,
+            color="gray",
+            linestyle="--",
+            label=f"switch to next-token at iteration {switch}",
+        )
     ax.set_xlabel("iteration (equal FLOPs per step)")
     ax.set_ylabel("loss (nats)")
     ax.set_title(title)

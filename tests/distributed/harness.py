@@ -25,9 +25,12 @@ def _free_port() -> int:
 
 def _child(rank, world_size, port, out_dir, fn, kwargs):
     os.environ.update(
-        RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-    )  # fmt: skip
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
     torch.set_num_threads(1)
     from tst_megatron.runtime import destroy, init_distributed
 
@@ -48,14 +51,17 @@ def run_distributed(fn, world_size: int = 2, **kwargs):
     with tempfile.TemporaryDirectory() as out_dir:
         try:
             mp.start_processes(
-                _child, args=(world_size, _free_port(), out_dir, fn, kwargs),
-                nprocs=world_size, start_method="spawn",
-            )  # fmt: skip
+                _child,
+                args=(world_size, _free_port(), out_dir, fn, kwargs),
+                nprocs=world_size,
+                start_method="spawn",
+            )
         except Exception as exc:
             errors = [
                 open(os.path.join(out_dir, name)).read()
-                for name in sorted(os.listdir(out_dir)) if name.endswith(".err")
-            ]  # fmt: skip
+                for name in sorted(os.listdir(out_dir))
+                if name.endswith(".err")
+            ]
             raise AssertionError("distributed run failed:\n" + "\n".join(errors)) from exc
         return [
             torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False)

@@ -51,11 +51,17 @@ def _embedding_child(rank, world, *, sp, position, bag_size, seed, dtype=torch.f
     initialize_model_parallel(ParallelConfig(tensor_model_parallel_size=world))
     set_seed(seed)
     config = TransformerConfig(
-        num_layers=1, hidden_size=H, num_attention_heads=2, tensor_model_parallel_size=world,
-        sequence_parallel=sp, use_cpu_initialization=True, hidden_dropout=0.0,
-    )  # fmt: skip
-    emb = LanguageModelEmbedding(config, vocab_size=V, max_sequence_length=T,
-                                 position_embedding_type=position).to(dtype)  # fmt: skip
+        num_layers=1,
+        hidden_size=H,
+        num_attention_heads=2,
+        tensor_model_parallel_size=world,
+        sequence_parallel=sp,
+        use_cpu_initialization=True,
+        hidden_dropout=0.0,
+    )
+    emb = LanguageModelEmbedding(
+        config, vocab_size=V, max_sequence_length=T, position_embedding_type=position
+    ).to(dtype)
     word, pos = _tables(seed)
     shard = V // world
     with torch.no_grad():
@@ -114,14 +120,24 @@ def _ce_child(rank, world, *, dtype, seed):
     before = local.detach().clone()
     ce = vocab_parallel_multi_target_cross_entropy(local, targets, tp_group=group)
     ce.backward(grad.float())
-    result = {"ce": ce.detach(), "grad": local.grad.clone(), "unchanged": torch.equal(local.detach(), before)}
+    result = {
+        "ce": ce.detach(),
+        "grad": local.grad.clone(),
+        "unchanged": torch.equal(local.detach(), before),
+    }
 
     # MCE with power weights and masked slots, through the same CE.
-    local2 = logits[..., rank * shard : (rank + 1) * shard].to(dtype).contiguous().requires_grad_(True)
+    local2 = (
+        logits[..., rank * shard : (rank + 1) * shard].to(dtype).contiguous().requires_grad_(True)
+    )
     ce2 = vocab_parallel_multi_target_cross_entropy(local2, targets, tp_group=group)
-    loss_sum, weight_sum = multi_hot_cross_entropy(ce2, mask, bag_weights(targets.shape[-1], "power"))
+    loss_sum, weight_sum = multi_hot_cross_entropy(
+        ce2, mask, bag_weights(targets.shape[-1], "power")
+    )
     (loss_sum / weight_sum * 1.7).backward()
-    result.update(loss_sum=loss_sum.detach(), weight_sum=weight_sum.detach(), mce_grad=local2.grad.clone())
+    result.update(
+        loss_sum=loss_sum.detach(), weight_sum=weight_sum.detach(), mce_grad=local2.grad.clone()
+    )
     try:
         bad = targets.clone()
         bad[0, 0, 0] = V
@@ -165,7 +181,9 @@ def _reference_embedding(seed, bag_size, position, dtype=torch.float64):
 def _reference_ce(logits, targets):
     return torch.stack(
         [
-            F.cross_entropy(logits.reshape(-1, V), targets[..., k].reshape(-1), reduction="none").view(B, T)
+            F.cross_entropy(
+                logits.reshape(-1, V), targets[..., k].reshape(-1), reduction="none"
+            ).view(B, T)
             for k in range(targets.shape[-1])
         ],
         dim=-1,
@@ -181,7 +199,9 @@ def _reference_ce(logits, targets):
 )
 def test_bag_embedding_tp2_matches_reference(sp, position):
     seed, bag_size = 11, 4
-    ranks = run_distributed(_embedding_child, 2, sp=sp, position=position, bag_size=bag_size, seed=seed)
+    ranks = run_distributed(
+        _embedding_child, 2, sp=sp, position=position, bag_size=bag_size, seed=seed
+    )
     ref_out, ref_word_grad, ref_pos_grad = _reference_embedding(seed, bag_size, position)
     out = torch.cat([r["out"] for r in ranks], dim=0) if sp else ranks[0]["out"]
     if not sp:
@@ -202,8 +222,9 @@ def test_bag_embedding_tp2_matches_reference(sp, position):
 
 def test_bag_embedding_tp1_matches_reference_and_tp2():
     seed, bag_size = 5, 3
-    (single,) = run_distributed(_embedding_child, 1, sp=False, position="learned_absolute",
-                                bag_size=bag_size, seed=seed)  # fmt: skip
+    (single,) = run_distributed(
+        _embedding_child, 1, sp=False, position="learned_absolute", bag_size=bag_size, seed=seed
+    )
     ref_out, ref_word_grad, _ = _reference_embedding(seed, bag_size, "learned_absolute")
     torch.testing.assert_close(single["out"].double(), ref_out, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(single["word_grad"].double(), ref_word_grad, rtol=1e-5, atol=1e-5)
@@ -245,8 +266,15 @@ def test_multi_target_ce_tp2_matches_reference(dtype):
 
 def test_bag_embedding_tp2_sp_bf16_within_tolerance():
     seed, bag_size = 13, 6
-    ranks = run_distributed(_embedding_child, 2, sp=True, position="rope", bag_size=bag_size,
-                            seed=seed, dtype=torch.bfloat16)  # fmt: skip
+    ranks = run_distributed(
+        _embedding_child,
+        2,
+        sp=True,
+        position="rope",
+        bag_size=bag_size,
+        seed=seed,
+        dtype=torch.bfloat16,
+    )
     ref_out, ref_word_grad, _ = _reference_embedding(seed, bag_size, "rope", torch.bfloat16)
     out = torch.cat([r["out"] for r in ranks], dim=0)
     assert out.dtype == torch.bfloat16

@@ -20,14 +20,27 @@ def _config(tp=1, pp=1, ep=1, dispatcher="alltoall", aux=0.0):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     return TransformerConfig(
-        num_layers=LAYERS, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64,
-        num_moe_experts=EXPERTS, moe_router_topk=2, moe_ffn_hidden_size=32,
-        moe_token_dispatcher_type=dispatcher, moe_aux_loss_coeff=aux,
-        normalization="RMSNorm", gated_linear_unit=True, add_bias_linear=False,
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-        expert_model_parallel_size=ep, sequence_parallel=tp > 1, use_cpu_initialization=True,
-        hidden_dropout=0.0, attention_dropout=0.0, pipeline_dtype=torch.float32,
-    )  # fmt: skip
+        num_layers=LAYERS,
+        hidden_size=32,
+        num_attention_heads=4,
+        ffn_hidden_size=64,
+        num_moe_experts=EXPERTS,
+        moe_router_topk=2,
+        moe_ffn_hidden_size=32,
+        moe_token_dispatcher_type=dispatcher,
+        moe_aux_loss_coeff=aux,
+        normalization="RMSNorm",
+        gated_linear_unit=True,
+        add_bias_linear=False,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        expert_model_parallel_size=ep,
+        sequence_parallel=tp > 1,
+        use_cpu_initialization=True,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        pipeline_dtype=torch.float32,
+    )
 
 
 def _global_name(name, pp_rank, ep_rank):
@@ -62,9 +75,13 @@ def _batch(index):
 
 def _mce(model, batch, tp_group):
     from tst_megatron.superposition import (
-        align_bag_targets, bag_embedding, bag_weights, fold_bags,
-        multi_hot_cross_entropy, vocab_parallel_multi_target_cross_entropy,
-    )  # fmt: skip
+        align_bag_targets,
+        bag_embedding,
+        bag_weights,
+        fold_bags,
+        multi_hot_cross_entropy,
+        vocab_parallel_multi_target_cross_entropy,
+    )
 
     tokens, labels, loss_mask = batch
     x = bag_embedding(model.embedding, fold_bags(tokens, S)) if model.pre_process else None
@@ -87,16 +104,24 @@ def _model_child(rank, world, *, tp, pp, ep, dispatcher, batches, aux=0.0):
     from tst_megatron.runtime import ParallelConfig, initialize_model_parallel, set_seed
     from tst_megatron.training import build_gpt_model
 
-    initialize_model_parallel(ParallelConfig(
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-        expert_model_parallel_size=ep))  # fmt: skip
+    initialize_model_parallel(
+        ParallelConfig(
+            tensor_model_parallel_size=tp,
+            pipeline_model_parallel_size=pp,
+            expert_model_parallel_size=ep,
+        )
+    )
     set_seed(7)
     model = build_gpt_model(
-        _config(tp, pp, ep, dispatcher, aux), vocab_size=V, max_sequence_length=T,
-        pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
-    )  # fmt: skip
-    names = _set_weights(model, ps.get_pipeline_model_parallel_rank(),
-                         ps.get_expert_model_parallel_rank())  # fmt: skip
+        _config(tp, pp, ep, dispatcher, aux),
+        vocab_size=V,
+        max_sequence_length=T,
+        pre_process=ps.is_pipeline_first_stage(),
+        post_process=ps.is_pipeline_last_stage(),
+    )
+    names = _set_weights(
+        model, ps.get_pipeline_model_parallel_rank(), ps.get_expert_model_parallel_rank()
+    )
     tp_group = ps.get_tensor_model_parallel_group()
     data = iter([_batch(i) for i in batches[ps.get_data_parallel_rank()]])
 
@@ -104,23 +129,30 @@ def _model_child(rank, world, *, tp, pp, ep, dispatcher, batches, aux=0.0):
         return _mce(model, next(data_iterator), tp_group)
 
     losses = get_forward_backward_func()(
-        forward_step_func=forward_step, data_iterator=data, model=[model],
-        num_microbatches=len(batches[0]), seq_length=T, micro_batch_size=B, forward_only=False,
-    )  # fmt: skip
+        forward_step_func=forward_step,
+        data_iterator=data,
+        model=[model],
+        num_microbatches=len(batches[0]),
+        seq_length=T,
+        micro_batch_size=B,
+        forward_only=False,
+    )
     grads = {names[n]: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     return {"losses": [d["mce"] for d in losses], "grads": grads}
 
 
 def _reference(batch_lists):
     """1 process: the unsplit model, each batch's MCE / (#batches in its list), summed grads."""
-    return run_distributed(_model_child, 1, tp=1, pp=1, ep=1, dispatcher="alltoall",
-                           batches=batch_lists)[0]  # fmt: skip
+    return run_distributed(
+        _model_child, 1, tp=1, pp=1, ep=1, dispatcher="alltoall", batches=batch_lists
+    )[0]
 
 
 @pytest.mark.slow
 def test_pp2_matches_one_process():
-    ranks = run_distributed(_model_child, 2, tp=1, pp=2, ep=1, dispatcher="alltoall",
-                            batches=[[0, 1]])  # fmt: skip
+    ranks = run_distributed(
+        _model_child, 2, tp=1, pp=2, ep=1, dispatcher="alltoall", batches=[[0, 1]]
+    )
     ref = _reference([[0, 1]])
     assert ranks[0]["losses"] == []  # first stage computes no loss
     torch.testing.assert_close(torch.stack(ranks[1]["losses"]), torch.stack(ref["losses"]))
@@ -134,8 +166,9 @@ def test_pp2_matches_one_process():
 @pytest.mark.parametrize("dispatcher", ["alltoall", "allgather"])
 def test_ep2_matches_one_process(dispatcher):
     # EP=2 on 2 ranks: DP=2 for dense weights, experts split. Rank r gets batch r.
-    ranks = run_distributed(_model_child, 2, tp=1, pp=1, ep=2, dispatcher=dispatcher,
-                            batches=[[0], [1]])  # fmt: skip
+    ranks = run_distributed(
+        _model_child, 2, tp=1, pp=1, ep=2, dispatcher=dispatcher, batches=[[0], [1]]
+    )
     refs = [_reference([[0]]), _reference([[1]])]
     for r in range(2):
         torch.testing.assert_close(ranks[r]["losses"][0], refs[r]["losses"][0])
@@ -149,8 +182,9 @@ def test_ep2_matches_one_process(dispatcher):
 
 @pytest.mark.slow
 def test_tp2_sp_moe_runs_forward_backward():
-    ranks = run_distributed(_model_child, 2, tp=2, pp=1, ep=1, dispatcher="alltoall",
-                            batches=[[0]], aux=0.01)  # fmt: skip
+    ranks = run_distributed(
+        _model_child, 2, tp=2, pp=1, ep=1, dispatcher="alltoall", batches=[[0]], aux=0.01
+    )
     ref = _reference([[0]])
     # Same data on both TP ranks: one loss, finite, and close to the 1-process loss of the same
     # global weights is not expected (TP shards are initialised per shard), so only sanity.

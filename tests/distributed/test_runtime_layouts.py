@@ -12,14 +12,16 @@ def _layout_child(rank, world, *, layouts):
     for kwargs in layouts:
         initialize_model_parallel(ParallelConfig(**kwargs))
         set_seed(1)
-        seen.append({
-            "tp": ps.get_tensor_model_parallel_world_size(),
-            "pp": ps.get_pipeline_model_parallel_world_size(),
-            "vpp": ps.get_virtual_pipeline_model_parallel_world_size(),
-            "cp": ps.get_context_parallel_world_size(),
-            "ep": ps.get_expert_model_parallel_world_size(),
-            "dp": ps.get_data_parallel_world_size(),
-        })  # fmt: skip
+        seen.append(
+            {
+                "tp": ps.get_tensor_model_parallel_world_size(),
+                "pp": ps.get_pipeline_model_parallel_world_size(),
+                "vpp": ps.get_virtual_pipeline_model_parallel_world_size(),
+                "cp": ps.get_context_parallel_world_size(),
+                "ep": ps.get_expert_model_parallel_world_size(),
+                "dp": ps.get_data_parallel_world_size(),
+            }
+        )
     return seen
 
 

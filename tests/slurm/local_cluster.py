@@ -49,7 +49,9 @@ def ensure_installed() -> None:
     if not missing:
         return
     if os.geteuid() != 0:
-        raise Unavailable(f"{', '.join(missing)} not installed and not root (cannot apt-get install slurm-wlm munge)")
+        raise Unavailable(
+            f"{', '.join(missing)} not installed and not root (cannot apt-get install slurm-wlm munge)"
+        )
     if shutil.which("apt-get") is None:
         raise Unavailable(f"{', '.join(missing)} not installed and there is no apt-get here")
     env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
@@ -134,13 +136,16 @@ class LocalSlurm:
 
     def _spawn(self, name: str, argv: list) -> None:
         out = open(self.logs / f"{name}.stdout", "w")
-        self._procs[name] = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
-                                             env=self.env(), start_new_session=True)  # fmt: skip
+        self._procs[name] = subprocess.Popen(
+            argv, stdout=out, stderr=subprocess.STDOUT, env=self.env(), start_new_session=True
+        )
         time.sleep(0.5)
         if self._procs[name].poll() is not None:
             log = self.logs / (f"{name}.log" if name != "munged" else "munged.log")
-            raise Unavailable(f"{name} exited at start (status {self._procs[name].returncode}): "
-                              f"{_tail(self.logs / f'{name}.stdout')} {_tail(log)}")  # fmt: skip
+            raise Unavailable(
+                f"{name} exited at start (status {self._procs[name].returncode}): "
+                f"{_tail(self.logs / f'{name}.stdout')} {_tail(log)}"
+            )
 
     def start(self, timeout: float = 60.0) -> None:
         """Write the configuration, start munged, slurmctld and slurmd, wait for the node to be idle.
@@ -154,31 +159,50 @@ class LocalSlurm:
         try:
             socket.gethostbyname(self.node)
         except OSError as exc:
-            raise Unavailable(f"host name {self.node!r} does not resolve ({exc}); the launcher rendezvouses on it")
+            raise Unavailable(
+                f"host name {self.node!r} does not resolve ({exc}); the launcher rendezvouses on it"
+            ) from exc
         ensure_installed()
         self._write_config()
         m = self.root / "munge"
-        self._spawn("munged", ["munged", "--foreground", "--force", f"--socket={self.munge_socket}",
-                               f"--key-file={m / 'munge.key'}", f"--pid-file={m / 'munged.pid'}",
-                               f"--log-file={self.logs / 'munged.log'}", f"--seed-file={m / 'munged.seed'}"])  # fmt: skip
+        self._spawn(
+            "munged",
+            [
+                "munged",
+                "--foreground",
+                "--force",
+                f"--socket={self.munge_socket}",
+                f"--key-file={m / 'munge.key'}",
+                f"--pid-file={m / 'munged.pid'}",
+                f"--log-file={self.logs / 'munged.log'}",
+                f"--seed-file={m / 'munged.seed'}",
+            ],
+        )
         self._spawn("slurmctld", ["slurmctld", "-D", "-i", "-f", str(self.conf)])
         self._spawn("slurmd", ["slurmd", "-D", "-N", self.node, "-f", str(self.conf)])
         deadline, state = time.monotonic() + timeout, "?"
         while time.monotonic() < deadline:
             for name, proc in self._procs.items():
                 if proc.poll() is not None:
-                    raise Unavailable(f"{name} exited (status {proc.returncode}): {_tail(self.logs / f'{name}.log')}")
+                    raise Unavailable(
+                        f"{name} exited (status {proc.returncode}): {_tail(self.logs / f'{name}.log')}"
+                    )
             state = self.run("sinfo", "-h", "-n", self.node, "-o", "%t", check=False).stdout.strip()
             if state == "idle":
                 return
             time.sleep(0.5)
-        raise Unavailable(f"node {self.node} is {state!r}, not idle, {timeout:.0f} s after start: "
-                          f"{_tail(self.logs / 'slurmd.log')}")  # fmt: skip
+        raise Unavailable(
+            f"node {self.node} is {state!r}, not idle, {timeout:.0f} s after start: "
+            f"{_tail(self.logs / 'slurmd.log')}"
+        )
 
-    def run(self, *argv: str, check: bool = True, timeout: float = 60) -> subprocess.CompletedProcess:
+    def run(
+        self, *argv: str, check: bool = True, timeout: float = 60
+    ) -> subprocess.CompletedProcess:
         """Run a Slurm client command against this cluster; returns its completed process."""
-        return subprocess.run(list(argv), capture_output=True, text=True, env=self.env(),
-                              check=check, timeout=timeout)  # fmt: skip
+        return subprocess.run(
+            list(argv), capture_output=True, text=True, env=self.env(), check=check, timeout=timeout
+        )
 
     def job_field(self, job_id: str, field: str) -> str:
         """One ``Key=value`` field of ``scontrol show job`` (e.g. ``JobState``, ``Restarts``)."""
@@ -193,7 +217,9 @@ class LocalSlurm:
         if "slurmctld" in self._procs and self._procs["slurmctld"].poll() is None:
             self.run("scancel", "--full", "--user=root", check=False)
             deadline = time.monotonic() + 30
-            while time.monotonic() < deadline and self.run("squeue", "-h", check=False).stdout.strip():
+            while (
+                time.monotonic() < deadline and self.run("squeue", "-h", check=False).stdout.strip()
+            ):
                 time.sleep(0.5)
         for name in ("slurmd", "slurmctld", "munged"):
             proc = self._procs.pop(name, None)

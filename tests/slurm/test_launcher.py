@@ -36,17 +36,28 @@ def test_expand_hostlist_agrees_with_scontrol(tmp_path):
     conf = tmp_path / "slurm.conf"  # scontrol wants a configuration, not a controller
     conf.write_text("ClusterName=hostlist\nSlurmctldHost=localhost\n")
     for hostlist, expected in HOSTLISTS.items():
-        out = subprocess.run(["scontrol", "show", "hostnames", hostlist], capture_output=True,
-                             text=True, check=True, env={"SLURM_CONF": str(conf)}).stdout.split()  # fmt: skip
+        out = subprocess.run(
+            ["scontrol", "show", "hostnames", hostlist],
+            capture_output=True,
+            text=True,
+            check=True,
+            env={"SLURM_CONF": str(conf)},
+        ).stdout.split()
         assert out == expected == expand_hostlist(hostlist), hostlist
 
 
 @pytest.mark.parametrize(
     "hostlist,message",
-    [("", "it is empty"), ("n[1-2", "'[' without ']'"), ("n1-2]", "']' without '['"),
-     ("n[3-1]", "runs backwards"), ("n[a-b]", "is not N or N-M"), ("n1,,n2", "empty name"),
-     ("n[1[2]]", "nested")],
-)  # fmt: skip
+    [
+        ("", "it is empty"),
+        ("n[1-2", "'[' without ']'"),
+        ("n1-2]", "']' without '['"),
+        ("n[3-1]", "runs backwards"),
+        ("n[a-b]", "is not N or N-M"),
+        ("n1,,n2", "empty name"),
+        ("n[1[2]]", "nested"),
+    ],
+)
 def test_bad_hostlist_is_one_line(hostlist, message):
     with pytest.raises(ValueError) as info:
         expand_hostlist(hostlist)
@@ -54,10 +65,15 @@ def test_bad_hostlist_is_one_line(hostlist, message):
 
 
 STEP = {  # what srun exports to task 3 of 8 on the second of two nodes (values from a real step)
-    "SLURM_JOB_ID": "1234", "SLURM_PROCID": "3", "SLURM_LOCALID": "1", "SLURM_NTASKS": "8",
-    "SLURM_STEP_ID": "0", "SLURM_STEP_NUM_TASKS": "4", "SLURM_STEP_NODELIST": "node[07-08]",
+    "SLURM_JOB_ID": "1234",
+    "SLURM_PROCID": "3",
+    "SLURM_LOCALID": "1",
+    "SLURM_NTASKS": "8",
+    "SLURM_STEP_ID": "0",
+    "SLURM_STEP_NUM_TASKS": "4",
+    "SLURM_STEP_NODELIST": "node[07-08]",
     "SLURM_JOB_NODELIST": "node[06-08]",
-}  # fmt: skip
+}
 
 
 def test_srun_task_takes_rank_and_rendezvous_from_slurm():
@@ -66,16 +82,25 @@ def test_srun_task_takes_rank_and_rendezvous_from_slurm():
     assert info.world_size == 4  # the step's task count, not the job's
     assert info.master_addr == "node07"  # first node of the step, not of the job
     assert info.master_port == PORT_BASE + 1234 % PORT_SPAN
-    job_only = {k: v for k, v in STEP.items() if not k.startswith("SLURM_STEP_")} | {"SLURM_STEPID": "0"}
+    job_only = {k: v for k, v in STEP.items() if not k.startswith("SLURM_STEP_")} | {
+        "SLURM_STEPID": "0"
+    }
     fallback = resolve_process(job_only, device="cpu")
     assert (fallback.world_size, fallback.master_addr) == (8, "node06")
 
 
 def test_exported_rendezvous_and_torchrun_win():
-    exported = resolve_process(STEP | {"MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "6000"}, device="cpu")
+    exported = resolve_process(
+        STEP | {"MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "6000"}, device="cpu"
+    )
     assert (exported.master_addr, exported.master_port, exported.rank) == ("10.0.0.1", 6000, 3)
-    torchrun = {"RANK": "9", "WORLD_SIZE": "16", "LOCAL_RANK": "1", "MASTER_ADDR": "node06",
-                "MASTER_PORT": "29400"}  # fmt: skip
+    torchrun = {
+        "RANK": "9",
+        "WORLD_SIZE": "16",
+        "LOCAL_RANK": "1",
+        "MASTER_ADDR": "node06",
+        "MASTER_PORT": "29400",
+    }
     info = resolve_process(STEP | torchrun, device="cpu")
     assert (info.launcher, info.rank, info.world_size, info.local_rank) == ("torchrun", 9, 16, 1)
     assert (info.master_addr, info.master_port) == ("node06", 29400)
@@ -83,7 +108,9 @@ def test_exported_rendezvous_and_torchrun_win():
 
 def test_batch_script_itself_is_one_process():
     """The batch shell has SLURM_PROCID=0 and the job's SLURM_NTASKS but no step id."""
-    batch = {k: v for k, v in STEP.items() if not k.startswith("SLURM_STEP")} | {"SLURM_PROCID": "0"}
+    batch = {k: v for k, v in STEP.items() if not k.startswith("SLURM_STEP")} | {
+        "SLURM_PROCID": "0"
+    }
     info = resolve_process(batch, device="cpu")
     assert (info.launcher, info.rank, info.world_size) == ("none", 0, 1)
 
@@ -99,12 +126,23 @@ def test_bad_slurm_environment_is_a_clear_error():
 def test_layout_line():
     import torch
 
-    info = ProcessInfo(rank=0, world_size=4, local_rank=0, device=torch.device("cpu"),
-                       backend="gloo", launcher="srun", master_addr="n1", master_port=11234)  # fmt: skip
-    line = format_layout(info, ["n1", "n1", "n2", "n2"],
-                         {"TP": 2, "PP": 1, "VPP": None, "EP": 2, "DP": 2})  # fmt: skip
-    assert line == (" layout: 2 nodes [n1, n2], 4 ranks (2 per node), launched by srun, "
-                    "rendezvous n1:11234, gloo | TP 2, PP 1, VPP -, EP 2, DP 2")  # fmt: skip
+    info = ProcessInfo(
+        rank=0,
+        world_size=4,
+        local_rank=0,
+        device=torch.device("cpu"),
+        backend="gloo",
+        launcher="srun",
+        master_addr="n1",
+        master_port=11234,
+    )
+    line = format_layout(
+        info, ["n1", "n1", "n2", "n2"], {"TP": 2, "PP": 1, "VPP": None, "EP": 2, "DP": 2}
+    )
+    assert line == (
+        " layout: 2 nodes [n1, n2], 4 ranks (2 per node), launched by srun, "
+        "rendezvous n1:11234, gloo | TP 2, PP 1, VPP -, EP 2, DP 2"
+    )
     many = format_layout(info, [f"h{i}" for i in range(6)], {"TP": 1})
     assert "6 nodes [h0, h1, h2, h3, ... (2 more)], 6 ranks (1 per node)" in many
 

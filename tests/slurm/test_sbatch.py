@@ -30,19 +30,46 @@ REPO = Path(__file__).resolve().parents[2]
 TEMPLATE = REPO / "slurm" / "pretrain_tst_moe.sbatch"
 N, N1 = 40, 20  # iterations; the switch
 TINY = {  # the template's variables: a 2-layer MoE GPT, EP=2, TST S=4 for the first half
-    "TST_DEVICE": "cpu", "PYTHON": sys.executable, "TST_ROOT": str(REPO),
-    "VOCAB_SIZE": "128", "NUM_LAYERS": "2", "HIDDEN_SIZE": "64", "NUM_ATTENTION_HEADS": "4",
-    "FFN_HIDDEN_SIZE": "128", "SEQ_LENGTH": "64", "NUM_EXPERTS": "4", "MOE_FFN_HIDDEN_SIZE": "64",
-    "MOE_ROUTER_TOPK": "2", "TP": "1", "PP": "1", "EP": "2", "CP": "1",
-    "MICRO_BATCH_SIZE": "2", "GLOBAL_BATCH_SIZE": "4", "TRAIN_ITERS": str(N),
-    "TST_BAG_SIZE": "4", "TST_PHASE1_FRACTION": str(N1 / N), "LR": "3e-3", "LR_WARMUP_ITERS": "2",
-    "LOG_INTERVAL": "1", "EVAL_INTERVAL": str(N1), "EVAL_ITERS": "1", "SAVE_INTERVAL": "1000",
+    "TST_DEVICE": "cpu",
+    "PYTHON": sys.executable,
+    "TST_ROOT": str(REPO),
+    "VOCAB_SIZE": "128",
+    "NUM_LAYERS": "2",
+    "HIDDEN_SIZE": "64",
+    "NUM_ATTENTION_HEADS": "4",
+    "FFN_HIDDEN_SIZE": "128",
+    "SEQ_LENGTH": "64",
+    "NUM_EXPERTS": "4",
+    "MOE_FFN_HIDDEN_SIZE": "64",
+    "MOE_ROUTER_TOPK": "2",
+    "TP": "1",
+    "PP": "1",
+    "EP": "2",
+    "CP": "1",
+    "MICRO_BATCH_SIZE": "2",
+    "GLOBAL_BATCH_SIZE": "4",
+    "TRAIN_ITERS": str(N),
+    "TST_BAG_SIZE": "4",
+    "TST_PHASE1_FRACTION": str(N1 / N),
+    "LR": "3e-3",
+    "LR_WARMUP_ITERS": "2",
+    "LOG_INTERVAL": "1",
+    "EVAL_INTERVAL": str(N1),
+    "EVAL_ITERS": "1",
+    "SAVE_INTERVAL": "1000",
     "EXTRA_ARGS": "--make-vocab-size-divisible-by 64",
-}  # fmt: skip
-CPU_RESOURCES = ["--nodes=1", "--ntasks-per-node=2", "--cpus-per-task=1", "--gpus-per-node=0",
-                 "--time=15"]  # fmt: skip
-ITERATION = re.compile(r"^ iteration\s+(\d+)/\s*(\d+) \| phase (\d) \| consumed tokens:\s+(\d+) \|"
-                       r".*\| (mce|lm) loss: (\S+) \|")  # fmt: skip
+}
+CPU_RESOURCES = [
+    "--nodes=1",
+    "--ntasks-per-node=2",
+    "--cpus-per-task=1",
+    "--gpus-per-node=0",
+    "--time=15",
+]
+ITERATION = re.compile(
+    r"^ iteration\s+(\d+)/\s*(\d+) \| phase (\d) \| consumed tokens:\s+(\d+) \|"
+    r".*\| (mce|lm) loss: (\S+) \|"
+)
 
 
 @pytest.fixture(scope="module")
@@ -63,8 +90,12 @@ def submit(cluster: LocalSlurm, workdir: Path, name: str) -> tuple[subprocess.Po
     env = cluster.env(**TINY, RUNS_DIR=str(workdir / "runs"))
     proc = subprocess.Popen(
         ["sbatch", "--parsable", "--wait", f"--job-name={name}", *CPU_RESOURCES, str(TEMPLATE)],
-        cwd=workdir, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        cwd=workdir,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     job_id = proc.stdout.readline().strip().split(";")[0]
     if not job_id.isdigit():
         proc.kill()
@@ -72,7 +103,9 @@ def submit(cluster: LocalSlurm, workdir: Path, name: str) -> tuple[subprocess.Po
     return proc, job_id
 
 
-def finish(cluster: LocalSlurm, proc: subprocess.Popen, job_id: str, log: Path, timeout: float = 300) -> str:
+def finish(
+    cluster: LocalSlurm, proc: subprocess.Popen, job_id: str, log: Path, timeout: float = 300
+) -> str:
     """Wait for ``sbatch --wait``; fail with the log if the job failed; return the log text."""
     try:
         proc.wait(timeout=timeout)
@@ -120,7 +153,10 @@ def test_tst_run_through_the_switch(cluster, uninterrupted):
     assert float(steps[N][2]) < float(steps[N1 + 1][2])  # it learns in phase 2
     ckpt = workdir / "runs" / "tst-a" / "checkpoints"
     assert sorted(p.name for p in ckpt.iterdir()) == [
-        f"iter_{N1:07d}", f"iter_{N:07d}", "latest_checkpointed_iteration.txt"]
+        f"iter_{N1:07d}",
+        f"iter_{N:07d}",
+        "latest_checkpointed_iteration.txt",
+    ]
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == str(N)
     assert list((workdir / "runs" / "tst-a" / "tensorboard").glob("events.out.tfevents.*"))
     assert cluster.job_field(job_id, "JobState") == "COMPLETED"
@@ -136,7 +172,9 @@ def test_preempted_job_requeues_and_matches_uninterrupted_run(cluster, uninterru
     deadline = time.monotonic() + 180  # the preemption notice, once training is under way
     while not (log.exists() and re.search(r"^ iteration\s+2/", log.read_text(), re.M)):
         if proc.poll() is not None or time.monotonic() > deadline:
-            pytest.fail(f"job {job_id} did not reach iteration 2:\n{log.read_text()[-3000:] if log.exists() else ''}")
+            pytest.fail(
+                f"job {job_id} did not reach iteration 2:\n{log.read_text()[-3000:] if log.exists() else ''}"
+            )
         time.sleep(0.1)
     cluster.run("scancel", "--batch", "--signal=USR1", job_id)
     text = finish(cluster, proc, job_id, log)
@@ -154,8 +192,10 @@ def test_preempted_job_requeues_and_matches_uninterrupted_run(cluster, uninterru
     assert sorted(steps) == list(range(1, N + 1))  # each step once: no replay, no gap
     assert max(iterations(first)) == k
     assert steps == reference, "losses, phases or consumed tokens differ from the uninterrupted run"
-    print(f"preempted after iteration {k}; final lm loss {steps[N][2]} (requeued) vs "
-          f"{reference[N][2]} (uninterrupted)")
+    print(
+        f"preempted after iteration {k}; final lm loss {steps[N][2]} (requeued) vs "
+        f"{reference[N][2]} (uninterrupted)"
+    )
     assert steps[N][2] == reference[N][2]
     assert cluster.job_field(job_id, "JobState") == "COMPLETED"
     assert cluster.job_field(job_id, "Restarts") == "1"

@@ -16,21 +16,55 @@ DATA = {"DATA_PATH": "/data/corpus_text_document", "TOKENIZER_MODEL": "/data/tok
 
 CASES = {  # name: (variables, world size, device)
     "moe_2x8_h100_defaults": (DATA, 16, "cuda"),
-    "moe_4x8_tp2_pp2_ep4": (DATA | {"TP": "2", "PP": "2", "EP": "4", "GLOBAL_BATCH_SIZE": "256"}, 32, "cuda"),
-    "dense_2x8_tp2": (DATA | {"NUM_EXPERTS": "0", "EP": "1", "TP": "2", "NUM_LAYERS": "24"}, 16, "cuda"),
-    "cpu_variant": ({"TST_DEVICE": "cpu", "VOCAB_SIZE": "128", "NUM_LAYERS": "2", "HIDDEN_SIZE": "64",
-                     "FFN_HIDDEN_SIZE": "128", "SEQ_LENGTH": "64", "NUM_EXPERTS": "4",
-                     "MOE_FFN_HIDDEN_SIZE": "64", "MOE_ROUTER_TOPK": "2", "EP": "2",
-                     "GLOBAL_BATCH_SIZE": "4", "TRAIN_ITERS": "40", "LR_WARMUP_ITERS": "2"}, 2, "cpu"),
-}  # fmt: skip
+    "moe_4x8_tp2_pp2_ep4": (
+        DATA | {"TP": "2", "PP": "2", "EP": "4", "GLOBAL_BATCH_SIZE": "256"},
+        32,
+        "cuda",
+    ),
+    "dense_2x8_tp2": (
+        DATA | {"NUM_EXPERTS": "0", "EP": "1", "TP": "2", "NUM_LAYERS": "24"},
+        16,
+        "cuda",
+    ),
+    "cpu_variant": (
+        {
+            "TST_DEVICE": "cpu",
+            "VOCAB_SIZE": "128",
+            "NUM_LAYERS": "2",
+            "HIDDEN_SIZE": "64",
+            "FFN_HIDDEN_SIZE": "128",
+            "SEQ_LENGTH": "64",
+            "NUM_EXPERTS": "4",
+            "MOE_FFN_HIDDEN_SIZE": "64",
+            "MOE_ROUTER_TOPK": "2",
+            "EP": "2",
+            "GLOBAL_BATCH_SIZE": "4",
+            "TRAIN_ITERS": "40",
+            "LR_WARMUP_ITERS": "2",
+        },
+        2,
+        "cpu",
+    ),
+}
 
 
 def dry_run(tmp_path, variables: dict) -> list:
-    env = {"PATH": "/usr/bin:/bin", "SLURM_JOB_NAME": "tst-job", "SLURM_SUBMIT_DIR": str(REPO),
-           "RUNS_DIR": str(tmp_path / "runs"), "TST_DRY_RUN": "1", **variables}  # fmt: skip
-    out = subprocess.run(["bash", str(TEMPLATE)], env=env, capture_output=True, text=True, check=True)
+    env = {
+        "PATH": "/usr/bin:/bin",
+        "SLURM_JOB_NAME": "tst-job",
+        "SLURM_SUBMIT_DIR": str(REPO),
+        "RUNS_DIR": str(tmp_path / "runs"),
+        "TST_DRY_RUN": "1",
+        **variables,
+    }
+    out = subprocess.run(
+        ["bash", str(TEMPLATE)], env=env, capture_output=True, text=True, check=True
+    )
     argv = shlex.split(out.stdout)
-    assert argv[:2] == [str(REPO / ".venv" / "bin" / "python"), str(REPO / "examples" / "pretrain_gpt_tst.py")]
+    assert argv[:2] == [
+        str(REPO / ".venv" / "bin" / "python"),
+        str(REPO / "examples" / "pretrain_gpt_tst.py"),
+    ]
     return argv[2:]
 
 
@@ -44,7 +78,12 @@ def test_template_command_line_is_valid(case, tmp_path):
     assert cfg.checkpoint.save == cfg.checkpoint.load == ckpt  # resume where it saved, per job name
     assert cfg.checkpoint.exit_signal_handler  # SIGTERM -> save after the step -> exit 0
     assert cfg.train.sequence_parallel == (cfg.parallel.tensor_model_parallel_size > 1)
-    gpu_flags = {"--bf16", "--transformer-impl", "--use-distributed-optimizer", "--moe-grouped-gemm"}
+    gpu_flags = {
+        "--bf16",
+        "--transformer-impl",
+        "--use-distributed-optimizer",
+        "--moe-grouped-gemm",
+    }
     assert bool(gpu_flags & set(argv)) == (device == "cuda")
     assert ("--num-experts" in argv) == (variables.get("NUM_EXPERTS") != "0")
     assert (tmp_path / "runs" / "tst-job" / "tensorboard").is_dir()
@@ -56,13 +95,25 @@ def test_extra_args_reach_the_trainer(tmp_path):
     assert parse_args(argv).train.fp8_format == "hybrid"
 
 
-@pytest.mark.parametrize("variables,message", [
-    ({}, "error: set DATA_PATH and TOKENIZER_MODEL (real data), or VOCAB_SIZE for --mock-data"),
-    ({"DATA_PATH": "/data/corpus_text_document"}, "error: DATA_PATH is set but TOKENIZER_MODEL is not"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "variables,message",
+    [
+        ({}, "error: set DATA_PATH and TOKENIZER_MODEL (real data), or VOCAB_SIZE for --mock-data"),
+        (
+            {"DATA_PATH": "/data/corpus_text_document"},
+            "error: DATA_PATH is set but TOKENIZER_MODEL is not",
+        ),
+    ],
+)
 def test_missing_data_settings_stop_before_srun(variables, message, tmp_path):
-    env = {"PATH": "/usr/bin:/bin", "SLURM_JOB_NAME": "tst-job", "SLURM_SUBMIT_DIR": str(REPO),
-           "RUNS_DIR": str(tmp_path / "runs"), "TST_DRY_RUN": "1", **variables}  # fmt: skip
+    env = {
+        "PATH": "/usr/bin:/bin",
+        "SLURM_JOB_NAME": "tst-job",
+        "SLURM_SUBMIT_DIR": str(REPO),
+        "RUNS_DIR": str(tmp_path / "runs"),
+        "TST_DRY_RUN": "1",
+        **variables,
+    }
     out = subprocess.run(["bash", str(TEMPLATE)], env=env, capture_output=True, text=True)
     assert out.returncode == 2 and out.stdout == ""
     assert out.stderr.strip().startswith(message)

@@ -24,8 +24,11 @@ def _signal_during_setup_child(rank, world, *, argv):
 
 
 def test_sigterm_during_setup_saves_after_first_step(tmp_path):
-    (history,) = run_distributed(_signal_during_setup_child, 1, argv=BASE + [
-        "--exit-signal-handler", "--save", str(tmp_path), "--train-iters", "50"])  # fmt: skip
+    (history,) = run_distributed(
+        _signal_during_setup_child,
+        1,
+        argv=BASE + ["--exit-signal-handler", "--save", str(tmp_path), "--train-iters", "50"],
+    )
     assert history["exit"] == "signal"
     assert sorted(history["train"]) == [1]
     assert (tmp_path / "latest_checkpointed_iteration.txt").read_text() == "1"

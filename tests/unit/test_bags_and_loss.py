@@ -28,9 +28,12 @@ def test_fold_bags_layout():
 
 @pytest.mark.parametrize(
     "shape,size,message",
-    [((2, 10), 3, "not a multiple of bag_size 3"), ((2, 9), 0, "bag_size must be"),
-     ((9,), 3, "must be [b, S*T]")],
-)  # fmt: skip
+    [
+        ((2, 10), 3, "not a multiple of bag_size 3"),
+        ((2, 9), 0, "bag_size must be"),
+        ((9,), 3, "must be [b, S*T]"),
+    ],
+)
 def test_fold_bags_errors(shape, size, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         fold_bags(torch.zeros(shape, dtype=torch.long), size)
@@ -80,10 +83,14 @@ def test_bag_weights():
 def _reference_ce(logits, targets):
     vocab = logits.shape[-1]
     return torch.stack(
-        [F.cross_entropy(logits.reshape(-1, vocab), targets[..., k].reshape(-1), reduction="none")
-         .view(targets.shape[:-1]) for k in range(targets.shape[-1])],
+        [
+            F.cross_entropy(
+                logits.reshape(-1, vocab), targets[..., k].reshape(-1), reduction="none"
+            ).view(targets.shape[:-1])
+            for k in range(targets.shape[-1])
+        ],
         dim=-1,
-    )  # fmt: skip
+    )
 
 
 @pytest.mark.parametrize("k", [1, 3, 8])
@@ -107,7 +114,9 @@ def test_multi_target_ce_single_process(k):
 
 def test_multi_target_ce_errors():
     with pytest.raises(ValueError, match="must agree"):
-        vocab_parallel_multi_target_cross_entropy(torch.zeros(2, 3, 10), torch.zeros(2, 4, 1, dtype=torch.long))
+        vocab_parallel_multi_target_cross_entropy(
+            torch.zeros(2, 3, 10), torch.zeros(2, 4, 1, dtype=torch.long)
+        )
     with pytest.raises(ValueError, match="target id 10 is outside the vocabulary"):
         vocab_parallel_multi_target_cross_entropy(torch.zeros(2, 10), torch.full((2, 1), 10))
     with pytest.raises(ValueError, match="integer tensor"):

@@ -12,9 +12,12 @@ def test_core_cost_smoke(tmp_path):
     env = dict(os.environ, MASTER_PORT="29571", PYTHONWARNINGS="ignore")
     result = subprocess.run(
         [sys.executable, "benchmarks/core_cost.py", "--smoke", "--output", str(out)],
-        capture_output=True, text=True, timeout=600, env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
         cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
-    )  # fmt: skip
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     report = out.read_text()
     assert "| k | time vs 1 megatron CE | peak memory vs 1 megatron CE |" in report
@@ -29,11 +32,22 @@ def test_step_cost_smoke(tmp_path):
     out = tmp_path / "results" / "step_cost.md"
     env = dict(os.environ, PYTHONWARNINGS="ignore", MASTER_PORT="29591")
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    result = subprocess.run([sys.executable, "benchmarks/step_cost.py", "--smoke", "--output", str(out)],
-                            capture_output=True, text=True, timeout=600, env=env, cwd=root)  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "benchmarks/step_cost.py", "--smoke", "--output", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+        cwd=root,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     report = out.read_text()
-    for row in ("| step time (ms) |", "| peak tensor memory (MiB) |", "| tokens/s |", "| TP=2 + SP |"):
+    for row in (
+        "| step time (ms) |",
+        "| peak tensor memory (MiB) |",
+        "| tokens/s |",
+        "| TP=2 + SP |",
+    ):
         assert row in report
     assert "step_cost" in (tmp_path / "results.md").read_text()
 
@@ -43,16 +57,30 @@ def test_tst_vs_baseline_smoke(tmp_path):
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     out = tmp_path / "results"
     result = subprocess.run(
-        [sys.executable, "benchmarks/tst_vs_baseline.py", "--smoke", "--output-dir", str(out),
-         "--work-dir", str(tmp_path / "work"), "--data-dir", str(tmp_path / "data")],
-        capture_output=True, text=True, timeout=900, cwd=root,
+        [
+            sys.executable,
+            "benchmarks/tst_vs_baseline.py",
+            "--smoke",
+            "--output-dir",
+            str(out),
+            "--work-dir",
+            str(tmp_path / "work"),
+            "--data-dir",
+            str(tmp_path / "data"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=root,
         env=dict(os.environ, PYTHONWARNINGS="ignore"),
-    )  # fmt: skip
+    )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     report = (out / "tst_vs_baseline_smoke.md").read_text()
     assert "| arm | final validation loss | tokens consumed | wall-clock (s) |" in report
     assert "| LR | baseline final validation loss |" in report
-    rows = [l for l in report.splitlines() if l.startswith("| baseline (LR") or l.startswith("| TST S=")]
+    rows = [
+        l for l in report.splitlines() if l.startswith("| baseline (LR") or l.startswith("| TST S=")
+    ]
     assert len(rows) == 2
     base_tokens, tst_tokens = (int(r.split("|")[3]) for r in rows)
     assert tst_tokens > base_tokens  # phase 1 reads S x more text per step

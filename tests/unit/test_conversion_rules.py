@@ -12,11 +12,32 @@ from tst_megatron.training.config import parse_args
 
 transformers = pytest.importorskip("transformers")
 
-ARGV = ["--mock-data", "--vocab-size", "100", "--num-layers", "2", "--hidden-size", "24",
-        "--num-attention-heads", "6", "--group-query-attention", "--num-query-groups", "2",
-        "--kv-channels", "4", "--ffn-hidden-size", "40", "--swiglu", "--disable-bias-linear",
-        "--qk-layernorm", "--num-experts", "3", "--moe-ffn-hidden-size", "8",
-        "--untie-embeddings-and-output-weights"]  # fmt: skip
+ARGV = [
+    "--mock-data",
+    "--vocab-size",
+    "100",
+    "--num-layers",
+    "2",
+    "--hidden-size",
+    "24",
+    "--num-attention-heads",
+    "6",
+    "--group-query-attention",
+    "--num-query-groups",
+    "2",
+    "--kv-channels",
+    "4",
+    "--ffn-hidden-size",
+    "40",
+    "--swiglu",
+    "--disable-bias-linear",
+    "--qk-layernorm",
+    "--num-experts",
+    "3",
+    "--moe-ffn-hidden-size",
+    "8",
+    "--untie-embeddings-and-output-weights",
+]
 
 
 def _args(extra=()):
@@ -27,14 +48,23 @@ def _megatron_state(args, seed=0):
     """A random state dict with the names and shapes of the 1-process local-spec GPTModel."""
     g = torch.Generator().manual_seed(seed)
     m, moe = args["model"], args["moe"]
-    h, d, q, kv = m["hidden_size"], m["kv_channels"], m["num_attention_heads"], m["num_query_groups"]
-    state = {"embedding.word_embeddings.weight": torch.randn(128, h, generator=g),
-             "decoder.final_layernorm.weight": torch.randn(h, generator=g),
-             "output_layer.weight": torch.randn(128, h, generator=g)}  # fmt: skip
+    h, d, q, kv = (
+        m["hidden_size"],
+        m["kv_channels"],
+        m["num_attention_heads"],
+        m["num_query_groups"],
+    )
+    state = {
+        "embedding.word_embeddings.weight": torch.randn(128, h, generator=g),
+        "decoder.final_layernorm.weight": torch.randn(h, generator=g),
+        "output_layer.weight": torch.randn(128, h, generator=g),
+    }
     for layer in range(m["num_layers"]):
         p = f"decoder.layers.{layer}."
         state[p + "input_layernorm.weight"] = torch.randn(h, generator=g)
-        state[p + "self_attention.linear_qkv.weight"] = torch.randn((q + 2 * kv) * d, h, generator=g)
+        state[p + "self_attention.linear_qkv.weight"] = torch.randn(
+            (q + 2 * kv) * d, h, generator=g
+        )
         state[p + "self_attention.linear_proj.weight"] = torch.randn(h, q * d, generator=g)
         state[p + "self_attention.q_layernorm.weight"] = torch.randn(d, generator=g)
         state[p + "self_attention.k_layernorm.weight"] = torch.randn(d, generator=g)
@@ -57,12 +87,18 @@ def test_qkv_and_gate_up_layouts_against_a_plain_reference():
         base = group * 5 * 4
         for j in range(3):
             head = group * 3 + j
-            assert torch.equal(out["model.layers.1.self_attn.q_proj.weight"][head * 4:(head + 1) * 4],
-                               qkv[base + j * 4: base + (j + 1) * 4])
-        assert torch.equal(out["model.layers.1.self_attn.k_proj.weight"][group * 4:(group + 1) * 4],
-                           qkv[base + 12: base + 16])
-        assert torch.equal(out["model.layers.1.self_attn.v_proj.weight"][group * 4:(group + 1) * 4],
-                           qkv[base + 16: base + 20])
+            assert torch.equal(
+                out["model.layers.1.self_attn.q_proj.weight"][head * 4 : (head + 1) * 4],
+                qkv[base + j * 4 : base + (j + 1) * 4],
+            )
+        assert torch.equal(
+            out["model.layers.1.self_attn.k_proj.weight"][group * 4 : (group + 1) * 4],
+            qkv[base + 12 : base + 16],
+        )
+        assert torch.equal(
+            out["model.layers.1.self_attn.v_proj.weight"][group * 4 : (group + 1) * 4],
+            qkv[base + 16 : base + 20],
+        )
     fc1 = state["decoder.layers.0.mlp.experts.local_experts.2.linear_fc1.weight"]
     assert torch.equal(out["model.layers.0.mlp.experts.2.gate_proj.weight"], fc1[:8])
     assert torch.equal(out["model.layers.0.mlp.experts.2.up_proj.weight"], fc1[8:])
@@ -75,7 +111,9 @@ def test_megatron_hf_megatron_is_exact(model_type):
     args = _args()
     state = _megatron_state(args)
     if model_type == "mixtral":
-        state = {k: v for k, v in state.items() if "layernorm.weight" not in k or "_attention." not in k}
+        state = {
+            k: v for k, v in state.items() if "layernorm.weight" not in k or "_attention." not in k
+        }
     arch = rules.ARCHITECTURES[model_type]
     shapes = hf.shapes_of(args)
     out = rules.megatron_to_hf(state, arch, shapes)
@@ -95,23 +133,44 @@ def test_missing_extra_and_unplaced_tensors_are_listed():
     expected = {k: v.shape for k, v in state.items()}
     broken = dict(out)
     del broken["model.layers.1.mlp.experts.0.up_proj.weight"]
-    with pytest.raises(ValueError, match=r"missing Hugging Face tensors: model\.layers\.1\.mlp\.experts\.0\.up_proj"):
+    with pytest.raises(
+        ValueError,
+        match=r"missing Hugging Face tensors: model\.layers\.1\.mlp\.experts\.0\.up_proj",
+    ):
         rules.hf_to_megatron(broken, expected, arch, shapes)
-    with pytest.raises(ValueError, match="no place in the Megatron model: model.layers.0.mlp.shared_expert.weight"):
-        rules.hf_to_megatron(dict(out, **{"model.layers.0.mlp.shared_expert.weight": torch.zeros(1)}),
-                             expected, arch, shapes)  # fmt: skip
-    with pytest.raises(ValueError, match="Mixtral has no tensor for these Megatron weights: "
-                                         "decoder.layers.0.self_attention.k_layernorm.weight"):
+    with pytest.raises(
+        ValueError, match="no place in the Megatron model: model.layers.0.mlp.shared_expert.weight"
+    ):
+        rules.hf_to_megatron(
+            dict(out, **{"model.layers.0.mlp.shared_expert.weight": torch.zeros(1)}),
+            expected,
+            arch,
+            shapes,
+        )
+    with pytest.raises(
+        ValueError,
+        match="Mixtral has no tensor for these Megatron weights: "
+        "decoder.layers.0.self_attention.k_layernorm.weight",
+    ):
         rules.megatron_to_hf(state, rules.ARCHITECTURES["mixtral"], shapes)
 
 
 @pytest.mark.parametrize(
     "extra,message",
     [
-        (["--normalization", "LayerNorm"], "--normalization LayerNorm: Qwen3-MoE, Mixtral, Qwen3 or Llama use RMSNorm"),
-        (["--moe-shared-expert-intermediate-size", "8"], "--moe-shared-expert-intermediate-size: Qwen3-MoE has no shared expert"),
+        (
+            ["--normalization", "LayerNorm"],
+            "--normalization LayerNorm: Qwen3-MoE, Mixtral, Qwen3 or Llama use RMSNorm",
+        ),
+        (
+            ["--moe-shared-expert-intermediate-size", "8"],
+            "--moe-shared-expert-intermediate-size: Qwen3-MoE has no shared expert",
+        ),
         (["--moe-router-score-function", "sigmoid"], "--moe-router-score-function sigmoid"),
-        (["--position-embedding-type", "learned_absolute"], "--position-embedding-type learned_absolute"),
+        (
+            ["--position-embedding-type", "learned_absolute"],
+            "--position-embedding-type learned_absolute",
+        ),
     ],
 )
 def test_settings_without_a_target_are_named(extra, message):
@@ -135,14 +194,27 @@ def test_targets_follow_the_settings():
 
 
 def test_config_round_trip_through_transformers(tmp_path):
-    args = _args(["--moe-layer-freq", "2", "--norm-epsilon", "1e-6", "--rotary-base", "1000000",
-                  "--moe-router-pre-softmax"])  # fmt: skip
+    args = _args(
+        [
+            "--moe-layer-freq",
+            "2",
+            "--norm-epsilon",
+            "1e-6",
+            "--rotary-base",
+            "1000000",
+            "--moe-router-pre-softmax",
+        ]
+    )
     config = hf.hf_config(args, dtype="bfloat16")
     config.save_pretrained(tmp_path)
     loaded = transformers.AutoConfig.from_pretrained(tmp_path)
     assert loaded.mlp_only_layers == [1] and loaded.norm_topk_prob is False
     back, arch = hf.args_from_hf(loaded, make_vocab_size_divisible_by=64, tp=2)
-    assert arch.name == "Qwen3-MoE" and back["padded_vocab_size"] == 128 and back["hf_dtype"] == "bfloat16"
+    assert (
+        arch.name == "Qwen3-MoE"
+        and back["padded_vocab_size"] == 128
+        and back["hf_dtype"] == "bfloat16"
+    )
     for group in ("model", "moe"):
         from tst_megatron.training.checkpointing import ARCHITECTURE_FIELDS
 
@@ -155,10 +227,14 @@ def test_unsupported_hf_configs_are_named():
     config = transformers.AutoConfig.for_model("llama", hidden_act="gelu")
     with pytest.raises(ValueError, match="hidden_act 'gelu'"):
         hf.args_from_hf(config)
-    config = transformers.AutoConfig.for_model("llama", rope_scaling={"rope_type": "linear", "factor": 2.0})
+    config = transformers.AutoConfig.for_model(
+        "llama", rope_scaling={"rope_type": "linear", "factor": 2.0}
+    )
     with pytest.raises(ValueError, match="RoPE scaling 'linear'"):
         hf.args_from_hf(config)
-    config = transformers.AutoConfig.for_model("qwen3_moe", num_hidden_layers=4, decoder_sparse_step=2)
+    config = transformers.AutoConfig.for_model(
+        "qwen3_moe", num_hidden_layers=4, decoder_sparse_step=2
+    )
     with pytest.raises(ValueError, match=r"MoE layers \[1, 3\] are not every n-th layer"):
         hf.args_from_hf(config)
     config = transformers.AutoConfig.for_model("gpt2")
@@ -168,7 +244,9 @@ def test_unsupported_hf_configs_are_named():
 
 def test_hf_dir_is_sharded_above_the_limit_and_never_overwritten(tmp_path):
     args = _args()
-    state = rules.megatron_to_hf(_megatron_state(args), rules.ARCHITECTURES["qwen3_moe"], hf.shapes_of(args))
+    state = rules.megatron_to_hf(
+        _megatron_state(args), rules.ARCHITECTURES["qwen3_moe"], hf.shapes_of(args)
+    )
     config = hf.hf_config(args, dtype="float32")
     out = tmp_path / "hf"
     hf.write_hf_dir(str(out), config, state, max_shard_size="20KB")
@@ -207,10 +285,16 @@ def test_architecture_check_names_the_flag_and_fills_defaults():
     # every layer is MoE: the dense width shapes no weight, so it may differ
     check_architecture(saved, _args(["--ffn-hidden-size", "64"]), "ckpt")
     with pytest.raises(ValueError, match="--ffn-hidden-size 40 but this run has 64"):
-        check_architecture(_args(["--moe-layer-freq", "2"]),
-                           _args(["--moe-layer-freq", "2", "--ffn-hidden-size", "64"]), "ckpt")
+        check_architecture(
+            _args(["--moe-layer-freq", "2"]),
+            _args(["--moe-layer-freq", "2", "--ffn-hidden-size", "64"]),
+            "ckpt",
+        )
     other = _args(["--moe-ffn-hidden-size", "16"])
-    with pytest.raises(ValueError, match="checkpoint ckpt was saved with --moe-ffn-hidden-size 8 but this run has 16"):
+    with pytest.raises(
+        ValueError,
+        match="checkpoint ckpt was saved with --moe-ffn-hidden-size 8 but this run has 16",
+    ):
         check_architecture(saved, other, "ckpt")
     padded = dict(_args(), padded_vocab_size=256)
     with pytest.raises(ValueError, match="padded vocabulary of 128 rows but this run pads to 256"):

@@ -11,10 +11,9 @@ import sentencepiece as spm
 import torch
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 
-from tst_megatron.data.corpus import build_corpus
+from tst_megatron.data.corpus import build_corpus, jsonl_documents
 from tst_megatron.data.preprocess import preprocess
 from tst_megatron.data.tokenizer import train_tokenizer
-from tst_megatron.data.corpus import jsonl_documents
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -24,7 +23,9 @@ def tiny(tmp_path_factory):
     """60 standard-library documents, a 512-id tokenizer, and their .bin/.idx dataset."""
     d = tmp_path_factory.mktemp("data")
     build_corpus("python-stdlib", str(d / "corpus.jsonl"), max_documents=60)
-    model = train_tokenizer(jsonl_documents(str(d / "corpus.jsonl")), str(d / "tok"), vocab_size=512)
+    model = train_tokenizer(
+        jsonl_documents(str(d / "corpus.jsonl")), str(d / "tok"), vocab_size=512
+    )
     stats = preprocess(str(d / "corpus.jsonl"), str(d / "tiny"), model, append_eod=True, workers=2)
     return d, model, stats["text"]["prefix"]
 
@@ -116,7 +117,9 @@ def _stream(tiny, bag, phase1_samples, seq_length=16):
     from tst_megatron.training.data import TrainStream, build_datasets
 
     d, model, prefix = tiny
-    tok = MegatronTokenizer.from_pretrained(tokenizer_path=model, metadata_path={"library": "sentencepiece"})
+    tok = MegatronTokenizer.from_pretrained(
+        tokenizer_path=model, metadata_path={"library": "sentencepiece"}
+    )
     data = DataArgs(data_path=prefix, split="100,0,0", data_cache_path=str(d / "cache"))
     train, _, _ = build_datasets(data, tok, seq_length=seq_length, samples=(400, 0, 0), seed=3)
     return train, TrainStream(train, bag_size=bag, phase1_samples=phase1_samples, seed=3)
@@ -154,8 +157,8 @@ def test_stream_too_small_is_a_clear_error(tiny):
 
 
 def _e2e_child(rank, world, *, argv):
-    from tst_megatron.training.trainer import train
     from tst_megatron.training.config import parse_args
+    from tst_megatron.training.trainer import train
 
     return train(parse_args(argv))
 
@@ -165,16 +168,63 @@ def test_end_to_end_on_a_slice_of_the_real_corpus(tiny, tmp_path):
     from tests.distributed.harness import run_distributed
 
     d, model, prefix = tiny
-    ranks = run_distributed(_e2e_child, 2, argv=[
-        "--device", "cpu", "--data-path", prefix, "--split", "95,5,0", "--data-cache-path", str(d / "cache"),
-        "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", model, "--vocab-size", "512",
-        "--seq-length", "32", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
-        "--swiglu", "--disable-bias-linear", "--untie-embeddings-and-output-weights",
-        "--num-experts", "4", "--moe-ffn-hidden-size", "64", "--expert-model-parallel-size", "2",
-        "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "8",
-        "--tst-bag-size", "4", "--tst-phase1-iters", "3", "--eval-interval", "4", "--eval-iters", "1",
-        "--lr", "3e-3", "--save", str(tmp_path / "ckpt"), "--log-interval", "1",
-    ])  # fmt: skip
+    ranks = run_distributed(
+        _e2e_child,
+        2,
+        argv=[
+            "--device",
+            "cpu",
+            "--data-path",
+            prefix,
+            "--split",
+            "95,5,0",
+            "--data-cache-path",
+            str(d / "cache"),
+            "--tokenizer-type",
+            "SentencePieceTokenizer",
+            "--tokenizer-model",
+            model,
+            "--vocab-size",
+            "512",
+            "--seq-length",
+            "32",
+            "--num-layers",
+            "2",
+            "--hidden-size",
+            "64",
+            "--num-attention-heads",
+            "4",
+            "--swiglu",
+            "--disable-bias-linear",
+            "--untie-embeddings-and-output-weights",
+            "--num-experts",
+            "4",
+            "--moe-ffn-hidden-size",
+            "64",
+            "--expert-model-parallel-size",
+            "2",
+            "--micro-batch-size",
+            "2",
+            "--global-batch-size",
+            "4",
+            "--train-iters",
+            "8",
+            "--tst-bag-size",
+            "4",
+            "--tst-phase1-iters",
+            "3",
+            "--eval-interval",
+            "4",
+            "--eval-iters",
+            "1",
+            "--lr",
+            "3e-3",
+            "--save",
+            str(tmp_path / "ckpt"),
+            "--log-interval",
+            "1",
+        ],
+    )
     for history in ranks:
         assert sorted(history["train"]) == list(range(1, 9))
         assert all(np.isfinite(v) for v in history["train"].values())
@@ -185,13 +235,26 @@ def test_end_to_end_on_a_slice_of_the_real_corpus(tiny, tmp_path):
 
 def test_tools_are_thin_command_lines(tmp_path):
     env = dict(os.environ, PYTHONWARNINGS="ignore")
-    run = lambda *a: subprocess.run([sys.executable, *a], capture_output=True, text=True,
-                                    timeout=300, cwd=ROOT, env=env)  # noqa: E731
+
+    def run(*a):
+        return subprocess.run(
+            [sys.executable, *a], capture_output=True, text=True, timeout=300, cwd=ROOT, env=env
+        )
+
     r = run("tools/build_corpus.py", "--output", str(tmp_path / "c.jsonl"), "--max-documents", "5")
     assert r.returncode == 0 and "wrote 5 documents" in r.stdout, r.stderr
-    r = run("tools/preprocess_data.py", "--input", str(tmp_path / "c.jsonl"), "--output-prefix",
-            str(tmp_path / "x"), "--tokenizer-model", str(tmp_path / "missing.model"))
-    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].startswith("error: tokenizer model")
+    r = run(
+        "tools/preprocess_data.py",
+        "--input",
+        str(tmp_path / "c.jsonl"),
+        "--output-prefix",
+        str(tmp_path / "x"),
+        "--tokenizer-model",
+        str(tmp_path / "missing.model"),
+    )
+    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].startswith(
+        "error: tokenizer model"
+    )
 
 
 def test_loss_plot_marks_the_switch(tmp_path):

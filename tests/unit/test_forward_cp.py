@@ -20,7 +20,9 @@ class _Group:
 
 def test_cp_chunks_hold_whole_bags_and_their_targets():
     # get_batch_on_this_cp_rank asks the group for its size only once torch.distributed is up.
-    torch.distributed.init_process_group("gloo", rank=0, world_size=1, init_method="tcp://127.0.0.1:0")
+    torch.distributed.init_process_group(
+        "gloo", rank=0, world_size=1, init_method="tcp://127.0.0.1:0"
+    )
     try:
         _check_cp_split()
     finally:
@@ -34,8 +36,9 @@ def _check_cp_split():
     targets, mask = align_bag_targets(x[:, 1:], torch.ones(1, bag * latent), bag)
     seen = []
     for rank in range(cp):
-        local = get_batch_on_this_cp_rank({"bags": bags, "targets": targets, "mask": mask},
-                                          cp_group=_Group(cp, rank))  # fmt: skip
+        local = get_batch_on_this_cp_rank(
+            {"bags": bags, "targets": targets, "mask": mask}, cp_group=_Group(cp, rank)
+        )
         assert local["bags"].shape == (1, latent // cp, bag)
         for j in range(latent // cp):
             first = int(local["bags"][0, j, 0])

@@ -12,8 +12,9 @@ from tst_megatron.runtime import ParallelConfig, SequenceParallelNorm, resolve_p
 
 
 def _run(code):
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)],
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=300
+    )
 
 
 def test_cpu_enable_is_idempotent_and_scoped():
@@ -89,19 +90,29 @@ def test_rng_tracker_forks_cpu_generator():
     assert "OK" in result.stdout
 
 
-@pytest.mark.parametrize("normalization,cls", [("RMSNorm", torch.nn.RMSNorm), ("LayerNorm", torch.nn.LayerNorm)])
+@pytest.mark.parametrize(
+    "normalization,cls", [("RMSNorm", torch.nn.RMSNorm), ("LayerNorm", torch.nn.LayerNorm)]
+)
 def test_sequence_parallel_norm(normalization, cls):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2,
-                               normalization=normalization, use_cpu_initialization=True)  # fmt: skip
+    config = TransformerConfig(
+        num_layers=1,
+        hidden_size=8,
+        num_attention_heads=2,
+        normalization=normalization,
+        use_cpu_initialization=True,
+    )
     config.sequence_parallel = True  # set after __post_init__: TP=1 would reject SP
     norm = SequenceParallelNorm(config, 8, eps=1e-6)
     assert isinstance(norm, cls)
     assert all(p.sequence_parallel for p in norm.parameters())
     x = torch.randn(3, 2, 8, dtype=torch.float64)
-    ref = torch.nn.functional.rms_norm(x, (8,), eps=1e-6) if normalization == "RMSNorm" else \
-        torch.nn.functional.layer_norm(x, (8,), eps=1e-6)
+    ref = (
+        torch.nn.functional.rms_norm(x, (8,), eps=1e-6)
+        if normalization == "RMSNorm"
+        else torch.nn.functional.layer_norm(x, (8,), eps=1e-6)
+    )
     torch.testing.assert_close(norm(x.float()).double(), ref, rtol=1e-5, atol=1e-5)
     config.normalization = "L2Norm"
     with pytest.raises(ValueError, match="not supported by the local spec"):
@@ -110,10 +121,20 @@ def test_sequence_parallel_norm(normalization, cls):
 
 @pytest.mark.parametrize(
     "kwargs,world,message",
-    [(dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2), 2, "not divisible by TP*PP*CP = 4"),
-     (dict(expert_model_parallel_size=4), 2, "not divisible by ETP*EP*PP = 4"),
-     (dict(tensor_model_parallel_size=0), 2, "--tensor-model-parallel-size must be a positive integer")],
-)  # fmt: skip
+    [
+        (
+            dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2),
+            2,
+            "not divisible by TP*PP*CP = 4",
+        ),
+        (dict(expert_model_parallel_size=4), 2, "not divisible by ETP*EP*PP = 4"),
+        (
+            dict(tensor_model_parallel_size=0),
+            2,
+            "--tensor-model-parallel-size must be a positive integer",
+        ),
+    ],
+)
 def test_parallel_config_validation(kwargs, world, message):
     with pytest.raises(ValueError, match=message.replace("*", r"\*")):
         ParallelConfig(**kwargs).validate(world)
@@ -124,11 +145,21 @@ def test_resolve_process_from_torchrun_and_slurm():
     torchrun = resolve_process({"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "1"}, device="cpu")
     assert (torchrun.rank, torchrun.world_size, torchrun.local_rank) == (3, 8, 1)
     assert torchrun.backend == "gloo" and torchrun.device.type == "cpu"
-    slurm = resolve_process({"SLURM_PROCID": "5", "SLURM_NTASKS": "16", "SLURM_LOCALID": "5",
-                             "SLURM_STEP_ID": "0", "SLURM_JOB_NODELIST": "n[1-2]"}, device="cpu")  # fmt: skip
+    slurm = resolve_process(
+        {
+            "SLURM_PROCID": "5",
+            "SLURM_NTASKS": "16",
+            "SLURM_LOCALID": "5",
+            "SLURM_STEP_ID": "0",
+            "SLURM_JOB_NODELIST": "n[1-2]",
+        },
+        device="cpu",
+    )
     assert (slurm.rank, slurm.world_size, slurm.local_rank) == (5, 16, 5)
     assert (slurm.launcher, slurm.master_addr) == ("srun", "n1")  # more in tests/slurm/
-    both = resolve_process({"RANK": "0", "SLURM_PROCID": "5", "WORLD_SIZE": "2", "SLURM_NTASKS": "9"}, device="cpu")
+    both = resolve_process(
+        {"RANK": "0", "SLURM_PROCID": "5", "WORLD_SIZE": "2", "SLURM_NTASKS": "9"}, device="cpu"
+    )
     assert (both.rank, both.world_size) == (0, 2)  # torchrun wins
     assert resolve_process({}, device="cpu").world_size == 1
     with pytest.raises(ValueError, match="--device must be"):
@@ -146,15 +177,19 @@ def _transformer_engine_imports() -> bool:
     return True
 
 
-@pytest.mark.skipif(_transformer_engine_imports(),
-                    reason="Transformer Engine imports here; this checks the error without it")
+@pytest.mark.skipif(
+    _transformer_engine_imports(),
+    reason="Transformer Engine imports here; this checks the error without it",
+)
 def test_transformer_engine_impl_without_te_is_a_clear_error():
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     from tst_megatron.training import gpt_block_spec
 
     config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2)
-    with pytest.raises(ImportError, match="--transformer-impl transformer_engine needs Transformer Engine"):
+    with pytest.raises(
+        ImportError, match="--transformer-impl transformer_engine needs Transformer Engine"
+    ):
         gpt_block_spec(config, transformer_impl="transformer_engine")
     with pytest.raises(ValueError, match="--transformer-impl must be"):
         gpt_block_spec(config, transformer_impl="apex")

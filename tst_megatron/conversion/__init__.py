@@ -17,8 +17,11 @@ from typing import Optional
 
 from tst_megatron.conversion import hf, rules
 from tst_megatron.conversion.megatron import (
-    read_args, read_checkpoint, resolve_checkpoint, write_release,
-)  # fmt: skip
+    read_args,
+    read_checkpoint,
+    resolve_checkpoint,
+    write_release,
+)
 
 
 def export_checkpoint(
@@ -69,12 +72,25 @@ def export_checkpoint(
         tokenizer_model = saved if saved and os.path.isfile(saved) else None
     weights = rules.megatron_to_hf(state, arch, hf.shapes_of(args))
     weights = {k: v.to(hf.DTYPES[dtype]) for k, v in weights.items()}
-    config = hf.hf_config(args, dtype=dtype,
-                          special_ids=hf.special_ids(tokenizer_model, args["model"]["vocab_size"]))  # fmt: skip
-    hf.write_hf_dir(out, config, weights, max_shard_size=max_shard_size,
-                    tokenizer_model=tokenizer_model, force=force)  # fmt: skip
-    return {"architecture": arch.name, "checkpoint": path, "out": out,
-            "tensors": len(weights), "dtype": dtype, "tokenizer": tokenizer_model}  # fmt: skip
+    config = hf.hf_config(
+        args, dtype=dtype, special_ids=hf.special_ids(tokenizer_model, args["model"]["vocab_size"])
+    )
+    hf.write_hf_dir(
+        out,
+        config,
+        weights,
+        max_shard_size=max_shard_size,
+        tokenizer_model=tokenizer_model,
+        force=force,
+    )
+    return {
+        "architecture": arch.name,
+        "checkpoint": path,
+        "out": out,
+        "tensors": len(weights),
+        "dtype": dtype,
+        "tokenizer": tokenizer_model,
+    }
 
 
 def import_checkpoint(
@@ -108,8 +124,11 @@ def import_checkpoint(
     if os.path.exists(save) and not force:
         raise FileExistsError(f"{save} exists; pass --force to replace it")
     config, hf_state = hf.read_hf_dir(hf_dir)
-    args, arch = hf.args_from_hf(config, make_vocab_size_divisible_by=make_vocab_size_divisible_by,
-                                 tp=tensor_model_parallel_size)  # fmt: skip
+    args, arch = hf.args_from_hf(
+        config,
+        make_vocab_size_divisible_by=make_vocab_size_divisible_by,
+        tp=tensor_model_parallel_size,
+    )
     from tst_megatron.conversion.megatron import build_model, single_process, tensor_names
 
     with single_process():
@@ -122,13 +141,20 @@ def import_checkpoint(
         tokenizer = os.path.join(os.path.abspath(save), "tokenizer.model")
         args["tokenizer"] = {"type": "SentencePieceTokenizer", "model": tokenizer}
         os.makedirs(tmp)
-        shutil.copyfile(os.path.join(hf_dir, "tokenizer.model"), os.path.join(tmp, "tokenizer.model"))
+        shutil.copyfile(
+            os.path.join(hf_dir, "tokenizer.model"), os.path.join(tmp, "tokenizer.model")
+        )
     write_release(tmp, args, state)
     if os.path.exists(save):
         shutil.rmtree(save)
     os.replace(tmp, save)
-    return {"architecture": arch.name, "checkpoint": os.path.join(save, "release"),
-            "args": args, "flags": trainer_flags(args), "tokenizer": tokenizer}  # fmt: skip
+    return {
+        "architecture": arch.name,
+        "checkpoint": os.path.join(save, "release"),
+        "args": args,
+        "flags": trainer_flags(args),
+        "tokenizer": tokenizer,
+    }
 
 
 def trainer_flags(args: dict) -> list:
@@ -144,8 +170,11 @@ def trainer_flags(args: dict) -> list:
         if group == "model" and not cfg.model.group_query_attention:
             names = tuple(n for n in names if n != "num_query_groups")
         values = getattr(cfg, group)
-        for name in names + (("vocab_size", "make_vocab_size_divisible_by", "norm_epsilon",
-                              "rotary_base") if group == "model" else ()):  # fmt: skip
+        for name in names + (
+            ("vocab_size", "make_vocab_size_divisible_by", "norm_epsilon", "rotary_base")
+            if group == "model"
+            else ()
+        ):
             value = getattr(values, name)
             flag = "--" + name.replace("_", "-")
             if isinstance(value, bool):

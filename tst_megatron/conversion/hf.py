@@ -67,23 +67,32 @@ def target_architecture(args: dict) -> Architecture:
     if m["normalization"] != "RMSNorm":
         raise ValueError(f"--normalization {m['normalization']}: {targets} use RMSNorm")
     if m["position_embedding_type"] != "rope":
-        raise ValueError(f"--position-embedding-type {m['position_embedding_type']}: "
-                         f"{targets} use RoPE")  # fmt: skip
+        raise ValueError(
+            f"--position-embedding-type {m['position_embedding_type']}: {targets} use RoPE"
+        )
     if not m["swiglu"]:
         raise ValueError(f"the MLPs are not SwiGLU (no --swiglu): {targets} use SwiGLU")
     if not m["disable_bias_linear"]:
-        raise ValueError(f"linear layers have biases (no --disable-bias-linear): {targets} have none")
+        raise ValueError(
+            f"linear layers have biases (no --disable-bias-linear): {targets} have none"
+        )
     arch = architecture_for(moe=bool(moe.get("num_experts")), qk_layernorm=m["qk_layernorm"])
     if arch.moe:
         if moe.get("moe_shared_expert_intermediate_size"):
-            raise ValueError(f"--moe-shared-expert-intermediate-size: {arch.name} has no shared expert")
+            raise ValueError(
+                f"--moe-shared-expert-intermediate-size: {arch.name} has no shared expert"
+            )
         if moe.get("moe_router_score_function", "softmax") != "softmax":
-            raise ValueError(f"--moe-router-score-function {moe['moe_router_score_function']}: "
-                             f"{arch.name} routes with a softmax")  # fmt: skip
+            raise ValueError(
+                f"--moe-router-score-function {moe['moe_router_score_function']}: "
+                f"{arch.name} routes with a softmax"
+            )
         if arch.model_type == "mixtral" and moe.get("moe_router_pre_softmax"):
             raise ValueError("--moe-router-pre-softmax: Mixtral renormalises the top-k weights")
         if arch.model_type == "mixtral" and moe.get("moe_layer_freq", 1) != 1:
-            raise ValueError(f"--moe-layer-freq {moe['moe_layer_freq']}: every Mixtral layer is MoE")
+            raise ValueError(
+                f"--moe-layer-freq {moe['moe_layer_freq']}: every Mixtral layer is MoE"
+            )
     return arch
 
 
@@ -104,31 +113,44 @@ def hf_config(args: dict, *, dtype: str, special_ids: Optional[dict] = None):
     s = shapes_of(args)
     ffn = m.get("ffn_hidden_size") or 4 * m["hidden_size"]
     kwargs = dict(
-        vocab_size=s.vocab_size, hidden_size=m["hidden_size"],
-        num_hidden_layers=m["num_layers"], num_attention_heads=s.num_attention_heads,
-        num_key_value_heads=s.num_query_groups, head_dim=s.head_dim, hidden_act="silu",
+        vocab_size=s.vocab_size,
+        hidden_size=m["hidden_size"],
+        num_hidden_layers=m["num_layers"],
+        num_attention_heads=s.num_attention_heads,
+        num_key_value_heads=s.num_query_groups,
+        head_dim=s.head_dim,
+        hidden_act="silu",
         max_position_embeddings=m.get("max_position_embeddings") or m["seq_length"],
-        rms_norm_eps=m.get("norm_epsilon", 1e-5), rope_theta=float(m["rotary_base"]),
+        rms_norm_eps=m.get("norm_epsilon", 1e-5),
+        rope_theta=float(m["rotary_base"]),
         tie_word_embeddings=not m["untie_embeddings_and_output_weights"],
-        attention_bias=False, attention_dropout=0.0, initializer_range=m["init_method_std"],
-        dtype=dtype, **(special_ids or {}),
-    )  # fmt: skip
+        attention_bias=False,
+        attention_dropout=0.0,
+        initializer_range=m["init_method_std"],
+        dtype=dtype,
+        **(special_ids or {}),
+    )
     if arch.moe:
         experts_ffn = moe.get("moe_ffn_hidden_size") or ffn
-        kwargs.update(num_experts_per_tok=moe["moe_router_topk"],
-                      router_aux_loss_coef=moe.get("moe_aux_loss_coeff") or 0.0)  # fmt: skip
+        kwargs.update(
+            num_experts_per_tok=moe["moe_router_topk"],
+            router_aux_loss_coef=moe.get("moe_aux_loss_coeff") or 0.0,
+        )
     if arch.model_type == "qwen3_moe":
         freq = moe.get("moe_layer_freq", 1)
         kwargs.update(
-            num_experts=moe["num_experts"], moe_intermediate_size=experts_ffn,
-            intermediate_size=ffn, decoder_sparse_step=1,
+            num_experts=moe["num_experts"],
+            moe_intermediate_size=experts_ffn,
+            intermediate_size=ffn,
+            decoder_sparse_step=1,
             mlp_only_layers=[i for i in range(m["num_layers"]) if i % freq != 0],
             norm_topk_prob=not moe.get("moe_router_pre_softmax", False),
             use_sliding_window=False,
-        )  # fmt: skip
+        )
     elif arch.model_type == "mixtral":
-        kwargs.update(num_local_experts=moe["num_experts"], intermediate_size=experts_ffn,
-                      sliding_window=None)  # fmt: skip
+        kwargs.update(
+            num_local_experts=moe["num_experts"], intermediate_size=experts_ffn, sliding_window=None
+        )
     else:
         kwargs.update(intermediate_size=ffn)
         if arch.model_type == "llama":
@@ -148,7 +170,9 @@ def _get(config, *names, default=None):
     return default
 
 
-def args_from_hf(config, *, make_vocab_size_divisible_by: int = 128, tp: int = 1) -> Tuple[dict, Architecture]:
+def args_from_hf(
+    config, *, make_vocab_size_divisible_by: int = 128, tp: int = 1
+) -> Tuple[dict, Architecture]:
     """Checkpoint ``args`` for a Hugging Face config of a supported architecture.
 
     Args:
@@ -170,8 +194,10 @@ def args_from_hf(config, *, make_vocab_size_divisible_by: int = 128, tp: int = 1
 
     model_type = getattr(config, "model_type", None)
     if model_type not in ARCHITECTURES:
-        raise ValueError(f"model_type {model_type!r} is not supported; supported: "
-                         f"{', '.join(sorted(ARCHITECTURES))}")  # fmt: skip
+        raise ValueError(
+            f"model_type {model_type!r} is not supported; supported: "
+            f"{', '.join(sorted(ARCHITECTURES))}"
+        )
     arch = ARCHITECTURES[model_type]
     if _get(config, "hidden_act", default="silu") != "silu":
         raise ValueError(f"hidden_act {config.hidden_act!r}: only SwiGLU (silu) MLPs are supported")
@@ -180,7 +206,9 @@ def args_from_hf(config, *, make_vocab_size_divisible_by: int = 128, tp: int = 1
             raise ValueError(f"{name}=true: biases are not supported")
     rope = dict(_get(config, "rope_parameters", "rope_scaling", default={}) or {})
     if rope.get("rope_type", rope.get("type", "default")) != "default":
-        raise ValueError(f"RoPE scaling {rope.get('rope_type', rope.get('type'))!r} is not supported")
+        raise ValueError(
+            f"RoPE scaling {rope.get('rope_type', rope.get('type'))!r} is not supported"
+        )
     theta = _get(config, "rope_theta", default=rope.get("rope_theta", 10000.0))
     if getattr(config, "use_sliding_window", False) or (
         model_type == "mixtral" and getattr(config, "sliding_window", None)
@@ -191,25 +219,35 @@ def args_from_hf(config, *, make_vocab_size_divisible_by: int = 128, tp: int = 1
     head_dim = _get(config, "head_dim", default=hidden // heads)
     layers = config.num_hidden_layers
     model = dict(
-        num_layers=layers, hidden_size=hidden, num_attention_heads=heads,
-        group_query_attention=kv_heads != heads, num_query_groups=kv_heads if kv_heads != heads else 1,
+        num_layers=layers,
+        hidden_size=hidden,
+        num_attention_heads=heads,
+        group_query_attention=kv_heads != heads,
+        num_query_groups=kv_heads if kv_heads != heads else 1,
         kv_channels=head_dim,
         seq_length=min(config.max_position_embeddings, 4096),
         max_position_embeddings=config.max_position_embeddings,
-        position_embedding_type="rope", rotary_base=int(theta) if float(theta).is_integer() else theta,
-        normalization="RMSNorm", norm_epsilon=config.rms_norm_eps, swiglu=True,
+        position_embedding_type="rope",
+        rotary_base=int(theta) if float(theta).is_integer() else theta,
+        normalization="RMSNorm",
+        norm_epsilon=config.rms_norm_eps,
+        swiglu=True,
         untie_embeddings_and_output_weights=not getattr(config, "tie_word_embeddings", False),
-        disable_bias_linear=True, qk_layernorm=arch.qk_layernorm,
+        disable_bias_linear=True,
+        qk_layernorm=arch.qk_layernorm,
         init_method_std=_get(config, "initializer_range", default=0.02),
-        vocab_size=config.vocab_size, make_vocab_size_divisible_by=make_vocab_size_divisible_by,
-    )  # fmt: skip
+        vocab_size=config.vocab_size,
+        make_vocab_size_divisible_by=make_vocab_size_divisible_by,
+    )
     moe: Dict[str, object] = dict(num_experts=None)
     if model_type == "qwen3_moe":
         step = _get(config, "decoder_sparse_step", default=1)
         dense = set(_get(config, "mlp_only_layers", default=[]) or [])
         sparse = [i for i in range(layers) if i not in dense and (i + 1) % step == 0]
-        freq = next((f for f in range(1, layers + 1)
-                     if sparse == [i for i in range(layers) if i % f == 0]), None)  # fmt: skip
+        freq = next(
+            (f for f in range(1, layers + 1) if sparse == [i for i in range(layers) if i % f == 0]),
+            None,
+        )
         if freq is None:
             raise ValueError(
                 f"MoE layers {sparse} are not every n-th layer from layer 0 (--moe-layer-freq n)"
@@ -217,18 +255,24 @@ def args_from_hf(config, *, make_vocab_size_divisible_by: int = 128, tp: int = 1
         model["ffn_hidden_size"] = config.intermediate_size
         moe = dict(
             num_experts=_get(config, "num_experts", "num_local_experts"),
-            moe_ffn_hidden_size=config.moe_intermediate_size, moe_layer_freq=freq,
+            moe_ffn_hidden_size=config.moe_intermediate_size,
+            moe_layer_freq=freq,
             moe_router_pre_softmax=not getattr(config, "norm_topk_prob", True),
-        )  # fmt: skip
+        )
     elif model_type == "mixtral":
         model["ffn_hidden_size"] = config.intermediate_size
-        moe = dict(num_experts=_get(config, "num_local_experts", "num_experts"),
-                   moe_ffn_hidden_size=config.intermediate_size, moe_layer_freq=1)  # fmt: skip
+        moe = dict(
+            num_experts=_get(config, "num_local_experts", "num_experts"),
+            moe_ffn_hidden_size=config.intermediate_size,
+            moe_layer_freq=1,
+        )
     else:
         model["ffn_hidden_size"] = config.intermediate_size
     if moe["num_experts"]:
-        moe.update(moe_router_topk=config.num_experts_per_tok,
-                   moe_aux_loss_coeff=_get(config, "router_aux_loss_coef", default=0.0))  # fmt: skip
+        moe.update(
+            moe_router_topk=config.num_experts_per_tok,
+            moe_aux_loss_coeff=_get(config, "router_aux_loss_coef", default=0.0),
+        )
     dtype = str(_get(config, "dtype", "torch_dtype", default="float32")).replace("torch.", "")
     args = {  # every flag's value, as the trainer stores them
         "model": dict(dataclasses.asdict(ModelArgs()), **model),
@@ -278,7 +322,9 @@ def read_hf_dir(path: str) -> Tuple[object, Dict[str, torch.Tensor]]:
         state.update(load_file(os.path.join(path, name)))
     if getattr(config, "tie_word_embeddings", False) and "lm_head.weight" in state:
         if not torch.equal(state["lm_head.weight"], state["model.embed_tokens.weight"]):
-            raise ValueError("tie_word_embeddings=true but lm_head.weight differs from the embedding")
+            raise ValueError(
+                "tie_word_embeddings=true but lm_head.weight differs from the embedding"
+            )
         del state["lm_head.weight"]
     return config, state
 
@@ -317,8 +363,9 @@ def write_hf_dir(
     GenerationConfig.from_model_config(config).save_pretrained(tmp)
     split = split_torch_state_dict_into_shards(state, max_shard_size=max_shard_size)
     for filename, names in split.filename_to_tensors.items():
-        save_file({n: state[n] for n in names}, os.path.join(tmp, filename),
-                  metadata={"format": "pt"})  # fmt: skip
+        save_file(
+            {n: state[n] for n in names}, os.path.join(tmp, filename), metadata={"format": "pt"}
+        )
     if split.is_sharded:
         index = {"metadata": dict(split.metadata), "weight_map": split.tensor_to_filename}
         with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
@@ -354,11 +401,19 @@ def write_tokenizer(out: str, tokenizer_model: str, max_length: int = 1 << 30) -
 
     sp = sentencepiece.SentencePieceProcessor(model_file=tokenizer_model)
     shutil.copyfile(tokenizer_model, os.path.join(out, "tokenizer.model"))
-    config = {"tokenizer_class": "LlamaTokenizer", "add_bos_token": False,
-              "add_eos_token": False, "legacy": True,
-              "model_max_length": max_length}  # fmt: skip
-    for name, index in (("unk_token", sp.unk_id()), ("bos_token", sp.bos_id()),
-                        ("eos_token", sp.eos_id()), ("pad_token", sp.pad_id())):  # fmt: skip
+    config = {
+        "tokenizer_class": "LlamaTokenizer",
+        "add_bos_token": False,
+        "add_eos_token": False,
+        "legacy": True,
+        "model_max_length": max_length,
+    }
+    for name, index in (
+        ("unk_token", sp.unk_id()),
+        ("bos_token", sp.bos_id()),
+        ("eos_token", sp.eos_id()),
+        ("pad_token", sp.pad_id()),
+    ):
         if index >= 0:
             config[name] = sp.id_to_piece(index)
     with open(os.path.join(out, "tokenizer_config.json"), "w") as f:

@@ -43,10 +43,18 @@ def single_process() -> Iterator[None]:
     from tst_megatron.runtime.distributed import ParallelConfig
 
     owned = not dist.is_initialized()
-    saved = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    saved = {
+        k: os.environ.get(k)
+        for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    }
     if owned:
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(_free_port()))  # fmt: skip
+        os.environ.update(
+            RANK="0",
+            WORLD_SIZE="1",
+            LOCAL_RANK="0",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(_free_port()),
+        )
         init_distributed(device="cpu")
     elif dist.get_world_size() != 1:
         raise RuntimeError("conversion runs in one process; start it without torchrun/srun")
@@ -71,8 +79,14 @@ def run_config(args: dict):
     ``args`` and every other setting at its default (1 process, CPU, eval dropout 0)."""
     from tst_megatron.superposition.schedule import TSTConfig
     from tst_megatron.training.config import (
-        CheckpointArgs, DataArgs, ModelArgs, MoEArgs, ParallelArgs, RunConfig, TrainArgs,
-    )  # fmt: skip
+        CheckpointArgs,
+        DataArgs,
+        ModelArgs,
+        MoEArgs,
+        ParallelArgs,
+        RunConfig,
+        TrainArgs,
+    )
 
     def known(cls, values):
         names = {f.name for f in dataclasses.fields(cls)}
@@ -80,10 +94,14 @@ def run_config(args: dict):
 
     model = known(ModelArgs, dict(args["model"], hidden_dropout=0.0, attention_dropout=0.0))
     return RunConfig(
-        model=model, moe=known(MoEArgs, args["moe"]), parallel=ParallelArgs(),
+        model=model,
+        moe=known(MoEArgs, args["moe"]),
+        parallel=ParallelArgs(),
         train=TrainArgs(device="cpu", bf16=args.get("params_dtype") == "bfloat16"),
-        data=DataArgs(mock_data=True), checkpoint=CheckpointArgs(), tst=TSTConfig(),
-    )  # fmt: skip
+        data=DataArgs(mock_data=True),
+        checkpoint=CheckpointArgs(),
+        tst=TSTConfig(),
+    )
 
 
 def build_model(args: dict):
@@ -94,12 +112,13 @@ def build_model(args: dict):
     cfg = run_config(args)
     config = transformer_config(cfg, use_cpu_initialization=True)
     model = build_gpt_model(
-        config, vocab_size=args["padded_vocab_size"],
+        config,
+        vocab_size=args["padded_vocab_size"],
         max_sequence_length=cfg.model.max_position_embeddings or cfg.model.seq_length,
         position_embedding_type=cfg.model.position_embedding_type,
         rotary_base=cfg.model.rotary_base,
         share_embeddings_and_output_weights=not cfg.model.untie_embeddings_and_output_weights,
-    )  # fmt: skip
+    )
     return model.eval()
 
 
@@ -124,10 +143,13 @@ def resolve_checkpoint(load: str, ckpt_step: Optional[int] = None) -> str:
     if ckpt_step is not None:
         path = checkpointing.checkpoint_dir(load, ckpt_step)
         if not os.path.isdir(path):
-            steps = sorted(int(n[5:]) for n in os.listdir(load)
-                           if n.startswith("iter_") and n[5:].isdigit())  # fmt: skip
-            raise FileNotFoundError(f"{load} has no iter_{ckpt_step:07d}; saved steps: "
-                                    f"{', '.join(map(str, steps)) or 'none'}")  # fmt: skip
+            steps = sorted(
+                int(n[5:]) for n in os.listdir(load) if n.startswith("iter_") and n[5:].isdigit()
+            )
+            raise FileNotFoundError(
+                f"{load} has no iter_{ckpt_step:07d}; saved steps: "
+                f"{', '.join(map(str, steps)) or 'none'}"
+            )
     elif os.path.isfile(os.path.join(load, "metadata.json")):
         path = load
     else:
@@ -137,8 +159,11 @@ def resolve_checkpoint(load: str, ckpt_step: Optional[int] = None) -> str:
                 f"{load} is neither a checkpoint directory nor a --save root with "
                 f"{checkpointing.TRACKER}"
             )
-        path = (os.path.join(load, checkpointing.RELEASE) if latest == checkpointing.RELEASE
-                else checkpointing.checkpoint_dir(load, latest))  # fmt: skip
+        path = (
+            os.path.join(load, checkpointing.RELEASE)
+            if latest == checkpointing.RELEASE
+            else checkpointing.checkpoint_dir(load, latest)
+        )
     if not os.path.isfile(os.path.join(path, "metadata.json")):
         raise FileNotFoundError(f"{path} is not a torch_dist checkpoint (no metadata.json)")
     return path
@@ -154,8 +179,10 @@ def read_args(path: str) -> dict:
 
     common = dist_checkpointing.load_common_state_dict(path)
     if "args" not in common:
-        raise ValueError(f"{path} stores no model args (saved by an older version); "
-                         "re-save it with this trainer (--load it, train one step, --save)")  # fmt: skip
+        raise ValueError(
+            f"{path} stores no model args (saved by an older version); "
+            "re-save it with this trainer (--load it, train one step, --save)"
+        )
     return common["args"]
 
 

@@ -48,7 +48,9 @@ class Rule:
 
 
 def _layer(megatron: str, *hf: str, layout: str = "copy") -> Rule:
-    return Rule("decoder.layers.{L}." + megatron, tuple("model.layers.{L}." + h for h in hf), layout)
+    return Rule(
+        "decoder.layers.{L}." + megatron, tuple("model.layers.{L}." + h for h in hf), layout
+    )
 
 
 EMBEDDING_RULES = (
@@ -58,8 +60,13 @@ EMBEDDING_RULES = (
 )
 ATTENTION_RULES = (
     _layer("input_layernorm.weight", "input_layernorm.weight"),
-    _layer("self_attention.linear_qkv.weight", "self_attn.q_proj.weight",
-           "self_attn.k_proj.weight", "self_attn.v_proj.weight", layout="qkv"),  # fmt: skip
+    _layer(
+        "self_attention.linear_qkv.weight",
+        "self_attn.q_proj.weight",
+        "self_attn.k_proj.weight",
+        "self_attn.v_proj.weight",
+        layout="qkv",
+    ),
     _layer("self_attention.linear_proj.weight", "self_attn.o_proj.weight"),
     _layer("pre_mlp_layernorm.weight", "post_attention_layernorm.weight"),
 )
@@ -74,14 +81,22 @@ DENSE_MLP_RULES = (
 _EXPERT = "mlp.experts.local_experts.{E}."
 QWEN3_MOE_RULES = (
     _layer("mlp.router.weight", "mlp.gate.weight"),
-    _layer(_EXPERT + "linear_fc1.weight", "mlp.experts.{E}.gate_proj.weight",
-           "mlp.experts.{E}.up_proj.weight", layout="gate_up"),  # fmt: skip
+    _layer(
+        _EXPERT + "linear_fc1.weight",
+        "mlp.experts.{E}.gate_proj.weight",
+        "mlp.experts.{E}.up_proj.weight",
+        layout="gate_up",
+    ),
     _layer(_EXPERT + "linear_fc2.weight", "mlp.experts.{E}.down_proj.weight"),
 )
 MIXTRAL_MOE_RULES = (
     _layer("mlp.router.weight", "block_sparse_moe.gate.weight"),
-    _layer(_EXPERT + "linear_fc1.weight", "block_sparse_moe.experts.{E}.w1.weight",
-           "block_sparse_moe.experts.{E}.w3.weight", layout="gate_up"),  # fmt: skip
+    _layer(
+        _EXPERT + "linear_fc1.weight",
+        "block_sparse_moe.experts.{E}.w1.weight",
+        "block_sparse_moe.experts.{E}.w3.weight",
+        layout="gate_up",
+    ),
     _layer(_EXPERT + "linear_fc2.weight", "block_sparse_moe.experts.{E}.w2.weight"),
 )
 
@@ -106,17 +121,40 @@ class Architecture:
 ARCHITECTURES = {
     a.model_type: a
     for a in (
-        Architecture("Qwen3-MoE", "qwen3_moe", "Qwen3MoeForCausalLM", True, True,
-                     EMBEDDING_RULES + ATTENTION_RULES + QK_NORM_RULES + DENSE_MLP_RULES
-                     + QWEN3_MOE_RULES),  # dense layers: Qwen3-MoE's mlp_only_layers
-        Architecture("Mixtral", "mixtral", "MixtralForCausalLM", False, True,
-                     EMBEDDING_RULES + ATTENTION_RULES + MIXTRAL_MOE_RULES),
-        Architecture("Qwen3", "qwen3", "Qwen3ForCausalLM", True, False,
-                     EMBEDDING_RULES + ATTENTION_RULES + QK_NORM_RULES + DENSE_MLP_RULES),
-        Architecture("Llama", "llama", "LlamaForCausalLM", False, False,
-                     EMBEDDING_RULES + ATTENTION_RULES + DENSE_MLP_RULES),
+        Architecture(
+            "Qwen3-MoE",
+            "qwen3_moe",
+            "Qwen3MoeForCausalLM",
+            True,
+            True,
+            EMBEDDING_RULES + ATTENTION_RULES + QK_NORM_RULES + DENSE_MLP_RULES + QWEN3_MOE_RULES,
+        ),  # dense layers: Qwen3-MoE's mlp_only_layers
+        Architecture(
+            "Mixtral",
+            "mixtral",
+            "MixtralForCausalLM",
+            False,
+            True,
+            EMBEDDING_RULES + ATTENTION_RULES + MIXTRAL_MOE_RULES,
+        ),
+        Architecture(
+            "Qwen3",
+            "qwen3",
+            "Qwen3ForCausalLM",
+            True,
+            False,
+            EMBEDDING_RULES + ATTENTION_RULES + QK_NORM_RULES + DENSE_MLP_RULES,
+        ),
+        Architecture(
+            "Llama",
+            "llama",
+            "LlamaForCausalLM",
+            False,
+            False,
+            EMBEDDING_RULES + ATTENTION_RULES + DENSE_MLP_RULES,
+        ),
     )
-}  # fmt: skip
+}
 
 
 def architecture_for(*, moe: bool, qk_layernorm: bool) -> Architecture:
@@ -170,8 +208,11 @@ def _to_hf(rule: Rule, tensor: torch.Tensor, shapes: Shapes) -> List[torch.Tenso
         return [gate, up]
     q, g, d = shapes.num_attention_heads, shapes.num_query_groups, shapes.head_dim
     grouped = tensor.reshape(g, q // g + 2, d, tensor.shape[-1])
-    return [grouped[:, : q // g].reshape(q * d, -1), grouped[:, q // g].reshape(g * d, -1),
-            grouped[:, q // g + 1].reshape(g * d, -1)]  # fmt: skip
+    return [
+        grouped[:, : q // g].reshape(q * d, -1),
+        grouped[:, q // g].reshape(g * d, -1),
+        grouped[:, q // g + 1].reshape(g * d, -1),
+    ]
 
 
 def _to_megatron(rule: Rule, parts: List[torch.Tensor], shapes: Shapes) -> torch.Tensor:
@@ -224,7 +265,9 @@ def megatron_to_hf(
         for pattern, part in zip(rule.hf, _to_hf(rule, tensor, shapes)):
             out[_fill(pattern, groups)] = part.contiguous().clone()
     if unplaced:
-        raise ValueError(f"{arch.name} has no tensor for these Megatron weights: {_listing(unplaced)}")
+        raise ValueError(
+            f"{arch.name} has no tensor for these Megatron weights: {_listing(unplaced)}"
+        )
     return out
 
 
@@ -267,7 +310,9 @@ def hf_to_megatron(
         raise ValueError(f"missing Hugging Face tensors: {_listing(missing)}")
     extra = set(hf_state) - used
     if extra:
-        raise ValueError(f"Hugging Face tensors with no place in the Megatron model: {_listing(extra)}")
+        raise ValueError(
+            f"Hugging Face tensors with no place in the Megatron model: {_listing(extra)}"
+        )
     if wrong:
         raise ValueError(f"shape mismatch after conversion: {_listing(wrong)}")
     return out

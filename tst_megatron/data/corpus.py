@@ -50,9 +50,11 @@ def python_stdlib_documents() -> Iterator[str]:
 def directory_documents(root: str) -> Iterator[str]:
     """Each text file under ``root`` (sorted by path)."""
     paths = [
-        os.path.join(d, f) for d, _, files in os.walk(root) for f in files
+        os.path.join(d, f)
+        for d, _, files in os.walk(root)
+        for f in files
         if f.endswith(TEXT_SUFFIXES)
-    ]  # fmt: skip
+    ]
     for path in sorted(paths):
         yield _read(path)
 

@@ -40,9 +40,15 @@ def output_paths(prefix: str, key: str) -> tuple[str, str]:
     return base + ".bin", base + ".idx"
 
 
-def preprocess(input_path: str, output_prefix: str, tokenizer_model: str, *,
-               json_keys: Sequence[str] = ("text",), append_eod: bool = True,
-               workers: int = 1) -> dict:  # fmt: skip
+def preprocess(
+    input_path: str,
+    output_prefix: str,
+    tokenizer_model: str,
+    *,
+    json_keys: Sequence[str] = ("text",),
+    append_eod: bool = True,
+    workers: int = 1,
+) -> dict:
     """Tokenize every document of ``input_path`` and write one dataset per JSON key.
 
     Files are written under temporary names and renamed at the end, ``.bin`` before
@@ -64,14 +70,20 @@ def preprocess(input_path: str, output_prefix: str, tokenizer_model: str, *,
     tmp = {key: tuple(f"{p}.tmp{os.getpid()}" for p in final[key]) for key in json_keys}
     stats = {key: {"documents": 0, "tokens": 0, "prefix": final[key][0][:-4]} for key in json_keys}
     try:
-        builders = {key: IndexedDatasetBuilder(tmp[key][0], dtype=DType.optimal_dtype(vocab))
-                    for key in json_keys}  # fmt: skip
+        builders = {
+            key: IndexedDatasetBuilder(tmp[key][0], dtype=DType.optimal_dtype(vocab))
+            for key in json_keys
+        }
         tasks = ((line, tuple(json_keys), append_eod) for line in lines)
         with multiprocessing.get_context("spawn").Pool(
             max(1, workers), initializer=_init_worker, initargs=(tokenizer_model,)
         ) as pool:
-            for encoded in tqdm(pool.imap(_encode, tasks, chunksize=16), total=len(lines),
-                                desc="tokenizing", unit=" docs"):  # fmt: skip
+            for encoded in tqdm(
+                pool.imap(_encode, tasks, chunksize=16),
+                total=len(lines),
+                desc="tokenizing",
+                unit=" docs",
+            ):
                 for key, ids in encoded.items():
                     if ids:
                         builders[key].add_document(torch.tensor(ids), [len(ids)])

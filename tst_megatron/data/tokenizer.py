@@ -16,9 +16,15 @@ from tst_megatron.data.files import atomic_path
 SPECIAL_IDS = {"unk_id": 0, "bos_id": 1, "eos_id": 2, "pad_id": 3}
 
 
-def train_tokenizer(texts: Iterable[str], model_prefix: str, *, vocab_size: int = 4096,
-                    model_type: str = "bpe", max_sentences: int = 2_000_000,
-                    seed_sentences: int = 1_000_000) -> str:  # fmt: skip
+def train_tokenizer(
+    texts: Iterable[str],
+    model_prefix: str,
+    *,
+    vocab_size: int = 4096,
+    model_type: str = "bpe",
+    max_sentences: int = 2_000_000,
+    seed_sentences: int = 1_000_000,
+) -> str:
     """Train on ``texts`` (one document each; lines are SentencePiece "sentences").
 
     Returns the path of the ``.model`` file (``model_prefix + ".model"``; a ``.vocab`` file
@@ -28,6 +34,7 @@ def train_tokenizer(texts: Iterable[str], model_prefix: str, *, vocab_size: int 
         ValueError: no text, or SentencePiece rejects the settings (e.g. a vocabulary larger
             than the text supports), with its message.
     """
+
     def sentences():
         for text in texts:
             for line in text.splitlines():
@@ -37,14 +44,24 @@ def train_tokenizer(texts: Iterable[str], model_prefix: str, *, vocab_size: int 
     model = io.BytesIO()
     try:
         spm.SentencePieceTrainer.train(
-            sentence_iterator=sentences(), model_writer=model, vocab_size=vocab_size,
-            model_type=model_type, byte_fallback=True, character_coverage=1.0,
-            input_sentence_size=max_sentences, shuffle_input_sentence=True,
-            seed_sentencepiece_size=seed_sentences, max_sentence_length=16384,
-            split_digits=True, allow_whitespace_only_pieces=True, remove_extra_whitespaces=False,
-            normalization_rule_name="identity", num_threads=os.cpu_count() or 1,
-            minloglevel=2, **SPECIAL_IDS,
-        )  # fmt: skip
+            sentence_iterator=sentences(),
+            model_writer=model,
+            vocab_size=vocab_size,
+            model_type=model_type,
+            byte_fallback=True,
+            character_coverage=1.0,
+            input_sentence_size=max_sentences,
+            shuffle_input_sentence=True,
+            seed_sentencepiece_size=seed_sentences,
+            max_sentence_length=16384,
+            split_digits=True,
+            allow_whitespace_only_pieces=True,
+            remove_extra_whitespaces=False,
+            normalization_rule_name="identity",
+            num_threads=os.cpu_count() or 1,
+            minloglevel=2,
+            **SPECIAL_IDS,
+        )
     except RuntimeError as exc:
         raise ValueError(
             f"SentencePiece training failed: {str(exc).strip().splitlines()[-1]}"

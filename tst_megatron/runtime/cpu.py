@@ -74,11 +74,26 @@ _MODULES = (
 
 _FACTORIES = frozenset(
     {
-        "tensor", "as_tensor", "zeros", "ones", "empty", "full", "arange", "linspace",
-        "rand", "randn", "randint", "randperm", "zeros_like", "ones_like", "empty_like",
-        "full_like", "eye", "empty_strided",
+        "tensor",
+        "as_tensor",
+        "zeros",
+        "ones",
+        "empty",
+        "full",
+        "arange",
+        "linspace",
+        "rand",
+        "randn",
+        "randint",
+        "randperm",
+        "zeros_like",
+        "ones_like",
+        "empty_like",
+        "full_like",
+        "eye",
+        "empty_strided",
     }
-)  # fmt: skip
+)
 
 _CPU = torch.device("cpu")
 _enabled = False
@@ -282,9 +297,17 @@ _REPLACED = (
         "clip_grad_by_total_norm_fp32",
         _clip_grad_by_total_norm_fp32,
     ),
-    ("megatron.core.optimizer.optimizer", "clip_grad_by_total_norm_fp32", _clip_grad_by_total_norm_fp32),
-    ("megatron.core.transformer.moe.token_dispatcher", "maybe_move_tensor_to_cpu", _maybe_move_tensor_to_cpu),
-)  # fmt: skip
+    (
+        "megatron.core.optimizer.optimizer",
+        "clip_grad_by_total_norm_fp32",
+        _clip_grad_by_total_norm_fp32,
+    ),
+    (
+        "megatron.core.transformer.moe.token_dispatcher",
+        "maybe_move_tensor_to_cpu",
+        _maybe_move_tensor_to_cpu,
+    ),
+)
 
 
 class _RngWarningFilter(logging.Filter):

@@ -151,13 +151,18 @@ def resolve_process(
     else:
         launcher, rank, world_size, local_rank = "none", 0, 1, 0
     if not 0 <= rank < world_size:
-        raise ValueError(f"rank {rank} is outside [0, world size {world_size}) ({launcher} environment)")
+        raise ValueError(
+            f"rank {rank} is outside [0, world size {world_size}) ({launcher} environment)"
+        )
     return ProcessInfo(
         rank=rank,
         world_size=world_size,
         local_rank=local_rank,
-        device=(torch.device("cuda", local_rank % torch.cuda.device_count()) if use_cuda
-                else torch.device("cpu")),  # fmt: skip
+        device=(
+            torch.device("cuda", local_rank % torch.cuda.device_count())
+            if use_cuda
+            else torch.device("cpu")
+        ),
         backend="nccl" if use_cuda else "gloo",
         launcher=launcher,
         master_addr=addr,

@@ -78,8 +78,10 @@ def expand_hostlist(hostlist: str) -> list[str]:
         if not part:
             raise ValueError(f"bad Slurm hostlist {hostlist!r}: empty name between commas")
         pieces = re.split(r"\[([^\]]*)\]", part)  # text, inner, text, inner, ..., text
-        choices = [[piece] if i % 2 == 0 else _expand_brackets(piece, hostlist)
-                   for i, piece in enumerate(pieces)]  # fmt: skip
+        choices = [
+            [piece] if i % 2 == 0 else _expand_brackets(piece, hostlist)
+            for i, piece in enumerate(pieces)
+        ]
         hosts += ["".join(combo) for combo in itertools.product(*choices)]
     return hosts
 

@@ -31,9 +31,7 @@ def fold_bags(tokens: torch.Tensor, bag_size: int) -> torch.Tensor:
         raise ValueError(f"tokens must be [b, S*T], got shape {tuple(tokens.shape)}")
     b, length = tokens.shape
     if length % bag_size != 0:
-        raise ValueError(
-            f"sequence length {length} is not a multiple of bag_size {bag_size}"
-        )
+        raise ValueError(f"sequence length {length} is not a multiple of bag_size {bag_size}")
     return tokens.reshape(b, length // bag_size, bag_size)
 
 

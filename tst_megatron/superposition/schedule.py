@@ -32,7 +32,11 @@ class TSTConfig:
 
     def validate(self, train_iters: int) -> None:
         """Raise ``ValueError`` (one line naming the flag) for an unusable setting. Reads only."""
-        if isinstance(self.bag_size, bool) or not isinstance(self.bag_size, int) or self.bag_size < 1:
+        if (
+            isinstance(self.bag_size, bool)
+            or not isinstance(self.bag_size, int)
+            or self.bag_size < 1
+        ):
             raise ValueError(f"--tst-bag-size must be an integer >= 1, got {self.bag_size!r}")
         if self.phase1_iters is not None and self.phase1_fraction is not None:
             raise ValueError("give --tst-phase1-iters or --tst-phase1-fraction, not both")

@@ -36,14 +36,31 @@ RELEASE = "release"
 #: Settings that fix the shapes or the function of the weights. A checkpoint loads only into
 #: a model with the same values (the message names the flag, instead of a shape mismatch).
 ARCHITECTURE_FIELDS = {
-    "model": ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
-              "group_query_attention", "num_query_groups", "kv_channels",
-              "position_embedding_type", "normalization", "swiglu",
-              "untie_embeddings_and_output_weights", "disable_bias_linear", "qk_layernorm"),
-    "moe": ("num_experts", "moe_ffn_hidden_size", "moe_router_topk", "moe_layer_freq",
-            "moe_shared_expert_intermediate_size", "moe_router_score_function",
-            "moe_router_pre_softmax"),
-}  # fmt: skip
+    "model": (
+        "num_layers",
+        "hidden_size",
+        "ffn_hidden_size",
+        "num_attention_heads",
+        "group_query_attention",
+        "num_query_groups",
+        "kv_channels",
+        "position_embedding_type",
+        "normalization",
+        "swiglu",
+        "untie_embeddings_and_output_weights",
+        "disable_bias_linear",
+        "qk_layernorm",
+    ),
+    "moe": (
+        "num_experts",
+        "moe_ffn_hidden_size",
+        "moe_router_topk",
+        "moe_layer_freq",
+        "moe_shared_expert_intermediate_size",
+        "moe_router_score_function",
+        "moe_router_pre_softmax",
+    ),
+}
 
 
 def checkpoint_args(cfg, *, vocab_size: int, padded_vocab_size: int) -> dict:
@@ -103,6 +120,8 @@ def check_architecture(saved: dict, current: dict, path: str) -> None:
             f"but this run pads to {current['padded_vocab_size']}; match --vocab-size/"
             "--make-vocab-size-divisible-by (times --tensor-model-parallel-size)"
         )
+
+
 # Key optimizer state by parameter only, so a checkpoint reshards across TP/PP/EP/DP layouts
 # (megatron-core ChainedOptimizer otherwise prefixes "chained_<i>." by optimizer count).
 _OPTIMIZER_METADATA = {"chained_optim_avoid_prefix": True}
@@ -166,8 +185,9 @@ def _restore_rng(state: dict) -> None:
     tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
 
 
-def save_checkpoint(root, iteration, model_chunks, optimizer, scheduler, *, loop: dict,
-                    tst: TSTConfig, args: dict) -> str:  # fmt: skip
+def save_checkpoint(
+    root, iteration, model_chunks, optimizer, scheduler, *, loop: dict, tst: TSTConfig, args: dict
+) -> str:
     """Write the checkpoint of ``iteration`` under ``root``; return its directory.
 
     ``args`` is :func:`checkpoint_args` (stored for converters and the architecture check).
@@ -208,9 +228,18 @@ def _optimizer_count(optimizer) -> int:
     return len(getattr(optimizer, "chained_optimizers", [optimizer]))
 
 
-def load_checkpoint(root, model_chunks, optimizer, scheduler, *, tst: TSTConfig,
-                    train_iters: int, args: dict, load_optim: bool = True,
-                    load_rng: bool = True) -> Optional[dict]:  # fmt: skip
+def load_checkpoint(
+    root,
+    model_chunks,
+    optimizer,
+    scheduler,
+    *,
+    tst: TSTConfig,
+    train_iters: int,
+    args: dict,
+    load_optim: bool = True,
+    load_rng: bool = True,
+) -> Optional[dict]:
     """Restore the newest checkpoint under ``root`` into the given objects.
 
     Returns:

@@ -294,8 +294,12 @@ def field_docs(cls) -> dict:
     body = tree.body[0].body
     docs = {}
     for node, after in zip(body, body[1:]):
-        if (isinstance(node, ast.AnnAssign) and isinstance(after, ast.Expr)
-                and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str)):  # fmt: skip
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(after, ast.Expr)
+            and isinstance(after.value, ast.Constant)
+            and isinstance(after.value.value, str)
+        ):
             docs[node.target.id] = " ".join(after.value.value.split()).replace("%", "%%")
     return docs
 
@@ -325,18 +329,27 @@ def build_parser() -> argparse.ArgumentParser:
             dest = f"{group_name}.{field.name}"
             text = docs.get(field.name, "")
             if kind is bool and field.default is True:
-                group.add_argument(_flag("no-" + prefix, field.name), dest=dest,
-                                   action="store_false", default=True, help=text)  # fmt: skip
+                group.add_argument(
+                    _flag("no-" + prefix, field.name),
+                    dest=dest,
+                    action="store_false",
+                    default=True,
+                    help=text,
+                )
             elif kind is bool:
-                group.add_argument(_flag(prefix, field.name), dest=dest, action="store_true",
-                                   help=text)  # fmt: skip
+                group.add_argument(
+                    _flag(prefix, field.name), dest=dest, action="store_true", help=text
+                )
             else:
                 group.add_argument(
-                    _flag(prefix, field.name), dest=dest, type=kind, default=field.default,
+                    _flag(prefix, field.name),
+                    dest=dest,
+                    type=kind,
+                    default=field.default,
                     choices=CHOICES.get(field.name),
                     metavar=None if field.name in CHOICES else field.name.upper(),
                     help=f"{text} (default: {field.default})",
-                )  # fmt: skip
+                )
     return parser
 
 
@@ -359,9 +372,11 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> RunConfig:
 def all_flags() -> list[str]:
     """Every long flag the parser accepts, sorted (frozen by a test)."""
     return sorted(
-        opt for action in build_parser()._actions for opt in action.option_strings
+        opt
+        for action in build_parser()._actions
+        for opt in action.option_strings
         if opt.startswith("--") and opt != "--help"
-    )  # fmt: skip
+    )
 
 
 def data_parallel_size(cfg: RunConfig, world_size: int) -> int:
@@ -383,8 +398,15 @@ def validate(cfg: RunConfig, world_size: int, device_type: str = "cuda") -> None
     Raises:
         ValueError: the first problem found.
     """
-    m, moe, p, t, d, c, tst = (cfg.model, cfg.moe, cfg.parallel, cfg.train, cfg.data,
-                               cfg.checkpoint, cfg.tst)  # fmt: skip
+    m, moe, p, t, d, c, tst = (
+        cfg.model,
+        cfg.moe,
+        cfg.parallel,
+        cfg.train,
+        cfg.data,
+        cfg.checkpoint,
+        cfg.tst,
+    )
     vpl = p.num_layers_per_virtual_pipeline_stage
     if vpl is not None and (vpl < 1 or m.num_layers % (p.pipeline_model_parallel_size * vpl)):
         raise ValueError(
@@ -392,7 +414,9 @@ def validate(cfg: RunConfig, world_size: int, device_type: str = "cuda") -> None
             f"--num-layers-per-virtual-pipeline-stage {vpl}"
         )
     if vpl is not None and p.pipeline_model_parallel_size == 1:
-        raise ValueError("--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size > 1")
+        raise ValueError(
+            "--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size > 1"
+        )
     p.to_parallel_config(m.num_layers).validate(world_size)
     tst.validate(t.train_iters)
     tp, cp = p.tensor_model_parallel_size, p.context_parallel_size
@@ -442,8 +466,10 @@ def validate(cfg: RunConfig, world_size: int, device_type: str = "cuda") -> None
             f"{p.pipeline_model_parallel_size}"
         )
     if tst.bag_size > 1 and tst.phase1_steps(t.train_iters) > 0:
-        for flag, on in (("--reset-position-ids", d.reset_position_ids),
-                         ("--reset-attention-mask", d.reset_attention_mask)):  # fmt: skip
+        for flag, on in (
+            ("--reset-position-ids", d.reset_position_ids),
+            ("--reset-attention-mask", d.reset_attention_mask),
+        ):
             if on:
                 raise ValueError(
                     f"{flag} is not supported in TST phase 1 (--tst-bag-size > 1): bags are "
@@ -485,8 +511,11 @@ def validate(cfg: RunConfig, world_size: int, device_type: str = "cuda") -> None
             "(megatron-core's local attention has no context parallelism)"
         )
     if device_type == "cpu":
-        for flag, on in (("--bf16", t.bf16), ("--use-distributed-optimizer", t.use_distributed_optimizer),
-                         ("--transformer-impl transformer_engine", t.transformer_impl == "transformer_engine")):  # fmt: skip
+        for flag, on in (
+            ("--bf16", t.bf16),
+            ("--use-distributed-optimizer", t.use_distributed_optimizer),
+            ("--transformer-impl transformer_engine", t.transformer_impl == "transformer_engine"),
+        ):
             if on:
                 raise ValueError(f"{flag} needs a CUDA device; drop it for CPU runs")
         if p.pipeline_model_parallel_size > 1 and not m.untie_embeddings_and_output_weights:

@@ -59,8 +59,9 @@ def build_tokenizer(tokenizer_type: str, *, vocab_size: Optional[int], model: Op
         if vocab_size is None:
             raise ValueError("--vocab-size is required with --tokenizer-type NullTokenizer")
         # megatron-core's null tokenizer adds one id for EOD.
-        return MegatronTokenizer.from_pretrained(metadata_path={"library": "null"},
-                                                 vocab_size=vocab_size - 1)  # fmt: skip
+        return MegatronTokenizer.from_pretrained(
+            metadata_path={"library": "null"}, vocab_size=vocab_size - 1
+        )
     if tokenizer_type == "SentencePieceTokenizer":
         return MegatronTokenizer.from_pretrained(
             tokenizer_path=model, metadata_path={"library": "sentencepiece"}
@@ -83,8 +84,9 @@ def check_data_files(data_path: str, vocab_size: int) -> None:
     for prefix in prefixes:
         for suffix in (".bin", ".idx"):
             if not os.path.isfile(prefix + suffix):
-                raise ValueError(f"--data-path: {prefix + suffix} does not exist "
-                                 "(run tools/preprocess_data.py)")  # fmt: skip
+                raise ValueError(
+                    f"--data-path: {prefix + suffix} does not exist (run tools/preprocess_data.py)"
+                )
         with open(prefix + ".idx", "rb") as f:
             header = f.read(9 + 8 + 1)  # magic, version, dtype code
         if not header.startswith(b"MMIDIDX\x00\x00") or len(header) < 18:
@@ -103,11 +105,17 @@ def check_data_files(data_path: str, vocab_size: int) -> None:
 
 def _dataset_config(data, tokenizer, seq_length, seed, blend) -> GPTDatasetConfig:
     return GPTDatasetConfig(
-        random_seed=seed, sequence_length=seq_length, tokenizer=tokenizer, blend=blend,
-        split=data.split, path_to_cache=data.data_cache_path,
-        reset_position_ids=data.reset_position_ids, reset_attention_mask=data.reset_attention_mask,
-        eod_mask_loss=data.eod_mask_loss, create_attention_mask=data.reset_attention_mask,
-    )  # fmt: skip
+        random_seed=seed,
+        sequence_length=seq_length,
+        tokenizer=tokenizer,
+        blend=blend,
+        split=data.split,
+        path_to_cache=data.data_cache_path,
+        reset_position_ids=data.reset_position_ids,
+        reset_attention_mask=data.reset_attention_mask,
+        eod_mask_loss=data.eod_mask_loss,
+        create_attention_mask=data.reset_attention_mask,
+    )
 
 
 def build_datasets(data, tokenizer, *, seq_length: int, samples: tuple[int, int, int], seed: int):
@@ -154,7 +162,9 @@ class TrainStream:
             raise ValueError(f"phase-1 sample {i} is past the {self.phase1_samples} planned")
         first = int(self.blocks[i]) * self.bag_size
         windows = [self._window(first + k) for k in range(self.bag_size)]
-        return {key: torch.cat([w[key] for w in windows]) for key in ("tokens", "labels", "loss_mask")}
+        return {
+            key: torch.cat([w[key] for w in windows]) for key in ("tokens", "labels", "loss_mask")
+        }
 
     def phase2_sample(self, i: int) -> dict:
         """``T``-token sample ``i`` of phase 2: the windows of the blocks phase 1 left."""
@@ -172,8 +182,9 @@ def _collate(samples: list[dict]) -> dict:
     return {key: torch.stack([s[key] for s in samples]) for key in samples[0]}
 
 
-def microbatches(get_sample: Callable[[int], dict], layout: BatchLayout, *, step: int,
-                 device: torch.device) -> Iterator[dict]:  # fmt: skip
+def microbatches(
+    get_sample: Callable[[int], dict], layout: BatchLayout, *, step: int, device: torch.device
+) -> Iterator[dict]:
     """The ``M`` micro-batches of phase-local step ``step`` for this DP rank.
 
     Yields dicts of ``tokens``/``labels``/``loss_mask`` (and ``position_ids`` and, when the

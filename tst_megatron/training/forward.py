@@ -62,7 +62,9 @@ def make_phase1_step(
         output = model(None, None, None, decoder_input=x, labels=None)
 
         def loss_func(logits):
-            ce = vocab_parallel_multi_target_cross_entropy(logits, local["targets"], tp_group=tp_group)
+            ce = vocab_parallel_multi_target_cross_entropy(
+                logits, local["targets"], tp_group=tp_group
+            )
             loss_sum, weight_sum = multi_hot_cross_entropy(ce, local["mask"], weights.to(ce.device))
             scored = (local["mask"] > 0).sum().to(torch.int)
             scale = torch.where(weight_sum > 0, scored.float() / weight_sum.clamp_min(1e-12), 0.0)
@@ -79,8 +81,12 @@ def make_phase2_step(*, cp_group: Optional[dist.ProcessGroup] = None):
 
     def forward_step(data_iterator, model):
         batch = get_batch_on_this_cp_rank(dict(next(data_iterator)), cp_group=cp_group)
-        per_token = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"),
-                          labels=batch["labels"])  # fmt: skip
+        per_token = model(
+            batch["tokens"],
+            batch["position_ids"],
+            batch.get("attention_mask"),
+            labels=batch["labels"],
+        )
         loss_mask = batch["loss_mask"]
 
         def loss_func(output):

@@ -74,17 +74,21 @@ def gpt_block_spec(
                 f"(pip install 'tst-megatron[te]' on a CUDA machine): {exc}"
             ) from exc
         return get_gpt_decoder_block_spec(
-            config, use_transformer_engine=True, normalization=config.normalization,
+            config,
+            use_transformer_engine=True,
+            normalization=config.normalization,
             vp_stage=vp_stage,
-        )  # fmt: skip
+        )
     if transformer_impl != "local":
         raise ValueError(
             f"--transformer-impl must be local or transformer_engine, got {transformer_impl!r}"
         )
     block = get_gpt_decoder_block_spec(
-        config, use_transformer_engine=False, normalization=config.normalization,
+        config,
+        use_transformer_engine=False,
+        normalization=config.normalization,
         vp_stage=vp_stage,
-    )  # fmt: skip
+    )
     return TransformerBlockSubmodules(
         layer_specs=[_with_norm(spec, SequenceParallelNorm) for spec in block.layer_specs],
         layer_norm=SequenceParallelNorm,
@@ -156,36 +160,47 @@ def transformer_config(cfg, *, use_cpu_initialization: bool) -> TransformerConfi
     dtype = torch.bfloat16 if t.bf16 else torch.float32
     pcfg = p.to_parallel_config(m.num_layers)
     kwargs = dict(
-        num_layers=m.num_layers, hidden_size=m.hidden_size,
+        num_layers=m.num_layers,
+        hidden_size=m.hidden_size,
         ffn_hidden_size=m.ffn_hidden_size or 4 * m.hidden_size,
-        num_attention_heads=m.num_attention_heads, kv_channels=m.kv_channels,
+        num_attention_heads=m.num_attention_heads,
+        kv_channels=m.kv_channels,
         layernorm_epsilon=m.norm_epsilon,
         num_query_groups=m.num_query_groups if m.group_query_attention else None,
-        normalization=m.normalization, gated_linear_unit=m.swiglu,
+        normalization=m.normalization,
+        gated_linear_unit=m.swiglu,
         activation_func=torch.nn.functional.silu if m.swiglu else torch.nn.functional.gelu,
-        add_bias_linear=not m.disable_bias_linear, qk_layernorm=m.qk_layernorm,
-        init_method_std=m.init_method_std, hidden_dropout=m.hidden_dropout,
+        add_bias_linear=not m.disable_bias_linear,
+        qk_layernorm=m.qk_layernorm,
+        init_method_std=m.init_method_std,
+        hidden_dropout=m.hidden_dropout,
         attention_dropout=m.attention_dropout,
         **dataclasses.asdict(pcfg),  # the same names as megatron-core's ModelParallelConfig
-        sequence_parallel=t.sequence_parallel, use_cpu_initialization=use_cpu_initialization,
-        params_dtype=dtype, pipeline_dtype=dtype, bf16=t.bf16,
+        sequence_parallel=t.sequence_parallel,
+        use_cpu_initialization=use_cpu_initialization,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=t.bf16,
         num_moe_experts=moe.num_experts,
         moe_ffn_hidden_size=moe.moe_ffn_hidden_size or (m.ffn_hidden_size or 4 * m.hidden_size),
         moe_router_topk=moe.moe_router_topk,
         moe_router_load_balancing_type=moe.moe_router_load_balancing_type,
-        moe_aux_loss_coeff=moe.moe_aux_loss_coeff, moe_z_loss_coeff=moe.moe_z_loss_coeff,
+        moe_aux_loss_coeff=moe.moe_aux_loss_coeff,
+        moe_z_loss_coeff=moe.moe_z_loss_coeff,
         moe_router_score_function=moe.moe_router_score_function,
         moe_router_pre_softmax=moe.moe_router_pre_softmax,
         moe_router_dtype=moe.moe_router_dtype,
         moe_token_dispatcher_type=moe.moe_token_dispatcher_type,
-        moe_grouped_gemm=moe.moe_grouped_gemm, moe_layer_freq=moe.moe_layer_freq,
+        moe_grouped_gemm=moe.moe_grouped_gemm,
+        moe_layer_freq=moe.moe_layer_freq,
         moe_shared_expert_intermediate_size=moe.moe_shared_expert_intermediate_size,
         moe_expert_capacity_factor=moe.moe_expert_capacity_factor,
         calculate_per_token_loss=True,
-    )  # fmt: skip
+    )
     if t.fp8_format:
-        kwargs.update(fp8=t.fp8_format, fp8_recipe=t.fp8_recipe,
-                      fp8_amax_history_len=t.fp8_amax_history_len)  # fmt: skip
+        kwargs.update(
+            fp8=t.fp8_format, fp8_recipe=t.fp8_recipe, fp8_amax_history_len=t.fp8_amax_history_len
+        )
     if not moe.num_experts:
         for key in [k for k in kwargs if k.startswith("moe_")]:
             kwargs.pop(key)

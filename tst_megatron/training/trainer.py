@@ -32,14 +32,23 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.moe import moe_utils
 
 from tst_megatron.runtime import (
-    describe_layout, init_distributed, initialize_model_parallel, resolve_process, set_seed,
-)  # fmt: skip
+    describe_layout,
+    init_distributed,
+    initialize_model_parallel,
+    resolve_process,
+    set_seed,
+)
 from tst_megatron.superposition.schedule import Phase, phase_at
 from tst_megatron.training import checkpointing
 from tst_megatron.training.config import RunConfig, data_parallel_size, validate
 from tst_megatron.training.data import (
-    BatchLayout, TrainStream, build_datasets, build_tokenizer, check_data_files, microbatches,
-)  # fmt: skip
+    BatchLayout,
+    TrainStream,
+    build_datasets,
+    build_tokenizer,
+    check_data_files,
+    microbatches,
+)
 from tst_megatron.training.forward import make_phase1_step, make_phase2_step
 from tst_megatron.training.model import build_gpt_model, padded_vocab_size, transformer_config
 
@@ -80,7 +89,8 @@ def build_model_chunks(cfg: RunConfig, config, vocab: int, device) -> list:
     for stage in range(vpp or 1):
         vp_stage = stage if vpp else None
         model = build_gpt_model(
-            config, vocab_size=vocab,
+            config,
+            vocab_size=vocab,
             max_sequence_length=cfg.model.max_position_embeddings or cfg.model.seq_length,
             position_embedding_type=cfg.model.position_embedding_type,
             rotary_base=cfg.model.rotary_base,
@@ -89,12 +99,13 @@ def build_model_chunks(cfg: RunConfig, config, vocab: int, device) -> list:
             pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
             post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
             vp_stage=vp_stage,
-        ).to(device)  # fmt: skip
+        ).to(device)
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, use_distributed_optimizer=cfg.train.use_distributed_optimizer
         )
-        chunks.append(DistributedDataParallel(config, ddp_config, model,
-                                              disable_bucketing=stage > 0))  # fmt: skip
+        chunks.append(
+            DistributedDataParallel(config, ddp_config, model, disable_bucketing=stage > 0)
+        )
     return chunks
 
 
@@ -103,20 +114,35 @@ def build_optimizer(cfg: RunConfig, chunks):
     t = cfg.train
     optimizer = get_megatron_optimizer(
         OptimizerConfig(
-            optimizer="adam", lr=t.lr, min_lr=t.min_lr, weight_decay=t.weight_decay,
-            adam_beta1=t.adam_beta1, adam_beta2=t.adam_beta2, clip_grad=t.clip_grad,
-            bf16=t.bf16, params_dtype=torch.bfloat16 if t.bf16 else torch.float32,
+            optimizer="adam",
+            lr=t.lr,
+            min_lr=t.min_lr,
+            weight_decay=t.weight_decay,
+            adam_beta1=t.adam_beta1,
+            adam_beta2=t.adam_beta2,
+            clip_grad=t.clip_grad,
+            bf16=t.bf16,
+            params_dtype=torch.bfloat16 if t.bf16 else torch.float32,
             use_distributed_optimizer=t.use_distributed_optimizer,
         ),
         chunks,
-    )  # fmt: skip
+    )
     wsd_iters = t.lr_wsd_decay_iters or max(1, int(0.1 * t.train_iters))
     scheduler = OptimizerParamScheduler(
-        optimizer, init_lr=0.0, max_lr=t.lr, min_lr=t.min_lr, lr_warmup_steps=t.lr_warmup_iters,
-        lr_decay_steps=t.train_iters, lr_decay_style=t.lr_decay_style, start_wd=t.weight_decay,
-        end_wd=t.weight_decay, wd_incr_steps=t.train_iters, wd_incr_style="constant",
-        wsd_decay_steps=wsd_iters, lr_wsd_decay_style=t.lr_wsd_decay_style,
-    )  # fmt: skip
+        optimizer,
+        init_lr=0.0,
+        max_lr=t.lr,
+        min_lr=t.min_lr,
+        lr_warmup_steps=t.lr_warmup_iters,
+        lr_decay_steps=t.train_iters,
+        lr_decay_style=t.lr_decay_style,
+        start_wd=t.weight_decay,
+        end_wd=t.weight_decay,
+        wd_incr_steps=t.train_iters,
+        wd_incr_style="constant",
+        wsd_decay_steps=wsd_iters,
+        lr_wsd_decay_style=t.lr_wsd_decay_style,
+    )
     return optimizer, scheduler
 
 
@@ -128,9 +154,12 @@ def build_data(cfg: RunConfig, tokenizer, layout: BatchLayout):
     windows = n1 * gbs * tst.bag_size + (t.train_iters - n1) * gbs + tst.bag_size  # whole blocks
     evals = (t.train_iters // c.eval_interval + 1) if c.eval_interval else 1
     train, valid, _ = build_datasets(
-        cfg.data, tokenizer, seq_length=T,
-        samples=(windows, c.eval_iters * gbs * evals, 0), seed=t.seed,
-    )  # fmt: skip
+        cfg.data,
+        tokenizer,
+        seq_length=T,
+        samples=(windows, c.eval_iters * gbs * evals, 0),
+        seed=t.seed,
+    )
     for name, dataset in (("training", train), ("validation", valid)):
         if dataset is None or len(dataset) == 0:
             raise ValueError(
@@ -150,8 +179,9 @@ def setup(cfg: RunConfig) -> Run:
     initialize_model_parallel(pcfg)
     print_rank0(describe_layout(info))
     set_seed(cfg.train.seed)
-    tokenizer = build_tokenizer(cfg.data.tokenizer_type, vocab_size=cfg.model.vocab_size,
-                                model=cfg.data.tokenizer_model)  # fmt: skip
+    tokenizer = build_tokenizer(
+        cfg.data.tokenizer_type, vocab_size=cfg.model.vocab_size, model=cfg.data.tokenizer_model
+    )
     if cfg.model.vocab_size is not None and tokenizer.vocab_size != cfg.model.vocab_size:
         raise ValueError(
             f"--tokenizer-model has {tokenizer.vocab_size} ids but --vocab-size is "
@@ -159,9 +189,11 @@ def setup(cfg: RunConfig) -> Run:
         )
     if cfg.data.data_path:
         check_data_files(cfg.data.data_path, tokenizer.vocab_size)
-    vocab = padded_vocab_size(cfg.model.vocab_size or tokenizer.vocab_size,
-                              divisible_by=cfg.model.make_vocab_size_divisible_by,
-                              tp=pcfg.tensor_model_parallel_size)  # fmt: skip
+    vocab = padded_vocab_size(
+        cfg.model.vocab_size or tokenizer.vocab_size,
+        divisible_by=cfg.model.make_vocab_size_divisible_by,
+        tp=pcfg.tensor_model_parallel_size,
+    )
     config = transformer_config(cfg, use_cpu_initialization=info.device.type == "cpu")
     chunks = build_model_chunks(cfg, config, vocab, info.device)
     optimizer, scheduler = build_optimizer(cfg, chunks)
@@ -169,8 +201,12 @@ def setup(cfg: RunConfig) -> Run:
     config.grad_scale_func = optimizer.scale_loss
     dp = data_parallel_size(cfg, info.world_size)
     gbs = cfg.train.global_batch_size or cfg.train.micro_batch_size * dp
-    layout = BatchLayout(cfg.train.micro_batch_size, dp, ps.get_data_parallel_rank(),
-                         gbs // (cfg.train.micro_batch_size * dp))  # fmt: skip
+    layout = BatchLayout(
+        cfg.train.micro_batch_size,
+        dp,
+        ps.get_data_parallel_rank(),
+        gbs // (cfg.train.micro_batch_size * dp),
+    )
     stream, valid = build_data(cfg, tokenizer, layout)
     writer = None
     if cfg.checkpoint.tensorboard_dir and dist.get_rank() == dist.get_world_size() - 1:
@@ -216,9 +252,12 @@ def run_schedule(run: Run, forward_step, batches: list, *, forward_only: bool) -
     return get_forward_backward_func()(
         forward_step_func=forward_step,
         data_iterator=iterators if len(run.model) > 1 else iterators[0],
-        model=run.model, num_microbatches=M, seq_length=T,
-        micro_batch_size=run.layout.micro_batch_size, forward_only=forward_only,
-    )  # fmt: skip
+        model=run.model,
+        num_microbatches=M,
+        seq_length=T,
+        micro_batch_size=run.layout.micro_batch_size,
+        forward_only=forward_only,
+    )
 
 
 def train_step(run: Run, phase: Phase, iteration: int) -> dict:
@@ -227,10 +266,11 @@ def train_step(run: Run, phase: Phase, iteration: int) -> dict:
     if phase.index == 1:
         get_sample, step = run.stream.phase1_sample, iteration
         forward_step = make_phase1_step(
-            bag_size=phase.bag_size, weighting=run.cfg.tst.bag_weighting,
+            bag_size=phase.bag_size,
+            weighting=run.cfg.tst.bag_weighting,
             tp_group=ps.get_tensor_model_parallel_group(),
             cp_group=ps.get_context_parallel_group(),
-        )  # fmt: skip
+        )
     else:
         get_sample, step = run.stream.phase2_sample, iteration - n1
         forward_step = make_phase2_step(cp_group=ps.get_context_parallel_group())
@@ -263,8 +303,9 @@ def evaluate(run: Run, eval_round: int) -> float:
     with torch.no_grad():
         for i in range(run.cfg.checkpoint.eval_iters):
             step = eval_round * run.cfg.checkpoint.eval_iters + i
-            batches = list(microbatches(run.valid.__getitem__, run.layout, step=step,
-                                        device=run.device))  # fmt: skip
+            batches = list(
+                microbatches(run.valid.__getitem__, run.layout, step=step, device=run.device)
+            )
             reports += run_schedule(run, forward_step, batches, forward_only=True)
     for chunk in run.model:
         chunk.train()
@@ -291,11 +332,14 @@ def log_step(run: Run, iteration: int, phase: Phase, metrics: dict, tokens_seen:
         f"learning rate: {metrics['lr']:.3E} | {kind}: {metrics['loss']:.6E} | "
         + (f"moe aux loss: {aux:.4E} | " if aux is not None else "")
         + f"grad norm: {metrics['grad_norm']:.3f} |"
-    )  # fmt: skip
+    )
     if run.writer is not None:
-        scalars = {"lm loss" if phase.index == 2 else "mce loss": metrics["loss"],
-                   "learning-rate": metrics["lr"], "grad-norm": metrics["grad_norm"],
-                   "tokens-per-second": metrics["tokens"] / metrics["step_time"]}  # fmt: skip
+        scalars = {
+            "lm loss" if phase.index == 2 else "mce loss": metrics["loss"],
+            "learning-rate": metrics["lr"],
+            "grad-norm": metrics["grad_norm"],
+            "tokens-per-second": metrics["tokens"] / metrics["step_time"],
+        }
         if aux is not None:
             scalars["moe aux loss"] = aux
         for name, value in scalars.items():
@@ -306,8 +350,10 @@ def log_step(run: Run, iteration: int, phase: Phase, metrics: dict, tokens_seen:
 
 def log_validation(run: Run, iteration: int, loss: float, tokens_seen: int) -> None:
     run.history["valid"][iteration] = loss
-    print_rank0(f" validation at iteration {iteration} | lm loss: {loss:.6E} | "
-                f"lm loss PPL: {math.exp(min(loss, 50)):.3E} |")  # fmt: skip
+    print_rank0(
+        f" validation at iteration {iteration} | lm loss: {loss:.6E} | "
+        f"lm loss PPL: {math.exp(min(loss, 50)):.3E} |"
+    )
     if run.writer is not None:
         run.writer.add_scalar("validation lm loss", loss, iteration)
         run.writer.add_scalar("validation lm loss vs tokens", loss, tokens_seen)
@@ -315,9 +361,15 @@ def log_validation(run: Run, iteration: int, loss: float, tokens_seen: int) -> N
 
 def save(run: Run, iteration: int, tokens_seen: int) -> None:
     path = checkpointing.save_checkpoint(
-        run.cfg.checkpoint.save, iteration, run.model, run.optimizer, run.scheduler,
-        loop={"consumed_tokens": tokens_seen}, tst=run.cfg.tst, args=run.args,
-    )  # fmt: skip
+        run.cfg.checkpoint.save,
+        iteration,
+        run.model,
+        run.optimizer,
+        run.scheduler,
+        loop={"consumed_tokens": tokens_seen},
+        tst=run.cfg.tst,
+        args=run.args,
+    )
     print_rank0(f" saved checkpoint of iteration {iteration} to {path}")
 
 
@@ -345,17 +397,25 @@ def resume(run: Run) -> tuple[int, int]:
     """``(iteration, tokens consumed)`` from ``--load``, or ``(0, 0)``."""
     if not run.cfg.checkpoint.load:
         return 0, 0
-    loop = checkpointing.load_checkpoint(run.cfg.checkpoint.load, run.model, run.optimizer,
-                                         run.scheduler, tst=run.cfg.tst,
-                                         train_iters=run.cfg.train.train_iters,
-                                         args=run.args, load_optim=run.cfg.checkpoint.load_optim,
-                                         load_rng=run.cfg.checkpoint.load_rng)  # fmt: skip
+    loop = checkpointing.load_checkpoint(
+        run.cfg.checkpoint.load,
+        run.model,
+        run.optimizer,
+        run.scheduler,
+        tst=run.cfg.tst,
+        train_iters=run.cfg.train.train_iters,
+        args=run.args,
+        load_optim=run.cfg.checkpoint.load_optim,
+        load_rng=run.cfg.checkpoint.load_rng,
+    )
     if loop is None:
         print_rank0(f" no checkpoint in {run.cfg.checkpoint.load}; starting from scratch")
         return 0, 0
     if loop.get("release"):
-        print_rank0(f" loaded the weights of {run.cfg.checkpoint.load}/release (a converted "
-                    "checkpoint); training starts at iteration 0 with a new optimizer")  # fmt: skip
+        print_rank0(
+            f" loaded the weights of {run.cfg.checkpoint.load}/release (a converted "
+            "checkpoint); training starts at iteration 0 with a new optimizer"
+        )
     else:
         print_rank0(f" resumed from iteration {loop['iteration']} of {run.cfg.checkpoint.load}")
     return loop["iteration"], loop["consumed_tokens"]
@@ -369,19 +429,24 @@ def train(cfg: RunConfig) -> dict:
     """
     # The handler goes in before set-up, which can take minutes on a cluster: a preemption
     # notice that arrives while the model and checkpoint load is acted on after the first step.
-    signals = SignalFlag(cfg.checkpoint.exit_signal_handler,
-                         resolve_process(device=cfg.train.device).device)  # fmt: skip
+    signals = SignalFlag(
+        cfg.checkpoint.exit_signal_handler, resolve_process(device=cfg.train.device).device
+    )
     run = setup(cfg)
     t, c, tst = cfg.train, cfg.checkpoint, cfg.tst
     n1 = tst.phase1_steps(t.train_iters)
     iteration, tokens_seen = resume(run)
     start_iteration = iteration
     run.history["exit"] = "finished"
-    print_rank0(f" TST: bag size {tst.bag_size}, phase 1 = iterations [0, {n1}), "
-                f"phase 2 = [{n1}, {t.train_iters})")  # fmt: skip
+    print_rank0(
+        f" TST: bag size {tst.bag_size}, phase 1 = iterations [0, {n1}), "
+        f"phase 2 = [{n1}, {t.train_iters})"
+    )
     if iteration >= t.train_iters:
-        print_rank0(f" nothing to do: the checkpoint is at iteration {iteration} of "
-                    f"--train-iters {t.train_iters}; raise --train-iters to train further")  # fmt: skip
+        print_rank0(
+            f" nothing to do: the checkpoint is at iteration {iteration} of "
+            f"--train-iters {t.train_iters}; raise --train-iters to train further"
+        )
     while iteration < t.train_iters:
         phase = phase_at(iteration, tst, seq_length=cfg.model.seq_length, train_iters=t.train_iters)
         metrics = train_step(run, phase, iteration)
@@ -394,16 +459,22 @@ def train(cfg: RunConfig) -> dict:
         if c.eval_interval and (iteration % c.eval_interval == 0 or switched):
             log_validation(run, iteration, evaluate(run, iteration // c.eval_interval), tokens_seen)
         stop = signals.any_rank() if c.exit_signal_handler else False
-        if c.save and (stop or (switched and tst.save_at_switch)
-                       or (c.save_interval and iteration % c.save_interval == 0)):  # fmt: skip
+        if c.save and (
+            stop
+            or (switched and tst.save_at_switch)
+            or (c.save_interval and iteration % c.save_interval == 0)
+        ):
             save(run, iteration, tokens_seen)
         if stop:
             print_rank0(f" exiting on SIGTERM after iteration {iteration}")
             run.history["exit"] = "signal"
             break
     saved_already = c.save_interval and iteration % c.save_interval == 0
-    if c.save and run.history["exit"] == "finished" and iteration > start_iteration and not (
-        saved_already or (iteration == n1 and tst.save_at_switch)
+    if (
+        c.save
+        and run.history["exit"] == "finished"
+        and iteration > start_iteration
+        and not (saved_already or (iteration == n1 and tst.save_at_switch))
     ):
         save(run, iteration, tokens_seen)
     if run.writer is not None:
