@@ -12,6 +12,7 @@ from typing import Iterable
 import sentencepiece as spm
 
 from tst_megatron.data.files import atomic_path
+from tst_megatron.errors import ConfigError
 
 SPECIAL_IDS = {"unk_id": 0, "bos_id": 1, "eos_id": 2, "pad_id": 3}
 
@@ -63,7 +64,7 @@ def train_tokenizer(
             **SPECIAL_IDS,
         )
     except RuntimeError as exc:
-        raise ValueError(
+        raise ConfigError(
             f"SentencePiece training failed: {str(exc).strip().splitlines()[-1]}"
         ) from exc
     path = model_prefix + ".model"

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 
+from tst_megatron.errors import ConfigError
 from tst_megatron.runtime import cpu
 from tst_megatron.runtime.slurm import in_srun_step, slurm_rendezvous
 
@@ -70,19 +71,19 @@ class ParallelConfig:
     """Expert TP; None = same as TP (``--expert-tensor-parallel-size``)."""
 
     def validate(self, world_size: int) -> None:
-        """Raise ``ValueError`` (one line, naming the flag) if the sizes cannot fit ``world_size``."""
+        """Raise ``ConfigError`` (one line, naming the flag) if the sizes cannot fit ``world_size``."""
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 flag = "--" + field.name.replace("_", "-")
-                raise ValueError(f"{flag} must be a positive integer, got {value!r}")
+                raise ConfigError(f"{flag} must be a positive integer, got {value!r}")
         model = (
             self.tensor_model_parallel_size
             * self.pipeline_model_parallel_size
             * self.context_parallel_size
         )
         if world_size % model != 0:
-            raise ValueError(
+            raise ConfigError(
                 f"world size {world_size} is not divisible by TP*PP*CP = {model}; "
                 "change --tensor-model-parallel-size/--pipeline-model-parallel-size/"
                 "--context-parallel-size or the number of processes"
@@ -90,7 +91,7 @@ class ParallelConfig:
         etp = self.expert_tensor_parallel_size or self.tensor_model_parallel_size
         expert = etp * self.expert_model_parallel_size * self.pipeline_model_parallel_size
         if world_size % expert != 0:
-            raise ValueError(
+            raise ConfigError(
                 f"world size {world_size} is not divisible by ETP*EP*PP = {expert}; "
                 "change --expert-model-parallel-size/--expert-tensor-parallel-size"
             )
@@ -127,14 +128,14 @@ def resolve_process(
         A :class:`ProcessInfo`. Reads only; sets nothing.
 
     Raises:
-        ValueError: unknown ``device``, ``"cuda"`` without a CUDA device, a rank outside
+        ConfigError: unknown ``device``, ``"cuda"`` without a CUDA device, a rank outside
             ``[0, world size)``, or a malformed Slurm node list.
     """
     env = os.environ if env is None else env
     if device not in ("auto", "cuda", "cpu"):
-        raise ValueError(f"--device must be auto, cuda or cpu, got {device!r}")
+        raise ConfigError(f"--device must be auto, cuda or cpu, got {device!r}")
     if device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda was given but no CUDA device is available")
+        raise ConfigError("--device cuda was given but no CUDA device is available")
     use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
     addr, port = env.get("MASTER_ADDR", "127.0.0.1"), int(env.get("MASTER_PORT", "29500"))
     if "RANK" in env:
@@ -151,7 +152,7 @@ def resolve_process(
     else:
         launcher, rank, world_size, local_rank = "none", 0, 1, 0
     if not 0 <= rank < world_size:
-        raise ValueError(
+        raise ConfigError(
             f"rank {rank} is outside [0, world size {world_size}) ({launcher} environment)"
         )
     return ProcessInfo(
@@ -181,7 +182,7 @@ def init_distributed(
     for ``env://``): torchrun's, the first node of an ``srun`` step, or ``127.0.0.1:29500``.
 
     Raises:
-        ValueError: see :func:`resolve_process`.
+        ConfigError: see :func:`resolve_process`.
         RuntimeError: the CPU runtime does not support the installed megatron-core.
     """
     info = resolve_process(env, device=device)
@@ -205,7 +206,7 @@ def initialize_model_parallel(config: ParallelConfig) -> None:
     """Create megatron-core's TP/PP/VPP/CP/EP/expert-TP/DP groups (``parallel_state``).
 
     Raises:
-        ValueError: the sizes do not fit the world size (see :meth:`ParallelConfig.validate`).
+        ConfigError: the sizes do not fit the world size (see :meth:`ParallelConfig.validate`).
         RuntimeError: ``torch.distributed`` is not initialised.
     """
     if not dist.is_initialized():

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
+from tst_megatron.errors import ConfigError
 from tst_megatron.superposition.bags import BAG_WEIGHTINGS
 
 
@@ -31,23 +32,23 @@ class TSTConfig:
     """Save a checkpoint at step N1 (disable with ``--no-tst-save-at-switch``)."""
 
     def validate(self, train_iters: int) -> None:
-        """Raise ``ValueError`` (one line naming the flag) for an unusable setting. Reads only."""
+        """Raise ``ConfigError`` (one line naming the flag) for an unusable setting. Reads only."""
         if (
             isinstance(self.bag_size, bool)
             or not isinstance(self.bag_size, int)
             or self.bag_size < 1
         ):
-            raise ValueError(f"--tst-bag-size must be an integer >= 1, got {self.bag_size!r}")
+            raise ConfigError(f"--tst-bag-size must be an integer >= 1, got {self.bag_size!r}")
         if self.phase1_iters is not None and self.phase1_fraction is not None:
-            raise ValueError("give --tst-phase1-iters or --tst-phase1-fraction, not both")
+            raise ConfigError("give --tst-phase1-iters or --tst-phase1-fraction, not both")
         if self.phase1_iters is not None and not 0 <= self.phase1_iters <= train_iters:
-            raise ValueError(
+            raise ConfigError(
                 f"--tst-phase1-iters {self.phase1_iters} must be in [0, --train-iters {train_iters}]"
             )
         if self.phase1_fraction is not None and not 0.0 <= self.phase1_fraction <= 1.0:
-            raise ValueError(f"--tst-phase1-fraction {self.phase1_fraction} must be in [0, 1]")
+            raise ConfigError(f"--tst-phase1-fraction {self.phase1_fraction} must be in [0, 1]")
         if self.bag_weighting not in BAG_WEIGHTINGS:
-            raise ValueError(
+            raise ConfigError(
                 f"--tst-bag-weighting must be one of {', '.join(BAG_WEIGHTINGS)}, "
                 f"got {self.bag_weighting!r}"
             )

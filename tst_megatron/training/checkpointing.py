@@ -27,6 +27,7 @@ import torch.distributed as dist
 from megatron.core import dist_checkpointing, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 
+from tst_megatron.errors import ConfigError
 from tst_megatron.superposition.schedule import TSTConfig
 from tst_megatron.training.forward import unwrap
 
@@ -102,7 +103,7 @@ def _effective(args: dict) -> dict:
 
 
 def check_architecture(saved: dict, current: dict, path: str) -> None:
-    """Raise ``ValueError`` naming the first flag whose value differs between the ``args``
+    """Raise ``ConfigError`` naming the first flag whose value differs between the ``args``
     of the checkpoint at ``path`` (``saved``) and this run's (``current``); padded vocab too.
     Unset values compare as their defaults (``--kv-channels`` = h / heads, ...)."""
     old_args, new_args = _effective(saved), _effective(current)
@@ -110,12 +111,12 @@ def check_architecture(saved: dict, current: dict, path: str) -> None:
         for name in names:
             old, new = old_args[group].get(name), new_args[group].get(name)
             if old != new:
-                raise ValueError(
+                raise ConfigError(
                     f"checkpoint {path} was saved with --{name.replace('_', '-')} {old} but "
                     f"this run has {new}; use the checkpoint's value"
                 )
     if saved["padded_vocab_size"] != current["padded_vocab_size"]:
-        raise ValueError(
+        raise ConfigError(
             f"checkpoint {path} has a padded vocabulary of {saved['padded_vocab_size']} rows "
             f"but this run pads to {current['padded_vocab_size']}; match --vocab-size/"
             "--make-vocab-size-divisible-by (times --tensor-model-parallel-size)"
@@ -135,7 +136,7 @@ def latest_iteration(root: str):
     """The iteration named by the tracker file (int), ``"release"``, or None when there is none.
 
     Raises:
-        ValueError: the tracker holds something else.
+        ConfigError: the tracker holds something else.
     """
     path = os.path.join(root, TRACKER)
     if not os.path.isfile(path):
@@ -147,7 +148,7 @@ def latest_iteration(root: str):
     try:
         return int(text)
     except ValueError:
-        raise ValueError(f"{path} holds {text!r}, not an iteration or 'release'") from None
+        raise ConfigError(f"{path} holds {text!r}, not an iteration or 'release'") from None
 
 
 def write_tracker(root: str, value) -> None:
@@ -254,7 +255,7 @@ def load_checkpoint(
     load stops with a message suggesting ``--no-load-optim``.
 
     Raises:
-        ValueError: the checkpoint's architecture (:data:`ARCHITECTURE_FIELDS`, padded
+        ConfigError: the checkpoint's architecture (:data:`ARCHITECTURE_FIELDS`, padded
             vocabulary) differs from ``args``, or its TST settings differ from this run's in a
             way that would change the run (bag size, weighting, phase-1 length), naming the
             field; or the optimizer layouts differ (see above).
@@ -272,19 +273,19 @@ def load_checkpoint(
     saved_tst = TSTConfig(**common["tst"])
     for name in _RUN_CHANGING:
         if getattr(saved_tst, name) != getattr(tst, name):
-            raise ValueError(
+            raise ConfigError(
                 f"checkpoint {path} was saved with tst {name}={getattr(saved_tst, name)!r} but this "
                 f"run has {getattr(tst, name)!r}; use the same --tst-{name.replace('_', '-')}"
             )
     if saved_tst.phase1_steps(train_iters) != tst.phase1_steps(train_iters):
-        raise ValueError(
+        raise ConfigError(
             f"checkpoint {path} has {saved_tst.phase1_steps(train_iters)} phase-1 iterations but "
             f"this run has {tst.phase1_steps(train_iters)}; use the same --tst-phase1-iters/fraction"
         )
     saved_optim = common.get("optimizer", {})
     saved_count = sum(1 for k in saved_optim if isinstance(k, int)) or 1
     if load_optim and saved_count != _optimizer_count(optimizer):
-        raise ValueError(
+        raise ConfigError(
             f"checkpoint {path} holds {saved_count} optimizer(s) but this layout builds "
             f"{_optimizer_count(optimizer)} (expert parallelism on one side only); resume with "
             "the same --expert-model-parallel-size or pass --no-load-optim"

@@ -16,6 +16,7 @@ import textwrap
 import typing
 from typing import Optional, Sequence
 
+from tst_megatron.errors import ConfigError
 from tst_megatron.runtime.distributed import ParallelConfig
 from tst_megatron.superposition.schedule import TSTConfig
 
@@ -396,7 +397,7 @@ def validate(cfg: RunConfig, world_size: int, device_type: str = "cuda") -> None
         device_type: ``"cuda"`` or ``"cpu"``, the device the run will use.
 
     Raises:
-        ValueError: the first problem found.
+        ConfigError: the first problem found.
     """
     m, moe, p, t, d, c, tst = (
         cfg.model,
@@ -409,12 +410,12 @@ def validate(cfg: RunConfig, world_size: int, device_type: str = "cuda") -> None
     )
     vpl = p.num_layers_per_virtual_pipeline_stage
     if vpl is not None and (vpl < 1 or m.num_layers % (p.pipeline_model_parallel_size * vpl)):
-        raise ValueError(
+        raise ConfigError(
             f"--num-layers {m.num_layers} is not divisible by --pipeline-model-parallel-size x "
             f"--num-layers-per-virtual-pipeline-stage {vpl}"
         )
     if vpl is not None and p.pipeline_model_parallel_size == 1:
-        raise ValueError(
+        raise ConfigError(
             "--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size > 1"
         )
     p.to_parallel_config(m.num_layers).validate(world_size)
@@ -422,46 +423,46 @@ def validate(cfg: RunConfig, world_size: int, device_type: str = "cuda") -> None
     tp, cp = p.tensor_model_parallel_size, p.context_parallel_size
     dp = data_parallel_size(cfg, world_size)
     if t.train_iters < 1:
-        raise ValueError("--train-iters must be >= 1")
+        raise ConfigError("--train-iters must be >= 1")
     if t.micro_batch_size < 1:
-        raise ValueError("--micro-batch-size must be >= 1")
+        raise ConfigError("--micro-batch-size must be >= 1")
     gbs = t.global_batch_size or t.micro_batch_size * dp
     if gbs % (t.micro_batch_size * dp) != 0:
-        raise ValueError(
+        raise ConfigError(
             f"--global-batch-size {gbs} is not divisible by --micro-batch-size "
             f"{t.micro_batch_size} x data-parallel size {dp}; change one of them"
         )
     if m.position_embedding_type not in ("rope", "learned_absolute"):
-        raise ValueError("--position-embedding-type must be rope or learned_absolute")
+        raise ConfigError("--position-embedding-type must be rope or learned_absolute")
     if m.normalization not in ("LayerNorm", "RMSNorm"):
-        raise ValueError("--normalization must be LayerNorm or RMSNorm")
+        raise ConfigError("--normalization must be LayerNorm or RMSNorm")
     if m.num_attention_heads % tp != 0:
-        raise ValueError(
+        raise ConfigError(
             f"--num-attention-heads {m.num_attention_heads} is not divisible by "
             f"--tensor-model-parallel-size {tp}"
         )
     if t.sequence_parallel and tp == 1:
-        raise ValueError("--sequence-parallel needs --tensor-model-parallel-size > 1")
+        raise ConfigError("--sequence-parallel needs --tensor-model-parallel-size > 1")
     if t.sequence_parallel and m.seq_length % tp != 0:
-        raise ValueError(
+        raise ConfigError(
             f"--seq-length {m.seq_length} is not divisible by --tensor-model-parallel-size {tp} "
             "under --sequence-parallel"
         )
     if moe.num_experts and tp > 1 and not t.sequence_parallel:
-        raise ValueError("MoE with --tensor-model-parallel-size > 1 needs --sequence-parallel")
+        raise ConfigError("MoE with --tensor-model-parallel-size > 1 needs --sequence-parallel")
     if cp > 1 and m.seq_length % (2 * cp) != 0:
-        raise ValueError(
+        raise ConfigError(
             f"--seq-length {m.seq_length} is not divisible by 2 x --context-parallel-size {cp}"
         )
     if moe.num_experts and moe.num_experts % p.expert_model_parallel_size != 0:
-        raise ValueError(
+        raise ConfigError(
             f"--num-experts {moe.num_experts} is not divisible by --expert-model-parallel-size "
             f"{p.expert_model_parallel_size}"
         )
     if p.expert_model_parallel_size > 1 and not moe.num_experts:
-        raise ValueError("--expert-model-parallel-size > 1 needs --num-experts")
+        raise ConfigError("--expert-model-parallel-size > 1 needs --num-experts")
     if m.num_layers % p.pipeline_model_parallel_size != 0:
-        raise ValueError(
+        raise ConfigError(
             f"--num-layers {m.num_layers} is not divisible by --pipeline-model-parallel-size "
             f"{p.pipeline_model_parallel_size}"
         )
@@ -471,42 +472,44 @@ def validate(cfg: RunConfig, world_size: int, device_type: str = "cuda") -> None
             ("--reset-attention-mask", d.reset_attention_mask),
         ):
             if on:
-                raise ValueError(
+                raise ConfigError(
                     f"{flag} is not supported in TST phase 1 (--tst-bag-size > 1): bags are "
                     "formed on the packed token stream; drop the flag or set --tst-bag-size 1"
                 )
     if not d.mock_data and not d.data_path:
-        raise ValueError("give --mock-data or --data-path")
+        raise ConfigError("give --mock-data or --data-path")
     if d.tokenizer_type == "NullTokenizer" and m.vocab_size is None:
-        raise ValueError("--vocab-size is required with --tokenizer-type NullTokenizer")
+        raise ConfigError("--vocab-size is required with --tokenizer-type NullTokenizer")
     if d.tokenizer_type not in ("NullTokenizer", "SentencePieceTokenizer"):
-        raise ValueError("--tokenizer-type must be NullTokenizer or SentencePieceTokenizer")
+        raise ConfigError("--tokenizer-type must be NullTokenizer or SentencePieceTokenizer")
     if d.tokenizer_type == "SentencePieceTokenizer" and not d.tokenizer_model:
-        raise ValueError("--tokenizer-type SentencePieceTokenizer needs --tokenizer-model")
+        raise ConfigError("--tokenizer-type SentencePieceTokenizer needs --tokenizer-model")
     if c.ckpt_format != "torch_dist":
-        raise ValueError(f"--ckpt-format {c.ckpt_format} is not supported; use torch_dist")
+        raise ConfigError(f"--ckpt-format {c.ckpt_format} is not supported; use torch_dist")
     if c.save_interval is not None and c.save_interval < 1:
-        raise ValueError("--save-interval must be >= 1")
+        raise ConfigError("--save-interval must be >= 1")
     if (c.save_interval or c.exit_signal_handler) and not c.save:
-        raise ValueError("--save-interval and --exit-signal-handler need --save DIR")
+        raise ConfigError("--save-interval and --exit-signal-handler need --save DIR")
     if not 0 <= t.lr_warmup_iters < t.train_iters:
-        raise ValueError(
+        raise ConfigError(
             f"--lr-warmup-iters {t.lr_warmup_iters} must be in [0, --train-iters {t.train_iters})"
         )
     if t.lr_wsd_decay_iters is not None and not 0 < t.lr_wsd_decay_iters <= t.train_iters:
-        raise ValueError("--lr-wsd-decay-iters must be in (0, --train-iters]")
+        raise ConfigError("--lr-wsd-decay-iters must be in (0, --train-iters]")
     if t.lr_decay_style not in ("constant", "linear", "cosine", "WSD"):
-        raise ValueError("--lr-decay-style must be constant, linear, cosine or WSD")
+        raise ConfigError("--lr-decay-style must be constant, linear, cosine or WSD")
     if t.transformer_impl not in ("local", "transformer_engine"):
-        raise ValueError("--transformer-impl must be local or transformer_engine")
+        raise ConfigError("--transformer-impl must be local or transformer_engine")
     if t.fp8_format and t.transformer_impl != "transformer_engine":
-        raise ValueError("--fp8-format needs --transformer-impl transformer_engine")
+        raise ConfigError("--fp8-format needs --transformer-impl transformer_engine")
     if moe.moe_grouped_gemm and t.transformer_impl != "transformer_engine":
-        raise ValueError("--moe-grouped-gemm needs --transformer-impl transformer_engine")
+        raise ConfigError("--moe-grouped-gemm needs --transformer-impl transformer_engine")
     if d.num_workers != 0:
-        raise ValueError("--num-workers > 0 is not supported yet: data is read in the main process")
+        raise ConfigError(
+            "--num-workers > 0 is not supported yet: data is read in the main process"
+        )
     if cp > 1 and t.transformer_impl != "transformer_engine":
-        raise ValueError(
+        raise ConfigError(
             "--context-parallel-size > 1 needs --transformer-impl transformer_engine "
             "(megatron-core's local attention has no context parallelism)"
         )
@@ -517,11 +520,11 @@ def validate(cfg: RunConfig, world_size: int, device_type: str = "cuda") -> None
             ("--transformer-impl transformer_engine", t.transformer_impl == "transformer_engine"),
         ):
             if on:
-                raise ValueError(f"{flag} needs a CUDA device; drop it for CPU runs")
+                raise ConfigError(f"{flag} needs a CUDA device; drop it for CPU runs")
         if p.pipeline_model_parallel_size > 1 and not m.untie_embeddings_and_output_weights:
-            raise ValueError(
+            raise ConfigError(
                 "tied embeddings with --pipeline-model-parallel-size > 1 need a CUDA device "
                 "(megatron-core moves them with .cuda()); add --untie-embeddings-and-output-weights"
             )
     if m.max_position_embeddings is not None and m.max_position_embeddings < m.seq_length:
-        raise ValueError("--max-position-embeddings must be >= --seq-length")
+        raise ConfigError("--max-position-embeddings must be >= --seq-length")

@@ -29,6 +29,8 @@ from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, Moc
 from megatron.core.datasets.utils import get_blend_from_list
 from megatron.core.tokenizers import MegatronTokenizer
 
+from tst_megatron.errors import ConfigError
+
 
 @dataclasses.dataclass(frozen=True)
 class BatchLayout:
@@ -53,11 +55,11 @@ def build_tokenizer(tokenizer_type: str, *, vocab_size: Optional[int], model: Op
     or ``SentencePieceTokenizer``.
 
     Raises:
-        ValueError: unknown type or missing settings.
+        ConfigError: unknown type or missing settings.
     """
     if tokenizer_type == "NullTokenizer":
         if vocab_size is None:
-            raise ValueError("--vocab-size is required with --tokenizer-type NullTokenizer")
+            raise ConfigError("--vocab-size is required with --tokenizer-type NullTokenizer")
         # megatron-core's null tokenizer adds one id for EOD.
         return MegatronTokenizer.from_pretrained(
             metadata_path={"library": "null"}, vocab_size=vocab_size - 1
@@ -66,7 +68,7 @@ def build_tokenizer(tokenizer_type: str, *, vocab_size: Optional[int], model: Op
         return MegatronTokenizer.from_pretrained(
             tokenizer_path=model, metadata_path={"library": "sentencepiece"}
         )
-    raise ValueError(f"unknown --tokenizer-type {tokenizer_type!r}")
+    raise ConfigError(f"unknown --tokenizer-type {tokenizer_type!r}")
 
 
 def check_data_files(data_path: str, vocab_size: int) -> None:
@@ -75,7 +77,7 @@ def check_data_files(data_path: str, vocab_size: int) -> None:
     ``.bin``).
 
     Raises:
-        ValueError: a missing file, an empty dataset, or an out-of-vocabulary id, naming it.
+        ConfigError: a missing file, an empty dataset, or an out-of-vocabulary id, naming it.
     """
     import numpy as np
     from megatron.core.datasets.indexed_dataset import DType
@@ -84,20 +86,20 @@ def check_data_files(data_path: str, vocab_size: int) -> None:
     for prefix in prefixes:
         for suffix in (".bin", ".idx"):
             if not os.path.isfile(prefix + suffix):
-                raise ValueError(
+                raise ConfigError(
                     f"--data-path: {prefix + suffix} does not exist (run tools/preprocess_data.py)"
                 )
         with open(prefix + ".idx", "rb") as f:
             header = f.read(9 + 8 + 1)  # magic, version, dtype code
         if not header.startswith(b"MMIDIDX\x00\x00") or len(header) < 18:
-            raise ValueError(f"--data-path: {prefix}.idx is not a Megatron index file")
+            raise ConfigError(f"--data-path: {prefix}.idx is not a Megatron index file")
         dtype = DType.dtype_from_code(header[-1])
         tokens = np.memmap(prefix + ".bin", dtype=dtype, mode="r")
         if tokens.size == 0:
-            raise ValueError(f"--data-path: {prefix}.bin holds no tokens")
+            raise ConfigError(f"--data-path: {prefix}.bin holds no tokens")
         top = int(tokens.max())
         if top >= vocab_size:
-            raise ValueError(
+            raise ConfigError(
                 f"--data-path: {prefix}.bin holds token id {top}, outside the vocabulary of "
                 f"{vocab_size}; preprocess with the tokenizer of --tokenizer-model or raise --vocab-size"
             )
@@ -136,7 +138,7 @@ class TrainStream:
         seed: seeds the block permutation.
 
     Raises:
-        ValueError: fewer windows than one block per phase-1 sample.
+        ConfigError: fewer windows than one block per phase-1 sample.
     """
 
     def __init__(self, dataset, *, bag_size: int, phase1_samples: int, seed: int):
@@ -147,7 +149,7 @@ class TrainStream:
         self.order = np.argsort(shuffle) if shuffle is not None else np.arange(len(dataset))
         blocks = len(dataset) // bag_size
         if blocks < phase1_samples:
-            raise ValueError(
+            raise ConfigError(
                 f"the data gives {blocks} phase-1 samples of {bag_size} windows but phase 1 needs "
                 f"{phase1_samples}; add data or lower --tst-phase1-iters/--train-iters"
             )
@@ -159,7 +161,7 @@ class TrainStream:
     def phase1_sample(self, i: int) -> dict:
         """``S*T``-token sample ``i`` of phase 1 (``tokens``, ``labels``, ``loss_mask`` ``[S*T]``)."""
         if i >= self.phase1_samples:
-            raise ValueError(f"phase-1 sample {i} is past the {self.phase1_samples} planned")
+            raise IndexError(f"phase-1 sample {i} is past the {self.phase1_samples} planned")
         first = int(self.blocks[i]) * self.bag_size
         windows = [self._window(first + k) for k in range(self.bag_size)]
         return {
@@ -171,7 +173,7 @@ class TrainStream:
         block_slot, k = divmod(i, self.bag_size)
         block_slot += self.phase1_samples
         if block_slot >= len(self.blocks):
-            raise ValueError(
+            raise IndexError(
                 f"the data has {len(self.blocks) * self.bag_size} windows; phase-2 sample {i} is "
                 "past them"
             )
@@ -191,7 +193,7 @@ def microbatches(
     dataset makes one, ``attention_mask``) batched to ``[b, L]``.
 
     Raises:
-        ValueError: the data has too few samples for the step.
+        IndexError: the data has too few samples for the step.
     """
     b, dp = layout.micro_batch_size, layout.data_parallel_size
     for m in range(layout.num_microbatches):

@@ -17,6 +17,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from tst_megatron.errors import ConfigError
 from tst_megatron.runtime.norm import SequenceParallelNorm
 
 TransformerImpl = Literal["local", "transformer_engine"]
@@ -63,7 +64,7 @@ def gpt_block_spec(
 
     Raises:
         ImportError: ``transformer_engine`` requested but Transformer Engine does not import.
-        ValueError: unknown ``transformer_impl``.
+        ConfigError: unknown ``transformer_impl``.
     """
     if transformer_impl == "transformer_engine":
         try:
@@ -80,7 +81,7 @@ def gpt_block_spec(
             vp_stage=vp_stage,
         )
     if transformer_impl != "local":
-        raise ValueError(
+        raise ConfigError(
             f"--transformer-impl must be local or transformer_engine, got {transformer_impl!r}"
         )
     block = get_gpt_decoder_block_spec(
@@ -127,7 +128,7 @@ def build_gpt_model(
         ``[b, T, V/tp]`` when called with ``labels=None``).
 
     Raises:
-        ValueError / ImportError: see :func:`gpt_block_spec`.
+        ConfigError / ImportError: see :func:`gpt_block_spec`.
     """
     return GPTModel(
         config=config,

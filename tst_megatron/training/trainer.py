@@ -31,6 +31,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.moe import moe_utils
 
+from tst_megatron.errors import ConfigError
 from tst_megatron.runtime import (
     describe_layout,
     init_distributed,
@@ -162,7 +163,7 @@ def build_data(cfg: RunConfig, tokenizer, layout: BatchLayout):
     )
     for name, dataset in (("training", train), ("validation", valid)):
         if dataset is None or len(dataset) == 0:
-            raise ValueError(
+            raise ConfigError(
                 f"the data gives no {name} samples of {T} tokens; lower --seq-length or add "
                 "data (--data-path, --split)"
             )
@@ -183,7 +184,7 @@ def setup(cfg: RunConfig) -> Run:
         cfg.data.tokenizer_type, vocab_size=cfg.model.vocab_size, model=cfg.data.tokenizer_model
     )
     if cfg.model.vocab_size is not None and tokenizer.vocab_size != cfg.model.vocab_size:
-        raise ValueError(
+        raise ConfigError(
             f"--tokenizer-model has {tokenizer.vocab_size} ids but --vocab-size is "
             f"{cfg.model.vocab_size}; make them equal (or omit --vocab-size)"
         )
@@ -483,14 +484,19 @@ def train(cfg: RunConfig) -> dict:
 
 
 def main(argv=None) -> int:
-    """Entry point: parse, train, tear down. Configuration errors print one line, exit 2."""
+    """Entry point: parse, train, tear down.
+
+    A :class:`~tst_megatron.errors.ConfigError` (bad flag, layout, tokenizer, data or
+    checkpoint) prints one line from rank 0 and returns 2; any other exception propagates
+    with its traceback on the rank where it happened.
+    """
     from tst_megatron.runtime import destroy
     from tst_megatron.training.config import parse_args
 
     cfg = parse_args(argv)
     try:
         train(cfg)
-    except ValueError as exc:  # configuration and data errors: one line, from rank 0
+    except ConfigError as exc:  # checks give the same verdict on every rank: print once
         if not dist.is_initialized() or dist.get_rank() == 0:
             if os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0":
                 print(f"error: {exc}", file=sys.stderr, flush=True)
