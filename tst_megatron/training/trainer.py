@@ -276,10 +276,14 @@ def _moe_aux_loss(cfg: RunConfig, num_microbatches: int) -> Optional[float]:
     return value
 
 
-def run_phase_step(run: Run, phase: Phase, data_step: int, *, forward_only: bool) -> list:
-    """Read the micro-batches of ``phase``'s ``data_step`` and run megatron-core's pipeline
-    schedule over them; returns the loss reports of this rank."""
-    batches = list(microbatches(phase.read_sample, run.layout, step=data_step, device=run.device))
+def read_batches(run: Run, phase: Phase, data_step: int) -> list:
+    """This rank's micro-batches of ``phase``'s phase-local step ``data_step``."""
+    return list(microbatches(phase.read_sample, run.layout, step=data_step, device=run.device))
+
+
+def run_schedule(run: Run, phase: Phase, batches: list, *, forward_only: bool) -> list:
+    """One pass of megatron-core's pipeline schedule over ``batches`` with ``phase``'s forward
+    step; returns the loss reports of this rank."""
     iterators = [iter(batches) for _ in run.model]
     return get_forward_backward_func()(
         forward_step_func=phase.forward_step,
@@ -294,11 +298,12 @@ def run_phase_step(run: Run, phase: Phase, data_step: int, *, forward_only: bool
 
 def train_step(run: Run, phase: Phase, iteration: int) -> dict:
     """One optimizer step of ``phase`` at 0-based ``iteration``; returns the step's metrics."""
-    start = time.perf_counter()
+    batches = read_batches(run, phase, phase.data_step(iteration))
+    start = time.perf_counter()  # the step itself, without reading samples
     for chunk in run.model:
         chunk.zero_grad_buffer()
     run.optimizer.zero_grad()
-    reports = run_phase_step(run, phase, phase.data_step(iteration), forward_only=False)
+    reports = run_schedule(run, phase, batches, forward_only=False)
     _, grad_norm, _ = run.optimizer.step()
     run.scheduler.step(increment=1)
     elapsed = time.perf_counter() - start
@@ -315,15 +320,14 @@ def train_step(run: Run, phase: Phase, iteration: int) -> dict:
 def evaluate(run: Run, eval_round: int) -> Optional[float]:
     """Next-token validation loss of round ``eval_round`` (in either phase); None when no
     token was scored."""
-    k = run.cfg.checkpoint.eval_iters
+    phase, k = run.validation, run.cfg.checkpoint.eval_iters
     for chunk in run.model:
         chunk.eval()
+    reports = []
     with torch.no_grad():
-        reports = [
-            report
-            for i in range(k)
-            for report in run_phase_step(run, run.validation, eval_round * k + i, forward_only=True)
-        ]
+        for i in range(k):
+            batches = read_batches(run, phase, eval_round * k + i)
+            reports += run_schedule(run, phase, batches, forward_only=True)
     for chunk in run.model:
         chunk.train()
     moe_utils.clear_aux_losses_tracker()
