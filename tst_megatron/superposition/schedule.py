@@ -13,7 +13,7 @@ import dataclasses
 from typing import Callable, Optional
 
 from tst_megatron.errors import ConfigError
-from tst_megatron.superposition.bags import BAG_WEIGHTINGS
+from tst_megatron.superposition.bags import BAG_WEIGHTINGS, TST_MODES, mode_reads_bags
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,6 +34,11 @@ class TSTConfig:
     """Slot weights of the MCE loss: ``uniform`` or ``power`` (``--tst-bag-weighting``)."""
     save_at_switch: bool = True
     """Save a checkpoint at step N1 (disable with ``--no-tst-save-at-switch``)."""
+    mode: str = "full"
+    """Phase-1 superposition (``--tst-mode``; paper section 5.2): ``full`` = bag-averaged
+    input, MCE over the next bag (samples of S*T tokens); ``input`` = bag-averaged input,
+    target the next bag's first token (S*T tokens); ``output`` = ordinary token input, MCE
+    over the S tokens after each position (T tokens, as the baseline)."""
 
     def validate(self, train_iters: int) -> None:
         """Raise ``ConfigError`` (one line naming the flag) for an unusable setting. Reads only."""
@@ -51,11 +56,23 @@ class TSTConfig:
             )
         if self.phase1_fraction is not None and not 0.0 <= self.phase1_fraction <= 1.0:
             raise ConfigError(f"--tst-phase1-fraction {self.phase1_fraction} must be in [0, 1]")
+        if self.mode not in TST_MODES:
+            raise ConfigError(
+                f"--tst-mode must be one of {', '.join(TST_MODES)}, got {self.mode!r}"
+            )
+        if self.mode != "full" and self.bag_size == 1:
+            raise ConfigError(
+                f"--tst-mode {self.mode} needs --tst-bag-size > 1 (S = 1 has no phase 1)"
+            )
         if self.bag_weighting not in BAG_WEIGHTINGS:
             raise ConfigError(
                 f"--tst-bag-weighting must be one of {', '.join(BAG_WEIGHTINGS)}, "
                 f"got {self.bag_weighting!r}"
             )
+
+    def windows_per_sample(self) -> int:
+        """``T``-token windows in one phase-1 sample: ``S`` (``full``, ``input``), 1 (``output``)."""
+        return self.bag_size if mode_reads_bags(self.mode) else 1
 
     def phase1_steps(self, train_iters: int) -> int:
         """N1, the number of phase-1 optimizer steps out of ``train_iters``."""
@@ -80,7 +97,8 @@ class Phase:
     bag_size: int
     """S for this step (1 in phase 2)."""
     data_seq_length: int
-    """Tokens per sample read from the data: ``S * T`` in phase 1, ``T`` in phase 2."""
+    """Tokens per sample read from the data: ``S * T`` in phase 1 (``T`` with ``--tst-mode
+    output``), ``T`` in phase 2."""
     model_seq_length: int
     """Positions the transformer processes: always ``T``; the pipeline schedule's ``seq_length``."""
     first_iteration: int = 0
@@ -118,7 +136,8 @@ class Schedule:
     def plan(cls, tst: TSTConfig, *, seq_length: int, train_iters: int) -> "Schedule":
         """The schedule of ``tst`` for ``T = seq_length`` and ``N = train_iters`` (N1 computed here)."""
         n1, s, t = tst.phase1_steps(train_iters), tst.bag_size, seq_length
-        return cls(train_iters, Phase(1, s, s * t, t, 0), Phase(2, 1, t, t, n1))
+        data = tst.windows_per_sample() * t  # S*T, or T in output mode
+        return cls(train_iters, Phase(1, s, data, t, 0), Phase(2, 1, t, t, n1))
 
     @property
     def n1(self) -> int:

@@ -285,6 +285,7 @@ CHOICES = {
     "tokenizer_type": ("NullTokenizer", "SentencePieceTokenizer"),
     "ckpt_format": ("torch_dist",),
     "bag_weighting": ("uniform", "power"),
+    "mode": ("full", "input", "output"),
 }
 
 

@@ -23,13 +23,11 @@ import torch.distributed as dist
 from megatron.core.utils import get_batch_on_this_cp_rank
 
 from tst_megatron.superposition import (
-    align_bag_targets,
     bag_embedding,
-    bag_weights,
-    fold_bags,
     multi_hot_cross_entropy,
     vocab_parallel_multi_target_cross_entropy,
 )
+from tst_megatron.superposition.bags import phase1_inputs, phase1_targets, phase1_weights
 
 
 def unwrap(model):
@@ -44,18 +42,27 @@ def _report(loss_sum: torch.Tensor, num_tokens: torch.Tensor) -> dict:
 
 
 def make_phase1_step(
-    *, bag_size: int, weighting: str, tp_group, cp_group: Optional[dist.ProcessGroup] = None
+    *,
+    bag_size: int,
+    weighting: str,
+    tp_group,
+    cp_group: Optional[dist.ProcessGroup] = None,
+    mode: str = "full",
 ):
-    """Forward step of the superposition phase for samples of ``S*T`` tokens."""
-    weights = bag_weights(bag_size, weighting)
+    """Forward step of the superposition phase in ``mode`` (``superposition.bags.TST_MODES``):
+    samples of ``S*T`` tokens (``full``, ``input``) or ``T`` tokens (``output``), inputs from
+    :func:`phase1_inputs`, targets from :func:`phase1_targets`, MCE weights from
+    :func:`phase1_weights`."""
+    weights = phase1_weights(bag_size, weighting, mode)
 
     def forward_step(data_iterator, model):
         # Every stage reads the micro-batch (cheap); only the first embeds, only the last scores.
         batch = next(data_iterator)
         gpt = unwrap(model)
-        targets, mask = align_bag_targets(batch["labels"], batch["loss_mask"], bag_size)
+        targets, mask = phase1_targets(batch["labels"], batch["loss_mask"], bag_size, mode)
+        bags = phase1_inputs(batch["tokens"], bag_size, mode)  # [b, T, S] or [b, T, 1]
         local = get_batch_on_this_cp_rank(
-            {"bags": fold_bags(batch["tokens"], bag_size), "targets": targets, "mask": mask},
+            {"bags": bags, "targets": targets, "mask": mask},
             cp_group=cp_group,
         )  # CP splits the latent sequence: whole bags per chunk
         x = bag_embedding(gpt.embedding, local["bags"]) if gpt.pre_process else None
