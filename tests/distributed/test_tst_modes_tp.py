@@ -99,6 +99,7 @@ def _mode_case(rank, world, mode, weighting, sp, *, seed):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     from tst_megatron.runtime import set_seed
+    from tst_megatron.superposition import vocab_parallel_multi_target_cross_entropy
     from tst_megatron.training.forward import make_phase1_step
 
     set_seed(seed)
@@ -134,7 +135,7 @@ def _mode_case(rank, world, mode, weighting, sp, *, seed):
                 self.embedding.position_embeddings.weight.copy_(pos)
 
         def forward(self, input_ids, position_ids, attention_mask, decoder_input=None, labels=None):
-            assert input_ids is None and labels is None
+            assert input_ids is None
             if sp:  # as ColumnParallelLinear: all-gather the sequence, reduce-scatter its grad
                 hidden = tensor_parallel.gather_from_sequence_parallel_region(
                     decoder_input, tensor_parallel_output_grad=True
@@ -142,15 +143,21 @@ def _mode_case(rank, world, mode, weighting, sp, *, seed):
             else:  # identity forward, all-reduce of the grad
                 hidden = tensor_parallel.copy_to_tensor_model_parallel_region(decoder_input)
             logits = hidden @ self.output_weight.t()  # [T, b, V/tp]
-            return logits.transpose(0, 1).contiguous()  # [b, T, V/tp], as GPTModel(labels=None)
+            if labels is None:  # batch-first logits, as GPTModel(labels=None)
+                return logits.transpose(0, 1).contiguous()
+            # [b, T, k] targets: per-slot CE, as the loss seam of training/gpt.py does it
+            targets = labels.transpose(0, 1).contiguous()
+            ce = vocab_parallel_multi_target_cross_entropy(logits, targets, tp_group=tp_group)
+            return ce.transpose(0, 1).contiguous()
 
+    tp_group = ps.get_tensor_model_parallel_group()
     model = Head()
     x, mask = _sample(mode, seed)
     batch = {"tokens": x[:, :-1], "labels": x[:, 1:], "loss_mask": mask}
     step = make_phase1_step(
         bag_size=S,
         weighting=weighting,
-        tp_group=ps.get_tensor_model_parallel_group(),
+        tp_group=tp_group,
         mode=mode,
     )
     output, loss_func = step(iter([batch]), model)
