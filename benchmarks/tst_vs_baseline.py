@@ -502,7 +502,7 @@ def run_horizons(args, prefix: str) -> None:
     """Every length of ``--horizons``: the baseline at its best LR, then the arms; the report
     is rewritten after each length, so an interrupted run keeps what it measured."""
     arms = parse_arms(args.arms)
-    train_tokens = train_split_tokens(prefix)
+    train_tokens = train_split_tokens(prefix, "99,1,0" if args.preset else "98,2,0")
     rows = []
     for steps in sorted(int(x) for x in args.horizons.split(",")):
         args.train_iters = steps
