@@ -58,3 +58,9 @@ def test_mode_trains_through_switch_at_tp2(mode, tmp_path, baseline_keys):
     (mode_keys,) = run_distributed(_keys_child, 1, path=str(tmp_path / "ckpt" / f"iter_{N1:07d}"))
     assert mode_keys == baseline_keys and "decoder.layers.mlp.router.weight" in mode_keys
     assert os.path.isdir(tmp_path / "ckpt" / f"iter_{N:07d}")
+    if mode == "output":  # resuming under another mode would change the run: refused by name
+        argv = BASE + ["--tst-mode", "input", "--load", str(tmp_path / "ckpt")]
+        with pytest.raises(
+            AssertionError, match="saved with tst mode='output' but this run has 'input'"
+        ):
+            run_distributed(_train_child, 1, argv=argv)
