@@ -367,7 +367,7 @@ def report(rows: list, sections: list, elapsed: float) -> str:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     parser.add_argument("--output", default=os.path.join(ROOT, "docs/results/gpu_check.md"))
     parser.add_argument("--log", default=os.path.join(ROOT, "runs/gpu_check.log"))
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
