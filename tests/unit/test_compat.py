@@ -102,3 +102,22 @@ def test_checkpoint_writer_runs_on_the_cpu_runtime():
         """)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "OK" in result.stdout
+
+
+def test_setup_refuses_an_unsupported_python(tmp_path):
+    import os
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    old = tmp_path / "python3.9"
+    old.write_text("#!/bin/sh\nexec python3 -c 'import sys; sys.exit(1)'\n")  # not 3.10-3.12
+    old.chmod(0o755)
+    result = subprocess.run(
+        ["bash", os.path.join(root, "scripts", "setup.sh")],
+        env=dict(os.environ, PYTHON=str(old), VENV=str(tmp_path / "venv")),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 1
+    assert "no Python 3.10-3.12 found" in result.stderr and "PYTHON=" in result.stderr
+    assert not (tmp_path / "venv").exists()
