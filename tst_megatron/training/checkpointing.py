@@ -240,6 +240,8 @@ def load_checkpoint(
     args: dict,
     load_optim: bool = True,
     load_rng: bool = True,
+    finetune: bool = False,
+    strict: str = "assume_ok_unexpected",
 ) -> Optional[dict]:
     """Restore the newest checkpoint under ``root`` into the given objects.
 
@@ -247,7 +249,9 @@ def load_checkpoint(
         The saved ``loop`` dict (with ``iteration``), or None when ``root`` has no checkpoint.
         A ``release`` checkpoint (weights only) restores the model and returns
         ``{"iteration": 0, "consumed_tokens": 0, "release": True}``: training starts at
-        iteration 0 with a fresh optimizer and schedule, as Megatron-LM does.
+        iteration 0 with a fresh optimizer and schedule, as Megatron-LM does; so does any
+        checkpoint with ``finetune`` (``--finetune``). ``strict`` is megatron-core's
+        ``dist_checkpointing`` key-mismatch handling (``--dist-ckpt-strictness``).
 
     The model always loads into any TP/PP/EP/DP layout (``torch_dist`` reshards). The
     optimizer state does too, except between layouts whose megatron-core optimizer is split
@@ -267,8 +271,8 @@ def load_checkpoint(
     common = dist_checkpointing.load_common_state_dict(path)
     if "args" in common:
         check_architecture(common["args"], args, path)
-    if iteration == RELEASE:
-        _load_model(model_chunks, path)
+    if iteration == RELEASE or finetune:
+        _load_model(model_chunks, path, strict=strict)
         return {"iteration": 0, "consumed_tokens": 0, "release": True}
     saved_tst = TSTConfig(**common["tst"])
     for name in _RUN_CHANGING:
@@ -300,7 +304,7 @@ def load_checkpoint(
     same_world = load_rng and common["loop"].get("world_size") == dist.get_world_size()
     if same_world:
         request["rng_state"] = _rng_object()
-    state = dist_checkpointing.load(request, path)
+    state = dist_checkpointing.load(request, path, strict=strict)
     _set_model(model_chunks, state)
     if load_optim:
         optimizer.load_state_dict(state["optimizer"])
@@ -318,9 +322,10 @@ def _set_model(model_chunks, state: dict) -> None:
             unwrap(chunk).load_state_dict(state[f"model{i}"])
 
 
-def _load_model(model_chunks, path: str) -> None:
+def _load_model(model_chunks, path: str, strict: str = "assume_ok_unexpected") -> None:
     """Load only the weights of the checkpoint at ``path`` (any layout it was saved in)."""
-    _set_model(model_chunks, dist_checkpointing.load(_model_sharded(model_chunks), path))
+    state = dist_checkpointing.load(_model_sharded(model_chunks), path, strict=strict)
+    _set_model(model_chunks, state)
 
 
 def save_release(root: str, model_chunks, *, args: dict) -> str:

@@ -50,12 +50,26 @@ class BatchLayout:
         return self.micro_batch_size * self.data_parallel_size * self.num_microbatches
 
 
-def build_tokenizer(tokenizer_type: str, *, vocab_size: Optional[int], model: Optional[str]):
-    """A megatron-core tokenizer: ``NullTokenizer`` (ids ``0..vocab_size-1``, EOD = last id)
-    or ``SentencePieceTokenizer``.
+def build_tokenizer(
+    tokenizer_type: str,
+    *,
+    vocab_size: Optional[int],
+    model: Optional[str],
+    vocab_file: Optional[str] = None,
+    merge_file: Optional[str] = None,
+):
+    """A megatron-core tokenizer, for Megatron-LM's ``--tokenizer-type``:
+
+    - ``NullTokenizer``: ids ``0..vocab_size-1``, EOD = last id;
+    - ``SentencePieceTokenizer`` / ``Llama2Tokenizer``: the SentencePiece model
+      ``--tokenizer-model`` (megatron-core's ``sentencepiece`` library; EOD = ``</s>``);
+    - ``HuggingFaceTokenizer``: a local Hugging Face tokenizer directory (``--tokenizer-model``;
+      no hub access; megatron-core's ``huggingface`` library);
+    - ``GPT2BPETokenizer``: GPT-2 BPE from ``--vocab-file`` and ``--merge-file``
+      (megatron-core's ``megatron`` library).
 
     Raises:
-        ConfigError: unknown type or missing settings.
+        ConfigError: unknown type, missing settings, or a tokenizer path that does not exist.
     """
     if tokenizer_type == "NullTokenizer":
         if vocab_size is None:
@@ -64,11 +78,31 @@ def build_tokenizer(tokenizer_type: str, *, vocab_size: Optional[int], model: Op
         return MegatronTokenizer.from_pretrained(
             metadata_path={"library": "null"}, vocab_size=vocab_size - 1
         )
-    if tokenizer_type == "SentencePieceTokenizer":
+    if tokenizer_type == "GPT2BPETokenizer":
+        for flag, path in (("--vocab-file", vocab_file), ("--merge-file", merge_file)):
+            if not path or not os.path.isfile(path):
+                raise ConfigError(f"--tokenizer-type GPT2BPETokenizer: {flag} {path} is not a file")
         return MegatronTokenizer.from_pretrained(
-            tokenizer_path=model, metadata_path={"library": "sentencepiece"}
+            tokenizer_path="GPT2BPETokenizer",
+            metadata_path={"library": "megatron"},
+            vocab_file=vocab_file,
+            merges_file=merge_file,
         )
-    raise ConfigError(f"unknown --tokenizer-type {tokenizer_type!r}")
+    libraries = {
+        "SentencePieceTokenizer": "sentencepiece",
+        "Llama2Tokenizer": "sentencepiece",
+        "HuggingFaceTokenizer": "huggingface",
+    }
+    if tokenizer_type not in libraries:
+        raise ConfigError(f"unknown --tokenizer-type {tokenizer_type!r}")
+    if not model or not os.path.exists(model):
+        raise ConfigError(
+            f"--tokenizer-model {model} does not exist (--tokenizer-type {tokenizer_type} "
+            "reads a local file or directory; no hub access)"
+        )
+    return MegatronTokenizer.from_pretrained(
+        tokenizer_path=model, metadata_path={"library": libraries[tokenizer_type]}
+    )
 
 
 def check_data_files(data_path: str, vocab_size: int) -> None:
@@ -116,7 +150,9 @@ def _dataset_config(data, tokenizer, seq_length, seed, blend) -> GPTDatasetConfi
         reset_position_ids=data.reset_position_ids,
         reset_attention_mask=data.reset_attention_mask,
         eod_mask_loss=data.eod_mask_loss,
-        create_attention_mask=data.reset_attention_mask,
+        create_attention_mask=data.reset_attention_mask
+        and data.create_attention_mask_in_dataloader,
+        mmap_bin_files=data.mmap_bin_files,
     )
 
 

@@ -11,6 +11,7 @@ schedule carry on.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import math
 import os
 import signal
@@ -41,7 +42,13 @@ from tst_megatron.runtime import (
 )
 from tst_megatron.superposition.schedule import Phase, phase_at
 from tst_megatron.training import checkpointing
-from tst_megatron.training.config import RunConfig, data_parallel_size, validate
+from tst_megatron.training.config import (
+    RunConfig,
+    data_parallel_size,
+    lr_schedule,
+    resolve,
+    validate,
+)
 from tst_megatron.training.data import (
     BatchLayout,
     TrainStream,
@@ -95,14 +102,21 @@ def build_model_chunks(cfg: RunConfig, config, vocab: int, device) -> list:
             max_sequence_length=cfg.model.max_position_embeddings or cfg.model.seq_length,
             position_embedding_type=cfg.model.position_embedding_type,
             rotary_base=cfg.model.rotary_base,
+            rotary_percent=cfg.model.rotary_percent,
+            seq_len_interpolation_factor=cfg.model.rotary_seq_len_interpolation_factor,
             share_embeddings_and_output_weights=not cfg.model.untie_embeddings_and_output_weights,
             transformer_impl=cfg.train.transformer_impl,
             pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
             post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
             vp_stage=vp_stage,
         ).to(device)
+        t = cfg.train
         ddp_config = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, use_distributed_optimizer=cfg.train.use_distributed_optimizer
+            grad_reduce_in_fp32=not (t.bf16 and t.grad_reduce_in_bf16),
+            use_distributed_optimizer=t.use_distributed_optimizer,
+            overlap_grad_reduce=t.overlap_grad_reduce,
+            overlap_param_gather=t.overlap_param_gather,
+            check_for_nan_in_grad=t.check_for_nan_in_loss_and_grad,
         )
         chunks.append(
             DistributedDataParallel(config, ddp_config, model, disable_bucketing=stage > 0)
@@ -123,26 +137,31 @@ def build_optimizer(cfg: RunConfig, chunks):
             adam_beta2=t.adam_beta2,
             clip_grad=t.clip_grad,
             bf16=t.bf16,
-            params_dtype=torch.bfloat16 if t.bf16 else torch.float32,
+            fp16=t.fp16,
+            loss_scale=t.loss_scale,
+            initial_loss_scale=t.initial_loss_scale,
+            min_loss_scale=t.min_loss_scale,
+            loss_scale_window=t.loss_scale_window,
+            hysteresis=t.hysteresis,
+            decoupled_lr=t.decoupled_lr,
+            decoupled_min_lr=t.decoupled_min_lr,
+            params_dtype=torch.bfloat16 if t.bf16 else torch.float16 if t.fp16 else torch.float32,
             use_distributed_optimizer=t.use_distributed_optimizer,
         ),
         chunks,
     )
-    wsd_iters = t.lr_wsd_decay_iters or max(1, int(0.1 * t.train_iters))
+    # Megatron-LM's lengths, in samples: the scheduler advances by the global batch per step.
     scheduler = OptimizerParamScheduler(
         optimizer,
-        init_lr=0.0,
+        init_lr=t.lr_warmup_init,
         max_lr=t.lr,
         min_lr=t.min_lr,
-        lr_warmup_steps=t.lr_warmup_iters,
-        lr_decay_steps=t.train_iters,
         lr_decay_style=t.lr_decay_style,
         start_wd=t.weight_decay,
         end_wd=t.weight_decay,
-        wd_incr_steps=t.train_iters,
         wd_incr_style="constant",
-        wsd_decay_steps=wsd_iters,
         lr_wsd_decay_style=t.lr_wsd_decay_style,
+        **lr_schedule(t),
     )
     return optimizer, scheduler
 
@@ -161,7 +180,7 @@ def build_data(cfg: RunConfig, tokenizer, layout: BatchLayout):
         samples=(windows, c.eval_iters * gbs * evals, 0),
         seed=t.seed,
     )
-    for name, dataset in (("training", train), ("validation", valid)):
+    for name, dataset in (("training", train), ("validation", valid if c.eval_iters else [1])):
         if dataset is None or len(dataset) == 0:
             raise ConfigError(
                 f"the data gives no {name} samples of {T} tokens; lower --seq-length or add "
@@ -175,13 +194,22 @@ def setup(cfg: RunConfig) -> Run:
     """Start the process, validate, build model/optimizer/data, resume if asked."""
     process = resolve_process(device=cfg.train.device)
     validate(cfg, process.world_size, process.device.type)  # before any work
-    info = init_distributed(device=cfg.train.device)
+    cfg = resolve(cfg, process.world_size, process.device.type)
+    info = init_distributed(
+        device=cfg.train.device, timeout_minutes=cfg.train.distributed_timeout_minutes
+    )
     pcfg = cfg.parallel.to_parallel_config(cfg.model.num_layers)
     initialize_model_parallel(pcfg)
     print_rank0(describe_layout(info))
+    if process.device.type == "cpu":
+        print_rank0(" transformer impl: local (megatron-core's local spec; a CPU run)")
     set_seed(cfg.train.seed)
     tokenizer = build_tokenizer(
-        cfg.data.tokenizer_type, vocab_size=cfg.model.vocab_size, model=cfg.data.tokenizer_model
+        cfg.data.tokenizer_type,
+        vocab_size=cfg.model.vocab_size,
+        model=cfg.data.tokenizer_model,
+        vocab_file=cfg.data.vocab_file,
+        merge_file=cfg.data.merge_file,
     )
     if cfg.model.vocab_size is not None and tokenizer.vocab_size != cfg.model.vocab_size:
         raise ConfigError(
@@ -282,11 +310,19 @@ def train_step(run: Run, phase: Phase, iteration: int) -> dict:
     run.optimizer.zero_grad()
     reports = run_schedule(run, forward_step, batches, forward_only=False)
     _, grad_norm, _ = run.optimizer.step()
-    run.scheduler.step(increment=1)
+    run.scheduler.step(increment=run.layout.global_batch_size)
     elapsed = time.perf_counter() - start
     tokens = run.layout.global_batch_size * phase.data_seq_length
+    loss = _reduce_report(reports, run.device)
+    if run.cfg.train.check_for_nan_in_loss_and_grad and not math.isfinite(loss):
+        raise RuntimeError(
+            f"iteration {iteration}: the loss is {loss} (--no-check-for-nan-in-loss-and-grad "
+            "skips this check)"
+        )
+    if run.cfg.train.empty_unused_memory_level >= 1 and run.device.type == "cuda":
+        torch.cuda.empty_cache()
     return {
-        "loss": _reduce_report(reports, run.device),
+        "loss": loss,
         "moe_aux_loss": _moe_aux_loss(run.cfg, run.layout.num_microbatches),
         "grad_norm": grad_norm,
         "lr": run.optimizer.param_groups[0]["lr"],
@@ -333,6 +369,11 @@ def log_step(run: Run, iteration: int, phase: Phase, metrics: dict, tokens_seen:
         f"learning rate: {metrics['lr']:.3E} | {kind}: {metrics['loss']:.6E} | "
         + (f"moe aux loss: {aux:.4E} | " if aux is not None else "")
         + f"grad norm: {metrics['grad_norm']:.3f} |"
+        + (
+            f" throughput per GPU (TFLOP/s/GPU): {_tflops(run, metrics):.1f} |"
+            if run.cfg.checkpoint.log_throughput
+            else ""
+        )
     )
     if run.writer is not None:
         scalars = {
@@ -349,6 +390,15 @@ def log_step(run: Run, iteration: int, phase: Phase, metrics: dict, tokens_seen:
         run.writer.add_scalar("tst-phase vs tokens", phase.index, tokens_seen)
 
 
+def _tflops(run: Run, metrics: dict) -> float:
+    """Model TFLOP/s per process of this step (``--log-throughput``)."""
+    from tst_megatron.training.plan import flops_per_position
+
+    positions = run.layout.global_batch_size * run.cfg.model.seq_length
+    flops = positions * flops_per_position(run.cfg)
+    return flops / metrics["step_time"] / dist.get_world_size() / 1e12
+
+
 def log_validation(run: Run, iteration: int, loss: float, tokens_seen: int) -> None:
     run.history["valid"][iteration] = loss
     print_rank0(
@@ -358,6 +408,8 @@ def log_validation(run: Run, iteration: int, loss: float, tokens_seen: int) -> N
     if run.writer is not None:
         run.writer.add_scalar("validation lm loss", loss, iteration)
         run.writer.add_scalar("validation lm loss vs tokens", loss, tokens_seen)
+        if run.cfg.checkpoint.log_validation_ppl_to_tensorboard:
+            run.writer.add_scalar("lm loss validation ppl", math.exp(min(loss, 50)), iteration)
 
 
 def save(run: Run, iteration: int, tokens_seen: int) -> None:
@@ -394,6 +446,20 @@ class SignalFlag:
 # --- the loop -----------------------------------------------------------------------------
 
 
+def should_exit(cfg: RunConfig, iteration: int, started: float, device) -> bool:
+    """Megatron-LM's ``--exit-interval`` / ``--exit-duration-in-mins``: stop (saving with
+    ``--save``) after ``iteration``. The elapsed minutes are the maximum over ranks, so every
+    rank decides the same."""
+    t = cfg.train
+    if t.exit_interval and iteration % t.exit_interval == 0:
+        return True
+    if t.exit_duration_in_mins is None:
+        return False
+    minutes = torch.tensor([(time.monotonic() - started) / 60.0], device=device)
+    dist.all_reduce(minutes, op=dist.ReduceOp.MAX)
+    return minutes.item() > t.exit_duration_in_mins
+
+
 def resume(run: Run) -> tuple[int, int]:
     """``(iteration, tokens consumed)`` from ``--load``, or ``(0, 0)``."""
     if not run.cfg.checkpoint.load:
@@ -408,14 +474,16 @@ def resume(run: Run) -> tuple[int, int]:
         args=run.args,
         load_optim=run.cfg.checkpoint.load_optim,
         load_rng=run.cfg.checkpoint.load_rng,
+        finetune=run.cfg.checkpoint.finetune,
+        strict=run.cfg.checkpoint.dist_ckpt_strictness,
     )
     if loop is None:
         print_rank0(f" no checkpoint in {run.cfg.checkpoint.load}; starting from scratch")
         return 0, 0
     if loop.get("release"):
         print_rank0(
-            f" loaded the weights of {run.cfg.checkpoint.load}/release (a converted "
-            "checkpoint); training starts at iteration 0 with a new optimizer"
+            f" loaded the weights of {run.cfg.checkpoint.load} (--finetune or a converted "
+            "release checkpoint); training starts at iteration 0 with a new optimizer"
         )
     else:
         print_rank0(f" resumed from iteration {loop['iteration']} of {run.cfg.checkpoint.load}")
@@ -434,7 +502,12 @@ def train(cfg: RunConfig) -> dict:
         cfg.checkpoint.exit_signal_handler, resolve_process(device=cfg.train.device).device
     )
     run = setup(cfg)
+    cfg = run.cfg  # resolved: iterations from samples, global batch, ...
     t, c, tst = cfg.train, cfg.checkpoint, cfg.tst
+    started = time.monotonic()
+    if t.manual_gc:  # Megatron-LM's --manual-gc: no automatic collection during steps
+        gc.disable()
+        gc.collect()
     n1 = tst.phase1_steps(t.train_iters)
     iteration, tokens_seen = resume(run)
     start_iteration = iteration
@@ -457,9 +530,12 @@ def train(cfg: RunConfig) -> dict:
         switched = iteration == n1 and phase.index == 1
         if switched:
             print_rank0(f" TST switch at iteration {n1}: phase 2 (next-token) from here on")
-        if c.eval_interval and (iteration % c.eval_interval == 0 or switched):
+        if t.manual_gc and t.manual_gc_interval and iteration % t.manual_gc_interval == 0:
+            gc.collect()
+        if c.eval_interval and c.eval_iters and (iteration % c.eval_interval == 0 or switched):
             log_validation(run, iteration, evaluate(run, iteration // c.eval_interval), tokens_seen)
         stop = signals.any_rank() if c.exit_signal_handler else False
+        stop = stop or should_exit(cfg, iteration, started, run.device)
         if c.save and (
             stop
             or (switched and tst.save_at_switch)
@@ -467,7 +543,7 @@ def train(cfg: RunConfig) -> dict:
         ):
             save(run, iteration, tokens_seen)
         if stop:
-            print_rank0(f" exiting on SIGTERM after iteration {iteration}")
+            print_rank0(f" exiting after iteration {iteration} (SIGTERM or --exit-*)")
             run.history["exit"] = "signal"
             break
     saved_already = c.save_interval and iteration % c.save_interval == 0
@@ -480,6 +556,8 @@ def train(cfg: RunConfig) -> dict:
         save(run, iteration, tokens_seen)
     if run.writer is not None:
         run.writer.close()
+    if t.manual_gc:
+        gc.enable()
     return run.history
 
 
@@ -487,19 +565,26 @@ def main(argv=None) -> int:
     """Entry point: parse, train, tear down.
 
     A :class:`~tst_megatron.errors.ConfigError` (bad flag, layout, tokenizer, data or
-    checkpoint) prints one line from rank 0 and returns 2; any other exception propagates
-    with its traceback on the rank where it happened.
+    checkpoint) prints its problems (``error: ...``, one line each) from rank 0 and returns
+    2; any other exception propagates with its traceback on the rank where it happened.
+    ``--dry-run`` validates and prints the resolved run without training
+    (:func:`tst_megatron.training.plan.dry_run`).
     """
     from tst_megatron.runtime import destroy
     from tst_megatron.training.config import parse_args
 
     cfg = parse_args(argv)
+    if cfg.train.dry_run:
+        from tst_megatron.training.plan import dry_run
+
+        return dry_run(cfg)
     try:
         train(cfg)
     except ConfigError as exc:  # checks give the same verdict on every rank: print once
         if not dist.is_initialized() or dist.get_rank() == 0:
             if os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0":
-                print(f"error: {exc}", file=sys.stderr, flush=True)
+                for line in str(exc).splitlines():
+                    print(f"error: {line}", file=sys.stderr, flush=True)
         return 2
     finally:
         destroy()
