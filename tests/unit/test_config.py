@@ -533,7 +533,7 @@ def test_defaults_are_megatron_lms():
 def _without(argv, flag):
     """``argv`` without every ``flag VALUE`` pair."""
     out, skip = [], False
-    for i, word in enumerate(argv):
+    for word in argv:
         if skip:
             skip = False
         elif word == flag:
