@@ -51,18 +51,6 @@ REFUSED = {
     "--train-data-path": "per-split data paths are not supported; use --data-path and --split",
     "--valid-data-path": "per-split data paths are not supported; use --data-path and --split",
     "--test-data-path": "per-split data paths are not supported; use --data-path and --split",
-    "--log-timers-to-tensorboard": "megatron timers are not used by this trainer",
-    "--log-memory-to-tensorboard": "memory logging is not implemented",
-    "--log-num-zeros-in-grad": "not implemented",
-    "--log-params-norm": "not implemented",
-    "--profile": "profiling hooks are not implemented",
-    "--profile-step-start": "profiling hooks are not implemented",
-    "--profile-step-end": "profiling hooks are not implemented",
-    "--profile-ranks": "profiling hooks are not implemented",
-    "--use-pytorch-profiler": "profiling hooks are not implemented",
-    "--wandb-project": "Weights & Biases logging is not implemented; use --tensorboard-dir",
-    "--wandb-exp-name": "Weights & Biases logging is not implemented; use --tensorboard-dir",
-    "--wandb-save-dir": "Weights & Biases logging is not implemented; use --tensorboard-dir",
 }
 
 
@@ -694,6 +682,31 @@ class CheckpointArgs:
     """Add the model TFLOP/s per GPU to the console line."""
     log_validation_ppl_to_tensorboard: bool = False
     """Also write the validation perplexity to TensorBoard."""
+    log_timers_to_tensorboard: bool = False
+    """Write the iteration time to TensorBoard."""
+    log_memory_to_tensorboard: bool = False
+    """Write CUDA memory statistics to TensorBoard (nothing on a CPU run)."""
+    log_num_zeros_in_grad: bool = False
+    """Count zero gradient entries (megatron-core optimizer) and log them."""
+    log_params_norm: bool = False
+    """Log the L2 norm of all parameters."""
+    wandb_project: Optional[str] = None
+    """Weights & Biases project (needs the optional wandb package); None = no W&B."""
+    wandb_exp_name: Optional[str] = None
+    """Weights & Biases run name."""
+    wandb_save_dir: Optional[str] = None
+    """Weights & Biases directory; None = <--save>/wandb."""
+    profile: bool = False
+    """Profile iterations [--profile-step-start, --profile-step-end) (nsys capture range on
+    CUDA, or --use-pytorch-profiler)."""
+    profile_step_start: int = 10
+    """First profiled iteration (0-based)."""
+    profile_step_end: int = 12
+    """Iteration where profiling stops."""
+    profile_ranks: list = _meta((0,), nargs="+", parse=int)
+    """Global ranks to profile."""
+    use_pytorch_profiler: bool = False
+    """Use the PyTorch profiler (a TensorBoard trace in --tensorboard-dir)."""
     tensorboard_dir: Optional[str] = None
     """TensorBoard event directory."""
     eval_interval: Optional[int] = None
@@ -717,6 +730,10 @@ class CheckpointArgs:
                 f"--dist-ckpt-strictness {self.dist_ckpt_strictness} is for programmatic "
                 "loads; use log_all or raise_all"
             )
+        if self.profile and self.profile_step_end <= self.profile_step_start:
+            problems.append("--profile-step-end must be > --profile-step-start")
+        if self.use_pytorch_profiler and not self.tensorboard_dir:
+            problems.append("--use-pytorch-profiler needs --tensorboard-dir (the trace goes there)")
         if self.eval_iters < 0:
             problems.append("--eval-iters must be >= 0")
         return problems
@@ -1009,6 +1026,11 @@ def _cross_problems(cfg: RunConfig, world_size: int, device_type: str) -> list[s
         problems.append(
             "--apply-layernorm-1p needs --transformer-impl transformer_engine on CUDA (the "
             "local norms have no zero-centred weight)"
+        )
+    if device_type == "cpu" and cfg.checkpoint.profile and not cfg.checkpoint.use_pytorch_profiler:
+        problems.append(
+            "--profile without --use-pytorch-profiler opens an nsys capture range and needs a "
+            "CUDA device; add --use-pytorch-profiler for a CPU run"
         )
     if device_type == "cpu":
         for flag, on in (

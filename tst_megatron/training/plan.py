@@ -78,14 +78,15 @@ def parameter_counts(cfg: RunConfig, padded_vocab: Optional[int]) -> ParameterCo
     else:
         expert, moe_layer, pattern = 0, 0, [0] * m.num_layers
     n_moe = sum(pattern)
-    layers = (m.num_layers - n_moe) * dense + n_moe * (moe_layer + moe.num_experts * expert)
+    experts = moe.num_experts or 0
+    layers = (m.num_layers - n_moe) * dense + n_moe * (moe_layer + experts * expert)
     embedding = 0
     if padded_vocab:
         embedding = padded_vocab * h * (1 if not m.untie_embeddings_and_output_weights else 2)
         if m.position_embedding_type == "learned_absolute":
             embedding += (m.max_position_embeddings or m.seq_length) * h
     total = layers + norm + embedding
-    unrouted = n_moe * (moe.num_experts - moe.moe_router_topk) * expert if n_moe else 0
+    unrouted = n_moe * (experts - moe.moe_router_topk) * expert if n_moe else 0
     return ParameterCounts(total=total, active=total - unrouted, embedding=embedding)
 
 

@@ -80,6 +80,8 @@ class Run:
     """The checkpoint ``args`` entry (:func:`.checkpointing.checkpoint_args`)."""
     history: dict = dataclasses.field(default_factory=lambda: {"train": {}, "valid": {}})
     """Per-iteration training loss and validation loss (for tests and plots)."""
+    wandb: Optional[object] = None
+    """The Weights & Biases run (``--wandb-project``, last rank), else None."""
 
 
 def print_rank0(*args) -> None:
@@ -147,6 +149,7 @@ def build_optimizer(cfg: RunConfig, chunks):
             decoupled_min_lr=t.decoupled_min_lr,
             params_dtype=torch.bfloat16 if t.bf16 else torch.float16 if t.fp16 else torch.float32,
             use_distributed_optimizer=t.use_distributed_optimizer,
+            log_num_zeros_in_grad=cfg.checkpoint.log_num_zeros_in_grad,
         ),
         chunks,
     )
@@ -309,7 +312,7 @@ def train_step(run: Run, phase: Phase, iteration: int) -> dict:
         chunk.zero_grad_buffer()
     run.optimizer.zero_grad()
     reports = run_schedule(run, forward_step, batches, forward_only=False)
-    _, grad_norm, _ = run.optimizer.step()
+    _, grad_norm, num_zeros = run.optimizer.step()
     run.scheduler.step(increment=run.layout.global_batch_size)
     elapsed = time.perf_counter() - start
     tokens = run.layout.global_batch_size * phase.data_seq_length
@@ -325,6 +328,7 @@ def train_step(run: Run, phase: Phase, iteration: int) -> dict:
         "loss": loss,
         "moe_aux_loss": _moe_aux_loss(run.cfg, run.layout.num_microbatches),
         "grad_norm": grad_norm,
+        "num_zeros": num_zeros,
         "lr": run.optimizer.param_groups[0]["lr"],
         "tokens": tokens,
         "step_time": elapsed,
@@ -362,6 +366,7 @@ def log_step(run: Run, iteration: int, phase: Phase, metrics: dict, tokens_seen:
         return
     kind = "mce loss" if phase.index == 1 else "lm loss"
     aux = metrics["moe_aux_loss"]
+    extra = _monitoring(run, metrics)  # collective (--log-params-norm): on every rank
     print_rank0(
         f" iteration {iteration:8d}/{run.cfg.train.train_iters:8d} | phase {phase.index} | "
         f"consumed tokens: {tokens_seen:12d} | elapsed time per iteration (ms): "
@@ -374,7 +379,10 @@ def log_step(run: Run, iteration: int, phase: Phase, metrics: dict, tokens_seen:
             if run.cfg.checkpoint.log_throughput
             else ""
         )
+        + "".join(f" {name}: {value} |" for name, value in extra.items() if "mem" not in name)
     )
+    if run.wandb is not None:
+        run.wandb.log({kind: metrics["loss"], "learning-rate": metrics["lr"], **extra}, iteration)
     if run.writer is not None:
         scalars = {
             "lm loss" if phase.index == 2 else "mce loss": metrics["loss"],
@@ -384,10 +392,27 @@ def log_step(run: Run, iteration: int, phase: Phase, metrics: dict, tokens_seen:
         }
         if aux is not None:
             scalars["moe aux loss"] = aux
+        scalars.update(extra)
         for name, value in scalars.items():
             run.writer.add_scalar(name, value, iteration)
             run.writer.add_scalar(f"{name} vs tokens", value, tokens_seen)
         run.writer.add_scalar("tst-phase vs tokens", phase.index, tokens_seen)
+
+
+def _monitoring(run: Run, metrics: dict) -> dict:
+    """The optional values of Megatron-LM's --log-* flags for this step."""
+    from tst_megatron.training import monitoring
+
+    c, extra = run.cfg.checkpoint, {}
+    if c.log_num_zeros_in_grad:
+        extra["num zeros"] = int(metrics["num_zeros"])
+    if c.log_params_norm:
+        extra["params norm"] = round(monitoring.params_l2_norm(run.model), 6)
+    if c.log_timers_to_tensorboard:
+        extra["iteration-time"] = metrics["step_time"]
+    if c.log_memory_to_tensorboard:
+        extra.update(monitoring.memory_scalars(run.device))
+    return extra
 
 
 def _tflops(run: Run, metrics: dict) -> float:
@@ -503,6 +528,10 @@ def train(cfg: RunConfig) -> dict:
     )
     run = setup(cfg)
     cfg = run.cfg  # resolved: iterations from samples, global batch, ...
+    from tst_megatron.training.monitoring import Profiler, open_wandb
+
+    run.wandb = open_wandb(cfg, dist.get_rank(), dist.get_world_size())
+    profiler = Profiler(cfg, dist.get_rank(), run.device)
     t, c, tst = cfg.train, cfg.checkpoint, cfg.tst
     started = time.monotonic()
     if t.manual_gc:  # Megatron-LM's --manual-gc: no automatic collection during steps
@@ -523,7 +552,9 @@ def train(cfg: RunConfig) -> dict:
         )
     while iteration < t.train_iters:
         phase = phase_at(iteration, tst, seq_length=cfg.model.seq_length, train_iters=t.train_iters)
+        profiler.before_step(iteration)
         metrics = train_step(run, phase, iteration)
+        profiler.after_step(iteration)
         iteration += 1
         tokens_seen += metrics["tokens"]
         log_step(run, iteration, phase, metrics, tokens_seen)
@@ -558,6 +589,8 @@ def train(cfg: RunConfig) -> dict:
         run.writer.close()
     if t.manual_gc:
         gc.enable()
+    if run.wandb is not None:
+        run.wandb.finish()
     return run.history
 
 
