@@ -650,3 +650,85 @@ def test_parameter_count_matches_the_built_model():
             model = build_model(args)
             numel = sum(p.numel() for p in model.parameters())
         assert parameter_counts(cfg, 128).total == numel, extra
+
+
+# --- trainer-side effects of the new flags (1 process, tiny model) -------------------------
+
+TINY = [
+    *TEST_DEFAULTS,
+    "--mock-data",
+    "--vocab-size",
+    "128",
+    "--num-layers",
+    "2",
+    "--hidden-size",
+    "32",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    "16",
+    "--num-experts",
+    "4",
+    "--untie-embeddings-and-output-weights",
+    "--disable-bias-linear",  # MoE with biases: issue 13.6
+    "--device",
+    "cpu",
+    "--log-interval",
+    "1",
+    "--tst-bag-size",
+    "2",
+]
+
+
+def _train_child(rank, world, *, argv):
+    from tst_megatron.training import trainer
+
+    return trainer.train(parse_args(argv))
+
+
+def test_eval_iters_0_skips_validation(tmp_path):
+    """Issue 15.4: --eval-iters 0 used to log a validation loss of 0.000."""
+    from tests.distributed.harness import run_distributed
+
+    (history,) = run_distributed(
+        _train_child,
+        1,
+        argv=TINY + ["--train-iters", "2", "--eval-interval", "1", "--eval-iters", "0"],
+    )
+    assert history["valid"] == {}
+    assert len(history["train"]) == 2
+
+
+@pytest.mark.slow
+def test_sample_based_run_exits_at_the_interval_and_finetunes(tmp_path, capfd):
+    """--train-samples, --exit-interval (saves), --log-params-norm/--log-num-zeros-in-grad,
+    --manual-gc, then --finetune from that checkpoint starts at iteration 0."""
+    import gc
+
+    from tests.distributed.harness import run_distributed
+
+    run = _without(TINY, "--train-iters") + [
+        "--train-samples",
+        "16",  # 16 // global batch 2 = 8 iterations
+        "--exit-interval",
+        "3",
+        "--save",
+        str(tmp_path),
+        "--log-params-norm",
+        "--log-num-zeros-in-grad",
+        "--manual-gc",
+        "--manual-gc-interval",
+        "2",
+    ]
+    (history,) = run_distributed(_train_child, 1, argv=run)
+    assert sorted(history["train"]) == [1, 2, 3] and history["exit"] == "signal"
+    assert (tmp_path / "iter_0000003").is_dir()
+    out = capfd.readouterr().out
+    assert " params norm: " in out and " num zeros: " in out
+    assert gc.isenabled()
+    (history,) = run_distributed(
+        _train_child,
+        1,
+        argv=TINY + ["--train-iters", "2", "--load", str(tmp_path), "--finetune"],
+    )
+    assert sorted(history["train"]) == [1, 2]  # from iteration 0, weights of iteration 3
