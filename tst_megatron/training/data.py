@@ -65,8 +65,9 @@ def build_tokenizer(
       ``--tokenizer-model`` (megatron-core's ``sentencepiece`` library; EOD = ``</s>``);
     - ``HuggingFaceTokenizer``: a local Hugging Face tokenizer directory (``--tokenizer-model``;
       no hub access; megatron-core's ``huggingface`` library);
-    - ``GPT2BPETokenizer``: GPT-2 BPE from ``--vocab-file`` and ``--merge-file``
-      (megatron-core's ``megatron`` library).
+    - ``GPT2BPETokenizer``: GPT-2 BPE from ``--vocab-file`` and ``--merge-file``, EOD =
+      ``<|endoftext|>`` (megatron-core's ``huggingface`` library over transformers'
+      ``GPT2Tokenizer``; see :func:`_gpt2_bpe`).
 
     Raises:
         ConfigError: unknown type, missing settings, or a tokenizer path that does not exist.
@@ -82,12 +83,7 @@ def build_tokenizer(
         for flag, path in (("--vocab-file", vocab_file), ("--merge-file", merge_file)):
             if not path or not os.path.isfile(path):
                 raise ConfigError(f"--tokenizer-type GPT2BPETokenizer: {flag} {path} is not a file")
-        return MegatronTokenizer.from_pretrained(
-            tokenizer_path="GPT2BPETokenizer",
-            metadata_path={"library": "megatron"},
-            vocab_file=vocab_file,
-            merges_file=merge_file,
-        )
+        return _gpt2_bpe(vocab_file, merge_file)
     libraries = {
         "SentencePieceTokenizer": "sentencepiece",
         "Llama2Tokenizer": "sentencepiece",
@@ -103,6 +99,25 @@ def build_tokenizer(
     return MegatronTokenizer.from_pretrained(
         tokenizer_path=model, metadata_path={"library": libraries[tokenizer_type]}
     )
+
+
+def _gpt2_bpe(vocab_file: str, merge_file: str):
+    """Megatron-LM's ``GPT2BPETokenizer`` from local files. megatron-core 0.16.1's ``megatron``
+    library always loads the hub name ``gpt2`` (and passes the vocab file as merges), so the
+    two files are put in a temporary directory as a transformers ``GPT2Tokenizer`` and read
+    through megatron-core's ``huggingface`` library, without hub access."""
+    import json
+    import shutil
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="gpt2-bpe-") as d:
+        shutil.copyfile(vocab_file, os.path.join(d, "vocab.json"))
+        shutil.copyfile(merge_file, os.path.join(d, "merges.txt"))
+        with open(os.path.join(d, "tokenizer_config.json"), "w") as f:
+            json.dump({"tokenizer_class": "GPT2Tokenizer"}, f)  # <|endoftext|> specials
+        return MegatronTokenizer.from_pretrained(
+            tokenizer_path=d, metadata_path={"library": "huggingface"}
+        )
 
 
 def check_data_files(data_path: str, vocab_size: int) -> None:
