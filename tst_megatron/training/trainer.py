@@ -59,6 +59,7 @@ from tst_megatron.training.data import (
 )
 from tst_megatron.training.forward import make_phase1_step, make_phase2_step
 from tst_megatron.training.model import build_gpt_model, padded_vocab_size, transformer_config
+from tst_megatron.training.monitoring import Profiler, open_wandb
 
 
 @dataclasses.dataclass
@@ -183,7 +184,8 @@ def build_data(cfg: RunConfig, tokenizer, layout: BatchLayout):
         samples=(windows, c.eval_iters * gbs * evals, 0),
         seed=t.seed,
     )
-    for name, dataset in (("training", train), ("validation", valid if c.eval_iters else [1])):
+    checks = [("training", train)] + ([("validation", valid)] if c.eval_iters else [])
+    for name, dataset in checks:
         if dataset is None or len(dataset) == 0:
             raise ConfigError(
                 f"the data gives no {name} samples of {T} tokens; lower --seq-length or add "
@@ -528,8 +530,6 @@ def train(cfg: RunConfig) -> dict:
     )
     run = setup(cfg)
     cfg = run.cfg  # resolved: iterations from samples, global batch, ...
-    from tst_megatron.training.monitoring import Profiler, open_wandb
-
     run.wandb = open_wandb(cfg, dist.get_rank(), dist.get_world_size())
     profiler = Profiler(cfg, dist.get_rank(), run.device)
     t, c, tst = cfg.train, cfg.checkpoint, cfg.tst
