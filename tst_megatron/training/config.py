@@ -172,14 +172,10 @@ class ModelArgs:
         return problems
 
     def ffn_size(self) -> int:
-        """The dense MLP width: --ffn-hidden-size, else Megatron-LM's default
-        (``megatron/training/arguments.py``): ``4h``, or ``int(4h * 2/3 / 64) * 64`` with
-        --swiglu (the same parameter count as the 4h non-gated MLP, a multiple of 64)."""
-        if self.ffn_hidden_size is not None:
-            return self.ffn_hidden_size
-        if self.swiglu:
-            return int((4 * self.hidden_size * 2 / 3) / 64) * 64
-        return 4 * self.hidden_size
+        """The dense MLP width (:func:`tst_megatron.training.model.ffn_hidden_size`)."""
+        from tst_megatron.training.model import ffn_hidden_size
+
+        return ffn_hidden_size(self.ffn_hidden_size, self.hidden_size, swiglu=self.swiglu)
 
 
 def moe_layer_pattern(freq, num_layers: int) -> list[int]:
