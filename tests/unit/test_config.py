@@ -591,15 +591,22 @@ def test_moe_layer_freq_list_expression():
 
 
 def _dry(argv, env=None):
+    """``main([... --dry-run])`` in this process (no process group is started):
+    ``(returncode, stdout, stderr)``."""
+    import contextlib
+    import io
     import os
+    from types import SimpleNamespace
+    from unittest import mock
 
-    return subprocess.run(
-        [sys.executable, "examples/pretrain_gpt_tst.py", "--dry-run", *argv],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, **(env or {})},
-    )
+    from tst_megatron.training.trainer import main
+
+    out, err = io.StringIO(), io.StringIO()
+    environ = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    with mock.patch.dict(os.environ, {**environ, **(env or {})}, clear=True):
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = main([*argv, "--dry-run"])
+    return SimpleNamespace(returncode=code, stdout=out.getvalue(), stderr=err.getvalue())
 
 
 def test_dry_run_prints_the_resolved_run():

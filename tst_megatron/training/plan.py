@@ -158,7 +158,7 @@ def describe(cfg: RunConfig, world_size: int) -> list[str]:
     return lines
 
 
-def dry_run(cfg: RunConfig, env=None, *, out=sys.stdout, err=sys.stderr) -> int:
+def dry_run(cfg: RunConfig, env=None, *, out=None, err=None) -> int:
     """``--dry-run``: validate for ``WORLD_SIZE`` (default 1) processes and print the resolved
     run, or every problem (``error: ...``, one per line). Prints from rank 0 only.
 
@@ -169,6 +169,7 @@ def dry_run(cfg: RunConfig, env=None, *, out=sys.stdout, err=sys.stderr) -> int:
         0 if there is no problem, else 2.
     """
     env = os.environ if env is None else env
+    out, err = out or sys.stdout, err or sys.stderr
     world_size = int(env.get("WORLD_SIZE", "1"))
     device_type = "cpu" if cfg.train.device == "cpu" else "cuda"
     rank0 = env.get("RANK", env.get("SLURM_PROCID", "0")) == "0"
