@@ -24,4 +24,5 @@ TEST_DEFAULTS = [
     "--log-interval", "10",
     "--eval-iters", "2",
     "--num-workers", "0",
+    "--transformer-impl", "local",
 ]  # fmt: skip
