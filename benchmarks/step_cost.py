@@ -179,6 +179,25 @@ def main():
             "0",
             "--attention-dropout",
             "0",
+            # what Megatron-LM's defaults would otherwise change
+            "--lr",
+            "3e-4",
+            "--tokenizer-type",
+            "NullTokenizer",
+            "--position-embedding-type",
+            "rope",
+            "--normalization",
+            "RMSNorm",
+            "--adam-beta2",
+            "0.95",
+            "--lr-decay-style",
+            "WSD",
+            "--lr-wsd-decay-style",
+            "linear",
+            "--moe-token-dispatcher-type",
+            "alltoall",
+            "--num-workers",
+            "0",
         ]
     )
     run = trainer.setup(cfg)

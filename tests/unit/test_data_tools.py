@@ -11,6 +11,7 @@ import sentencepiece as spm
 import torch
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 
+from tests.defaults import TEST_DEFAULTS
 from tst_megatron.data.corpus import build_corpus, jsonl_documents
 from tst_megatron.data.preprocess import preprocess
 from tst_megatron.data.tokenizer import train_tokenizer
@@ -172,6 +173,7 @@ def test_end_to_end_on_a_slice_of_the_real_corpus(tiny, tmp_path):
         _e2e_child,
         2,
         argv=[
+            *TEST_DEFAULTS,
             "--device",
             "cpu",
             "--data-path",

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from typing import Literal, get_args
+
 import torch
 
-BAG_WEIGHTINGS = ("uniform", "power")
+BagWeighting = Literal["uniform", "power"]
+"""Slot weights of the MCE loss: the one declaration of the choices."""
+BAG_WEIGHTINGS = get_args(BagWeighting)
 
 
 def _check_bag_size(bag_size: int) -> None:

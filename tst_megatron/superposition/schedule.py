@@ -12,8 +12,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable, Optional
 
-from tst_megatron.errors import ConfigError
-from tst_megatron.superposition.bags import BAG_WEIGHTINGS
+from tst_megatron.superposition.bags import BagWeighting
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,32 +29,31 @@ class TSTConfig:
     phase1_fraction: Optional[float] = None
     """r: phase-1 share of ``--train-iters`` (``--tst-phase1-fraction``), N1 = round(r * N).
     None with ``phase1_iters`` None means 0.3 when ``bag_size > 1`` (the paper's r)."""
-    bag_weighting: str = "uniform"
+    bag_weighting: BagWeighting = "uniform"
     """Slot weights of the MCE loss: ``uniform`` or ``power`` (``--tst-bag-weighting``)."""
     save_at_switch: bool = True
     """Save a checkpoint at step N1 (disable with ``--no-tst-save-at-switch``)."""
 
-    def validate(self, train_iters: int) -> None:
-        """Raise ``ConfigError`` (one line naming the flag) for an unusable setting. Reads only."""
+    def validate(self, train_iters: int) -> list[str]:
+        """The problems of these settings, one line each naming the flag (empty: none).
+        Reads only; the choice of ``bag_weighting`` is checked from its ``Literal`` type by
+        the caller (:func:`tst_megatron.training.config.validate`)."""
+        problems = []
         if (
             isinstance(self.bag_size, bool)
             or not isinstance(self.bag_size, int)
             or self.bag_size < 1
         ):
-            raise ConfigError(f"--tst-bag-size must be an integer >= 1, got {self.bag_size!r}")
+            problems.append(f"--tst-bag-size must be an integer >= 1, got {self.bag_size!r}")
         if self.phase1_iters is not None and self.phase1_fraction is not None:
-            raise ConfigError("give --tst-phase1-iters or --tst-phase1-fraction, not both")
+            problems.append("give --tst-phase1-iters or --tst-phase1-fraction, not both")
         if self.phase1_iters is not None and not 0 <= self.phase1_iters <= train_iters:
-            raise ConfigError(
+            problems.append(
                 f"--tst-phase1-iters {self.phase1_iters} must be in [0, --train-iters {train_iters}]"
             )
         if self.phase1_fraction is not None and not 0.0 <= self.phase1_fraction <= 1.0:
-            raise ConfigError(f"--tst-phase1-fraction {self.phase1_fraction} must be in [0, 1]")
-        if self.bag_weighting not in BAG_WEIGHTINGS:
-            raise ConfigError(
-                f"--tst-bag-weighting must be one of {', '.join(BAG_WEIGHTINGS)}, "
-                f"got {self.bag_weighting!r}"
-            )
+            problems.append(f"--tst-phase1-fraction {self.phase1_fraction} must be in [0, 1]")
+        return problems
 
     def phase1_steps(self, train_iters: int) -> int:
         """N1, the number of phase-1 optimizer steps out of ``train_iters``."""

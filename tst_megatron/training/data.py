@@ -51,22 +51,71 @@ class BatchLayout:
         return self.micro_batch_size * self.data_parallel_size * self.num_microbatches
 
 
-def build_tokenizer(tokenizer_type: str, *, vocab_size: Optional[int], model: Optional[str]):
-    """A megatron-core tokenizer: ``NullTokenizer`` (ids ``0..vocab_size-1``, EOD = last id)
-    or ``SentencePieceTokenizer``.
+def build_tokenizer(
+    tokenizer_type: str,
+    *,
+    vocab_size: Optional[int],
+    model: Optional[str],
+    vocab_file: Optional[str] = None,
+    merge_file: Optional[str] = None,
+):
+    """A megatron-core tokenizer, for Megatron-LM's ``--tokenizer-type``:
+
+    - ``NullTokenizer``: ids ``0..vocab_size-1``, EOD = last id;
+    - ``SentencePieceTokenizer`` / ``Llama2Tokenizer``: the SentencePiece model
+      ``--tokenizer-model`` (megatron-core's ``sentencepiece`` library; EOD = ``</s>``);
+    - ``HuggingFaceTokenizer``: a local Hugging Face tokenizer directory (``--tokenizer-model``;
+      no hub access; megatron-core's ``huggingface`` library);
+    - ``GPT2BPETokenizer``: GPT-2 BPE from ``--vocab-file`` and ``--merge-file``, EOD =
+      ``<|endoftext|>`` (megatron-core's ``huggingface`` library over transformers'
+      ``GPT2Tokenizer``; see :func:`_gpt2_bpe`).
 
     Raises:
-        ConfigError: unknown type or missing settings.
+        ConfigError: unknown type, missing settings, or a tokenizer path that does not exist.
     """
     if tokenizer_type == "NullTokenizer":
         if vocab_size is None:
             raise ConfigError("--vocab-size is required with --tokenizer-type NullTokenizer")
         return null_tokenizer(vocab_size)  # library name and EOD id differ across releases
-    if tokenizer_type == "SentencePieceTokenizer":
-        return MegatronTokenizer.from_pretrained(
-            tokenizer_path=model, metadata_path={"library": "sentencepiece"}
+    if tokenizer_type == "GPT2BPETokenizer":
+        for flag, path in (("--vocab-file", vocab_file), ("--merge-file", merge_file)):
+            if not path or not os.path.isfile(path):
+                raise ConfigError(f"--tokenizer-type GPT2BPETokenizer: {flag} {path} is not a file")
+        return _gpt2_bpe(vocab_file, merge_file)
+    libraries = {
+        "SentencePieceTokenizer": "sentencepiece",
+        "Llama2Tokenizer": "sentencepiece",
+        "HuggingFaceTokenizer": "huggingface",
+    }
+    if tokenizer_type not in libraries:
+        raise ConfigError(f"unknown --tokenizer-type {tokenizer_type!r}")
+    if not model or not os.path.exists(model):
+        raise ConfigError(
+            f"--tokenizer-model {model} does not exist (--tokenizer-type {tokenizer_type} "
+            "reads a local file or directory; no hub access)"
         )
-    raise ConfigError(f"unknown --tokenizer-type {tokenizer_type!r}")
+    return MegatronTokenizer.from_pretrained(
+        tokenizer_path=model, metadata_path={"library": libraries[tokenizer_type]}
+    )
+
+
+def _gpt2_bpe(vocab_file: str, merge_file: str):
+    """Megatron-LM's ``GPT2BPETokenizer`` from local files. megatron-core 0.16.1's ``megatron``
+    library always loads the hub name ``gpt2`` (and passes the vocab file as merges), so the
+    two files are put in a temporary directory as a transformers ``GPT2Tokenizer`` and read
+    through megatron-core's ``huggingface`` library, without hub access."""
+    import json
+    import shutil
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="gpt2-bpe-") as d:
+        shutil.copyfile(vocab_file, os.path.join(d, "vocab.json"))
+        shutil.copyfile(merge_file, os.path.join(d, "merges.txt"))
+        with open(os.path.join(d, "tokenizer_config.json"), "w") as f:
+            json.dump({"tokenizer_class": "GPT2Tokenizer"}, f)  # <|endoftext|> specials
+        return MegatronTokenizer.from_pretrained(
+            tokenizer_path=d, metadata_path={"library": "huggingface"}
+        )
 
 
 def check_data_files(data_path: str, vocab_size: int) -> None:
@@ -114,7 +163,9 @@ def _dataset_config(data, tokenizer, seq_length, seed, blend) -> GPTDatasetConfi
         reset_position_ids=data.reset_position_ids,
         reset_attention_mask=data.reset_attention_mask,
         eod_mask_loss=data.eod_mask_loss,
-        create_attention_mask=data.reset_attention_mask,
+        create_attention_mask=data.reset_attention_mask
+        and data.create_attention_mask_in_dataloader,
+        mmap_bin_files=data.mmap_bin_files,
     )
 
 
