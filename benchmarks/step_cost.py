@@ -111,8 +111,9 @@ def embedding_tp_traffic(bag: int, sp: bool) -> dict:
         return torch.load(out)
 
 
-def measure_bag_size(bag: int, *, smoke: bool, device: str, rounds: int) -> dict:
+def measure_bag_size(bag: int, *, smoke: bool, device: str, rounds: int, threads: int) -> dict:
     """Run the interleaved arms for one ``S`` in this process; return medians and peaks."""
+    torch.set_num_threads(threads)
     for key, value in dict(
         MASTER_ADDR="127.0.0.1", MASTER_PORT="29581", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0"
     ).items():
@@ -135,32 +136,33 @@ def measure_bag_size(bag: int, *, smoke: bool, device: str, rounds: int) -> dict
     )
     run = trainer.setup(cfg)
     T = cfg.model.seq_length
-    arms = {1: {"time": [], "load": []}, 2: {"time": [], "load": []}}
+    arms = {arm: {"time": [], "cpu": [], "load": []} for arm in (1, 2)}
 
     def step(arm: int, i: int, *, memory: bool = False):
         iteration = i if arm == 1 else per_arm + i
         phase = phase_at(iteration, cfg.tst, seq_length=T, train_iters=train_iters)
         assert phase.index == arm, (phase, arm)
         mem = PeakTensorMemory() if memory else None
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         if mem is not None:
             with mem:
                 metrics = trainer.train_step(run, phase, iteration)
         else:
             metrics = trainer.train_step(run, phase, iteration)
-        elapsed = time.perf_counter() - start
+        elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start
         arms[arm]["tokens"] = metrics["tokens"]
         if mem is not None:
             arms[arm]["peak"] = mem.peak
         else:
             arms[arm]["time"].append(metrics["step_time"])
+            arms[arm]["cpu"].append(cpu)
             arms[arm]["load"].append(elapsed - metrics["step_time"])
 
     step(1, 0), step(2, 0)  # warm-up (timed, then discarded)
     step(1, 1, memory=True), step(2, 1, memory=True)
     for arm in (1, 2):
-        arms[arm]["time"].clear()
-        arms[arm]["load"].clear()
+        for values in ("time", "cpu", "load"):
+            arms[arm][values].clear()
     for r in range(rounds):  # A B, B A, A B, ...
         for arm in (1, 2) if r % 2 == 0 else (2, 1):
             step(arm, 2 + r)
@@ -168,6 +170,7 @@ def measure_bag_size(bag: int, *, smoke: bool, device: str, rounds: int) -> dict
     return {
         str(arm): {
             "time": statistics.median(a["time"]),
+            "cpu": statistics.median(a["cpu"]),
             "load": statistics.median(a["load"]),
             "peak": a["peak"],
             "tokens": a["tokens"],
@@ -180,9 +183,8 @@ def measure_bag_size(bag: int, *, smoke: bool, device: str, rounds: int) -> dict
 def _measure_in_child(bag: int, args) -> dict:
     """One fresh process per ``S`` (megatron-core's parallel state is global)."""
     cmd = [sys.executable, os.path.abspath(__file__), "--child", str(bag)]
-    cmd += ["--device", args.device, "--rounds", str(args.rounds)] + (
-        ["--smoke"] if args.smoke else []
-    )
+    cmd += ["--device", args.device, "--rounds", str(args.rounds), "--threads", str(args.threads)]
+    cmd += ["--smoke"] if args.smoke else []
     result = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if result.returncode != 0:
         raise RuntimeError(f"measuring S={bag} failed:\n{result.stderr[-4000:]}")
@@ -197,14 +199,17 @@ def report(results: dict, args) -> str:
         "# TST step cost: phase-1 step vs baseline step",
         "",
         f"Machine: {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
-        f"{device}, 1 process. Model: {size}; micro-batch {MICRO_BATCH}. Arms interleaved "
-        f"(A B B A ...), median of {rounds} steps per arm; peak memory from one step each.",
+        f"{device}, 1 process, {args.threads} thread(s). Model: {size}; micro-batch "
+        f"{MICRO_BATCH}. Arms interleaved (A B B A ...), median of {rounds} steps per arm; "
+        "peak memory from one step each. Step time is wall-clock (the trainer's, without "
+        "reading samples); CPU time is the process's, reading samples included, and is the "
+        "steadier of the two when other jobs share the machine.",
         "",
         "| S | step time, phase 1 (ms) | baseline (ms) | time ratio (<= 1.03) | "
         "peak memory, phase 1 (MiB) | baseline (MiB) | memory ratio (<= 1.03) | "
         "tokens/s, phase 1 | baseline | tokens/s / (S x baseline) (>= 0.97) | "
-        "reading samples, phase 1 / baseline (ms) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "CPU time ratio | reading samples, phase 1 / baseline (ms) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for bag, arms in results.items():
         p1, p2 = arms["1"], arms["2"]
@@ -213,7 +218,7 @@ def report(results: dict, args) -> str:
             f"| {bag} | {1000 * p1['time']:.1f} | {1000 * p2['time']:.1f} | "
             f"{p1['time'] / p2['time']:.3f} | {p1['peak'] / 2**20:.1f} | "
             f"{p2['peak'] / 2**20:.1f} | {p1['peak'] / p2['peak']:.3f} | {tps1:.0f} | "
-            f"{tps2:.0f} | {tps1 / (int(bag) * tps2):.3f} | "
+            f"{tps2:.0f} | {tps1 / (int(bag) * tps2):.3f} | {p1['cpu'] / p2['cpu']:.3f} | "
             f"{1000 * p1['load']:.1f} / {1000 * p2['load']:.1f} |"
         )
     lines += [
@@ -246,6 +251,12 @@ def main():
     )
     p.add_argument("--rounds", type=int, default=None, help="timed steps per arm (default 12)")
     p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch intra-op threads (1: least disturbed by other load on a shared machine)",
+    )
+    p.add_argument(
         "--output",
         default=None,
         help="also write the Markdown report here "
@@ -256,7 +267,11 @@ def main():
     args.rounds = args.rounds or (2 if args.smoke else 12)
     if args.child is not None:
         result = measure_bag_size(
-            args.child, smoke=args.smoke, device=args.device, rounds=args.rounds
+            args.child,
+            smoke=args.smoke,
+            device=args.device,
+            rounds=args.rounds,
+            threads=args.threads,
         )
         print(json.dumps(result))
         return

@@ -156,6 +156,7 @@ def upstream_token_scaling() -> tuple[bool, bool]:
     probe.is_mtp_layer = False
     probe.calculate_per_token_loss = True
     probe.tp_cp_group = _SizeOnlyGroup(2)
+    probe.tp_dp_cp_group = _SizeOnlyGroup(2)  # only passed on to the (skipped) logging
     probe.training = True
     tokens, results = 3, []
     with torch.enable_grad():
