@@ -46,7 +46,7 @@ def test_step_cost_smoke(tmp_path):
     rows = [line for line in report.splitlines() if line.startswith("| 4 |")]
     assert len(rows) == 3  # the step-cost row and the two TP-traffic rows
     cells = rows[0].strip("|").split("|")
-    assert all(float(c) > 0 for c in cells[:11])
+    assert all(float(c) > 0 for c in cells[:12])
     assert "| 4 | TP=2 + SP |" in report
     assert "step_cost" in (tmp_path / "results.md").read_text()
 
