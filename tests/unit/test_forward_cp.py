@@ -121,3 +121,51 @@ def test_phase2_masked_non_finite_loss_contributes_zero(bad):
     torch.testing.assert_close(loss.double(), expected, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(leaf.grad, 0.7 * loss_mask.double())
     assert torch.isfinite(report["lm loss"]).all()
+
+
+class _PerSlotModel:
+    """Stands in for the last pipeline stage: returns a fixed per-slot CE ``[b, T, S]``."""
+
+    pre_process = False
+
+    def __init__(self, table):
+        self.table = table
+
+    def __call__(self, *args, decoder_input=None, labels=None):
+        assert labels.shape == self.table.shape
+        return self.table
+
+
+def test_phase1_step_loss_and_gradient_are_the_papers_mce():
+    """Issue 12.4: counting scored positions (not slots) leaves the MCE as the paper defines
+    it: uniform weights, no masking inside bags -> the step's ``sum loss / sum num_tokens`` is
+    the mean over all scored slots of all micro-batches (the last bag of each row has only
+    slot 0), and so is its gradient."""
+    from tst_megatron.training.forward import make_phase1_step
+
+    b, T, S, M = 2, 5, 4, 3
+    g = torch.Generator().manual_seed(4)
+    tables = [
+        (torch.rand(b, T, S, generator=g, dtype=torch.float64) * 4).requires_grad_(True)
+        for _ in range(M)
+    ]
+    step = make_phase1_step(bag_size=S, weighting="uniform")
+    losses, counts = [], []
+    for table in tables:
+        x = torch.randint(0, 50, (b, S * T + 1), generator=g)
+        batch = {"tokens": x[:, :-1], "labels": x[:, 1:], "loss_mask": torch.ones(b, S * T)}
+        output, loss_func = step(iter([batch]), _PerSlotModel(table))
+        loss, num_tokens, _ = loss_func(output)
+        assert num_tokens.dtype == torch.int32 and int(num_tokens) == b * T  # positions
+        losses.append(loss)
+        counts.append(num_tokens)
+    step_loss = torch.stack(losses).sum() / torch.stack(counts).sum()
+    (step_loss * 1.9).backward()
+    # Reference: mean over all valid slots; slot k of the last position is valid only for k=0.
+    valid = torch.ones(b, T, S, dtype=torch.bool)
+    valid[:, -1, 1:] = False
+    every = torch.cat([t.detach()[valid] for t in tables])
+    torch.testing.assert_close(step_loss.double(), every.mean(), rtol=1e-6, atol=1e-9)
+    for table in tables:
+        expected = torch.where(valid, 1.9 / every.numel(), 0.0).double()
+        torch.testing.assert_close(table.grad, expected, rtol=1e-6, atol=1e-12)
