@@ -30,6 +30,7 @@ Nothing here reads a device value on the host.
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -96,6 +97,12 @@ def split_for_context_parallel(batch: dict, cp_size: int, cp_rank: int) -> dict:
     return out
 
 
+@functools.lru_cache(maxsize=None)
+def _slot_weights(bag_size: int, weighting: str, device: torch.device) -> torch.Tensor:
+    """``bag_weights`` on ``device``, copied there once per run (not per micro-batch)."""
+    return bag_weights(bag_size, weighting).to(device)
+
+
 def _cp_split(batch: dict, cp_group: Optional[dist.ProcessGroup]) -> dict:
     if cp_group is None:
         return batch
@@ -110,7 +117,6 @@ def make_phase1_step(
     ``tp_group`` is accepted for compatibility and unused: the model's loss seam takes the
     output layer's own group. ``cp_group`` splits the latent sequence (whole bags).
     """
-    weights_by_device = {}
 
     def forward_step(data_iterator, model):
         # Every stage reads the micro-batch (cheap); only the first embeds, only the last scores.
@@ -123,10 +129,7 @@ def make_phase1_step(
         )
         x = bag_embedding(gpt.embedding, local["bags"]) if gpt.pre_process else None
         per_slot = model(None, None, None, decoder_input=x, labels=local["targets"])
-        device = local["mask"].device
-        if device not in weights_by_device:  # one host-to-device copy per run, not per step
-            weights_by_device[device] = bag_weights(bag_size, weighting).to(device)
-        weights = weights_by_device[device]
+        weights = _slot_weights(bag_size, weighting, local["mask"].device)
 
         def loss_func(ce):
             loss_sum, weight_sum = multi_hot_cross_entropy(ce, local["mask"], weights)
