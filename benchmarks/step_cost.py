@@ -95,14 +95,13 @@ def _traffic_child(rank, world, port, sp, bag, out):
 
 
 def embedding_tp_traffic(bag: int, sp: bool) -> dict:
-    import socket
     import tempfile
 
     import torch.multiprocessing as mp
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    from tst_megatron.runtime.distributed import free_port
+
+    port = free_port()
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "traffic.pt")
         mp.start_processes(
@@ -119,7 +118,6 @@ def measure_bag_size(bag: int, *, smoke: bool, device: str, rounds: int, threads
     ).items():
         os.environ.setdefault(key, value)
     from tst_megatron.runtime import destroy
-    from tst_megatron.superposition.schedule import phase_at
     from tst_megatron.training import trainer
     from tst_megatron.training.config import parse_args
 
@@ -135,12 +133,11 @@ def measure_bag_size(bag: int, *, smoke: bool, device: str, rounds: int, threads
         + ["--tst-phase1-iters", str(per_arm), "--log-interval", str(10**6)]
     )
     run = trainer.setup(cfg)
-    T = cfg.model.seq_length
     arms = {arm: {"time": [], "cpu": [], "load": []} for arm in (1, 2)}
 
     def step(arm: int, i: int, *, memory: bool = False):
         iteration = i if arm == 1 else per_arm + i
-        phase = phase_at(iteration, cfg.tst, seq_length=T, train_iters=train_iters)
+        phase = run.schedule.phase_at(iteration)
         assert phase.index == arm, (phase, arm)
         mem = PeakTensorMemory() if memory else None
         start, cpu_start = time.perf_counter(), time.process_time()

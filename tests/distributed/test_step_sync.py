@@ -58,7 +58,6 @@ MEGATRON_OWN = (
 def _child(rank, world):
     from torch.overrides import TorchFunctionMode
 
-    from tst_megatron.superposition.schedule import phase_at
     from tst_megatron.training import trainer
     from tst_megatron.training.config import parse_args
 
@@ -88,9 +87,7 @@ def _child(rank, world):
     run = trainer.setup(cfg)
     result = {}
     for first in (0, 2):
-        phase = phase_at(
-            first, cfg.tst, seq_length=cfg.model.seq_length, train_iters=cfg.train.train_iters
-        )
+        phase = run.schedule.phase_at(first)
         trainer.train_step(run, phase, first)  # warm-up
         with HostReads() as reads:
             trainer.train_step(run, phase, first + 1)

@@ -6,9 +6,9 @@ samples are consecutive windows of the packed token stream: window ``j`` holds t
 ``[j*T, (j+1)*T]``. :class:`TrainStream` groups the windows into blocks of ``S``
 consecutive windows and shuffles the blocks once (seeded):
 - phase-1 sample ``i`` is block ``perm[i]``: ``S`` windows concatenated, exactly ``S*T + 1``
-  contiguous tokens (TST_SPEC.md section 3, "Data");
+  contiguous tokens (``docs/design.md``, "Phase 1 data");
 - phase 2 reads the windows of the blocks phase 1 did not use, ``perm[n1:]``, in order, so
-  it continues through the data instead of rereading what phase 1 consumed (section 4).
+  it continues through the data instead of rereading what phase 1 consumed (``docs/design.md``, "The schedule").
 The data position is a pure function of the iteration: micro-batch ``m`` of phase-local
 step ``k`` on data-parallel rank ``r`` holds samples ``(k*M + m)*b*DP + r*b + [0, b)``
 (megatron-core's pretraining sampler order). Validation reads its own split in the
