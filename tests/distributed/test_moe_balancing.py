@@ -157,6 +157,7 @@ def layouts():
     }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
 def test_balancing_gradient_tp2_sp_equals_tp1(layouts, case):
     """Issue 13.5: aux and z-loss router gradients independent of TP/SP (ratio 1.0000)."""
@@ -169,6 +170,7 @@ def test_balancing_gradient_tp2_sp_equals_tp1(layouts, case):
         torch.testing.assert_close(grad, ref, rtol=1e-5, atol=1e-9)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
 def test_balancing_gradient_per_position_equal_in_both_phases(layouts, case):
     """Issue 12.4: same latent batch, main loss zeroed: phase 1 equals phase 2 (ratio 1.0000),
