@@ -197,12 +197,21 @@ class _ProbeConfig:
     moe_z_loss_coeff: float = 1.0
 
 
+def _submodules(spec):
+    """A spec's ``submodules``: a ``ModuleSpec``'s, or (megatron-core 0.19's MoE layers) a
+    ``functools.partial(Module, submodules=...)``'s."""
+    if isinstance(spec, functools.partial):
+        return spec.keywords.get("submodules")
+    return getattr(spec, "submodules", None)
+
+
 def with_balanced_router(spec):
     """``spec`` with every MoE layer's ``TopKRouter`` replaced by :class:`BalancedTopKRouter`.
 
     Accepts what ``GPTModel`` accepts as ``transformer_layer_spec``: a
-    ``TransformerBlockSubmodules`` or a layer ``ModuleSpec``; anything else is returned as
-    is, and so are routers other than ``TopKRouter``.
+    ``TransformerBlockSubmodules`` or a layer ``ModuleSpec`` (whose MoE ``mlp`` is a
+    ``ModuleSpec`` or, from megatron-core 0.19, a ``functools.partial``); anything else is
+    returned as is, and so are routers other than ``TopKRouter``.
     """
     if isinstance(spec, TransformerBlockSubmodules):
         return dataclasses.replace(
@@ -211,11 +220,12 @@ def with_balanced_router(spec):
     if not isinstance(spec, ModuleSpec) or spec.submodules is None:
         return spec
     mlp = getattr(spec.submodules, "mlp", None)
-    if not (isinstance(mlp, ModuleSpec) and isinstance(mlp.submodules, MoESubmodules)):
+    moe = _submodules(mlp)
+    if not isinstance(moe, MoESubmodules) or moe.router is not TopKRouter:
         return spec
-    if mlp.submodules.router is not TopKRouter:
-        return spec
-    mlp = dataclasses.replace(
-        mlp, submodules=dataclasses.replace(mlp.submodules, router=BalancedTopKRouter)
-    )
+    moe = dataclasses.replace(moe, router=BalancedTopKRouter)
+    if isinstance(mlp, functools.partial):
+        mlp = functools.partial(mlp.func, *mlp.args, **{**mlp.keywords, "submodules": moe})
+    else:
+        mlp = dataclasses.replace(mlp, submodules=moe)
     return dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, mlp=mlp))
