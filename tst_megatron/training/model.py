@@ -24,6 +24,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from tst_megatron.errors import ConfigError
 from tst_megatron.runtime.norm import SequenceParallelNorm
+from tst_megatron.training.gpt import TSTGPTModel
 
 TransformerImpl = Literal["local", "transformer_engine"]
 
@@ -205,7 +206,7 @@ def build_gpt_model(
     Raises:
         ConfigError / ImportError: see :func:`gpt_block_spec`.
     """
-    return GPTModel(
+    return TSTGPTModel(  # a GPTModel with the bag loss in its loss seam (see training/gpt.py)
         config=config,
         transformer_layer_spec=gpt_block_spec(
             config, transformer_impl=transformer_impl, vp_stage=vp_stage
