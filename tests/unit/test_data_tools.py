@@ -100,7 +100,7 @@ def test_check_data_files(tmp_path, tiny):
 
     _, _, prefix = tiny
     check_data_files(prefix, 512)
-    with pytest.raises(ValueError, match=r"holds token id \d+, outside the vocabulary of 100"):
+    with pytest.raises(ValueError, match=r"holds token id \d+, outside the vocabulary \[0, 100\)"):
         check_data_files(prefix, 100)
     with pytest.raises(ValueError, match="missing_text_document.bin does not exist"):
         check_data_files(str(tmp_path / "missing_text_document"), 512)

@@ -196,7 +196,8 @@ class DataArgs:
     mock_data: bool = False
     """Synthetic data (megatron-core MockGPTDataset)."""
     data_path: Optional[str] = None
-    """Dataset prefix, or 'weight prefix weight prefix ...'."""
+    """Dataset prefix, or 'weight prefix weight prefix ...' (one quoted word or several, as in
+    Megatron-LM)."""
     split: str = "969,30,1"
     """Train,valid,test proportions."""
     tokenizer_type: str = "NullTokenizer"
@@ -348,6 +349,7 @@ def build_parser() -> argparse.ArgumentParser:
                     type=kind,
                     default=field.default,
                     choices=CHOICES.get(field.name),
+                    nargs="*" if field.name == "data_path" else None,  # joined in parse_args
                     metavar=None if field.name in CHOICES else field.name.upper(),
                     help=f"{text} (default: {field.default})",
                 )
@@ -366,6 +368,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> RunConfig:
     values = {name: {} for name in _GROUPS}
     for key, value in namespace.items():
         group, field = key.split(".", 1)
+        if isinstance(value, list):  # --data-path 0.7 A 0.3 B (nargs="*")
+            value = " ".join(value) or None
         values[group][field] = value
     return RunConfig(**{name: cls(**values[name]) for name, (cls, _) in _GROUPS.items()})
 
@@ -504,10 +508,8 @@ def validate(cfg: RunConfig, world_size: int, device_type: str = "cuda") -> None
         raise ConfigError("--fp8-format needs --transformer-impl transformer_engine")
     if moe.moe_grouped_gemm and t.transformer_impl != "transformer_engine":
         raise ConfigError("--moe-grouped-gemm needs --transformer-impl transformer_engine")
-    if d.num_workers != 0:
-        raise ConfigError(
-            "--num-workers > 0 is not supported yet: data is read in the main process"
-        )
+    if d.num_workers < 0:
+        raise ConfigError(f"--num-workers must be >= 0, got {d.num_workers}")
     if cp > 1 and t.transformer_impl != "transformer_engine":
         raise ConfigError(
             "--context-parallel-size > 1 needs --transformer-impl transformer_engine "

@@ -48,6 +48,7 @@ from tst_megatron.training.data import (
     build_datasets,
     build_tokenizer,
     check_data_files,
+    check_mock_data,
     microbatches,
 )
 from tst_megatron.training.forward import make_phase1_step, make_phase2_step
@@ -167,7 +168,13 @@ def build_data(cfg: RunConfig, tokenizer, layout: BatchLayout):
                 f"the data gives no {name} samples of {T} tokens; lower --seq-length or add "
                 "data (--data-path, --split)"
             )
-    stream = TrainStream(train, bag_size=tst.bag_size, phase1_samples=n1 * gbs, seed=t.seed)
+    stream = TrainStream(
+        train,
+        bag_size=tst.bag_size,
+        phase1_samples=n1 * gbs,
+        seed=t.seed,
+        num_workers=cfg.data.num_workers,
+    )
     return stream, valid
 
 
@@ -189,7 +196,11 @@ def setup(cfg: RunConfig) -> Run:
             f"{cfg.model.vocab_size}; make them equal (or omit --vocab-size)"
         )
     if cfg.data.data_path:
-        check_data_files(cfg.data.data_path, tokenizer.vocab_size)
+        check_data_files(
+            cfg.data.data_path, tokenizer.vocab_size, cache_path=cfg.data.data_cache_path
+        )
+    else:
+        check_mock_data(tokenizer, tokenizer.vocab_size)
     vocab = padded_vocab_size(
         cfg.model.vocab_size or tokenizer.vocab_size,
         divisible_by=cfg.model.make_vocab_size_divisible_by,
@@ -265,7 +276,7 @@ def train_step(run: Run, phase: Phase, iteration: int) -> dict:
     """One optimizer step of ``phase``; returns the step's metrics."""
     n1 = run.cfg.tst.phase1_steps(run.cfg.train.train_iters)
     if phase.index == 1:
-        get_sample, step = run.stream.phase1_sample, iteration
+        step = iteration
         forward_step = make_phase1_step(
             bag_size=phase.bag_size,
             weighting=run.cfg.tst.bag_weighting,
@@ -273,9 +284,9 @@ def train_step(run: Run, phase: Phase, iteration: int) -> dict:
             cp_group=ps.get_context_parallel_group(),
         )
     else:
-        get_sample, step = run.stream.phase2_sample, iteration - n1
+        step = iteration - n1
         forward_step = make_phase2_step(cp_group=ps.get_context_parallel_group())
-    batches = list(microbatches(get_sample, run.layout, step=step, device=run.device))
+    batches = run.stream.batches(phase.index, step, run.layout, device=run.device)
     start = time.perf_counter()
     for chunk in run.model:
         chunk.zero_grad_buffer()
