@@ -15,7 +15,6 @@ from tst_megatron.training.data import (
     build_datasets,
     build_tokenizer,
     check_data_files,
-    check_mock_data,
     microbatches,
 )
 
@@ -100,7 +99,7 @@ def test_truncated_bin_or_idx_is_named(tmp_path):
 
 def test_mock_data_ids_lie_in_the_vocabulary():
     tok = build_tokenizer("NullTokenizer", vocab_size=VOCAB, model=None)
-    check_mock_data(tok, VOCAB)
+    data_mod.check_mock_data(tok, VOCAB)
     train, _, _ = build_datasets(
         DataArgs(mock_data=True), tok, seq_length=32, samples=(50, 0, 0), seed=1
     )
@@ -111,7 +110,7 @@ def test_mock_data_ids_lie_in_the_vocabulary():
         vocab_size, eod = VOCAB, VOCAB  # an EOD id past the table
 
     with pytest.raises(ConfigError, match=f"mock documents hold token id {VOCAB}, outside"):
-        check_mock_data(Wide(), VOCAB)
+        data_mod.check_mock_data(Wide(), VOCAB)
 
 
 # --- --split and blends ----------------------------------------------------------------------

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import logging
 import os
 import uuid
 from typing import Callable, Optional
@@ -35,6 +36,18 @@ from megatron.core.datasets.gpt_dataset import GPTDatasetConfig
 
 from tst_megatron.data.files import atomic_path
 from tst_megatron.errors import ConfigError
+
+
+class _NoCacheNotice(logging.Filter):
+    """Drops megatron-core's warning that indexes computed with ``path_to_cache=""`` are not
+    saved: here they are, by :meth:`_AtomicIndexCache._build_or_load`."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "because path_to_cache is None" not in record.getMessage()
+
+
+for _module in (gpt_dataset, blended_dataset):
+    _module.logger.addFilter(_NoCacheNotice())
 
 
 def npy_problem(path: str) -> Optional[str]:
