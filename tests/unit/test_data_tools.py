@@ -223,6 +223,8 @@ def test_end_to_end_on_a_slice_of_the_real_corpus(tiny, tmp_path):
             str(tmp_path / "ckpt"),
             "--log-interval",
             "1",
+            "--num-workers",
+            "2",  # samples read ahead by DataLoader workers, forked after gloo started
         ],
     )
     for history in ranks:
