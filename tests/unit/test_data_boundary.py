@@ -139,14 +139,29 @@ def test_split_that_leaves_a_split_no_documents_is_one_line(tmp_path):
 
 
 def test_weighted_blend_unquoted_and_quoted(tmp_path):
-    a = write_dataset(tmp_path / "a", random_documents(60, seed=1))
-    b = write_dataset(tmp_path / "b", random_documents(60, seed=2))
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
     base = ["--mock-data", "--train-iters", "4", "--vocab-size", str(VOCAB)]
     unquoted = parse_args([*base, "--data-path", "0.7", a, "0.3", b])
     quoted = parse_args([*base, "--data-path", f"0.7 {a} 0.3 {b}"])
     assert unquoted.data.data_path == quoted.data.data_path == f"0.7 {a} 0.3 {b}"
     assert parse_args([*base, "--data-path", a]).data.data_path == a
 
+
+@pytest.fixture
+def gloo_world_of_one(tmp_path):
+    """torch.distributed initialised as the trainer has it (1 gloo process), then torn down."""
+    import torch.distributed as dist
+
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_weighted_blend_samples_are_batched(tmp_path, gloo_world_of_one):
+    a = write_dataset(tmp_path / "a", random_documents(60, seed=1))
+    b = write_dataset(tmp_path / "b", random_documents(60, seed=2))
+    quoted = parse_args(["--mock-data", "--vocab-size", "64", "--data-path", f"0.7 {a} 0.3 {b}"])
     tok = build_tokenizer("NullTokenizer", vocab_size=VOCAB, model=None)
     data = DataArgs(data_path=quoted.data.data_path, split="90,10,0", data_cache_path=str(tmp_path))
     train, valid, _ = build_datasets(data, tok, seq_length=8, samples=(64, 8, 0), seed=1)
