@@ -1,6 +1,8 @@
 """Index caches and the token-id check on 2 gloo processes: a shared cache directory and
 two "nodes" with a cache directory each, built once per directory, never seen half-written."""
 
+import contextlib
+import io
 import os
 
 import numpy as np
@@ -50,6 +52,19 @@ def _child(rank, world, *, prefix, bad_prefix, root):
         out["bad"] = None
     except ConfigError as exc:
         out["bad"] = str(exc)
+    # the same through the trainer at TP=2: one line from rank 0, status 2 on every rank
+    from tst_megatron.training.trainer import main
+
+    argv = [
+        *("--device", "cpu", "--data-path", bad_prefix, "--data-cache-path", shared),
+        *("--vocab-size", str(VOCAB), "--tensor-model-parallel-size", "2", "--seq-length", "16"),
+        *("--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4"),
+        *("--micro-batch-size", "2", "--train-iters", "4", "--tst-bag-size", "2"),
+        *("--tst-phase1-iters", "2", "--lr", "1e-3"),
+    ]
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        out["main"] = (main(argv), err.getvalue())
     return out
 
 
@@ -77,3 +92,4 @@ def test_index_caches_shared_and_node_local(tmp_path):
         assert [n for n in os.listdir(tmp_path / d) if n.startswith(".")] == []
     assert r0["stamps"] == r1["stamps"] and len(r0["stamps"]) == 1
     assert r0["bad"] == r1["bad"] and "bad.bin holds token id -1, outside" in r0["bad"]
+    assert r0["main"] == (2, f"error: {r0['bad']}\n") and r1["main"] == (2, "")

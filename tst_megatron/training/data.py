@@ -14,6 +14,12 @@ step ``k`` on data-parallel rank ``r`` holds samples ``(k*M + m)*b*DP + r*b + [0
 (megatron-core's pretraining sampler order). Validation reads its own split in the
 dataset's order. A blend of several ``--data-path`` prefixes has no single stream; its
 samples are then taken in the blend's order.
+
+The data boundary: token ids are checked once, where data enters (:func:`check_data_files`
+at start-up, remembered in a stamp; :func:`check_mock_data`), so no training step reads
+values back to check them. Index caches are built once per cache directory and written
+atomically (:mod:`.index_cache`). With ``--num-workers N`` a ``DataLoader`` reads the
+training micro-batches ahead (:class:`BatchReader`); validation reads in this process.
 """
 
 from __future__ import annotations
