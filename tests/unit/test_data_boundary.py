@@ -1,6 +1,8 @@
 """The data boundary: token ids checked once at start-up (and remembered), the --split and
 blend defects, index caches that are damaged, and DataLoader workers (one process)."""
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -266,3 +268,33 @@ def test_num_workers_is_accepted(tmp_path):
     )
     with pytest.raises(ConfigError, match="--num-workers must be >= 0"):
         validate(bad, 1, "cpu")
+
+
+def test_workers_outlive_a_sigterm_sent_to_the_whole_job_step(tmp_path):
+    # Slurm signals every process of a step; --exit-signal-handler must still get its batches
+    import signal
+    import time
+
+    import psutil
+
+    prefix = write_dataset(tmp_path / "t", random_documents(200))
+    tok = build_tokenizer("NullTokenizer", vocab_size=VOCAB, model=None)
+    data = DataArgs(data_path=prefix, split="100,0,0", data_cache_path=str(tmp_path / "cache"))
+    train, _, _ = build_datasets(data, tok, seq_length=8, samples=(300, 0, 0), seed=1)
+    layout, cpu = BatchLayout(2, 1, 0, 2), torch.device("cpu")
+    plain = TrainStream(train, bag_size=2, phase1_samples=40, seed=5)
+    before = {p.pid for p in psutil.Process().children()}
+    stream = TrainStream(train, bag_size=2, phase1_samples=40, seed=5, num_workers=2)
+    stream.batches(1, 0, layout, device=cpu)
+    workers = [p for p in psutil.Process().children() if p.pid not in before]
+    assert len(workers) == 2
+    for w in workers:
+        os.kill(w.pid, signal.SIGTERM)
+    time.sleep(0.5)
+    for step in range(1, 6):
+        got = stream.batches(1, step, layout, device=cpu)
+        ref = plain.batches(1, step, layout, device=cpu)
+        assert all(torch.equal(a["tokens"], b["tokens"]) for a, b in zip(got, ref))
+    stream.close()  # then they end (as they do at exit, before multiprocessing joins them)
+    _, alive = psutil.wait_procs(workers, timeout=20)
+    assert alive == []

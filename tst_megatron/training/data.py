@@ -24,10 +24,13 @@ training micro-batches ahead (:class:`BatchReader`); validation reads in this pr
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import itertools
 import os
+import signal
 import struct
+import weakref
 from typing import Callable, Iterator, Optional
 
 import numpy as np
@@ -405,7 +408,7 @@ class TrainStream:
             IndexError: the data has too few samples for the step.
         """
         if self._reader is None or self._reader[0] != phase or self._reader[1].next_step != step:
-            self._reader = None  # stops the previous reader's workers
+            self.close()
             get_sample = self.phase1_sample if phase == 1 else self.phase2_sample
             reader = BatchReader(
                 get_sample,
@@ -419,6 +422,12 @@ class TrainStream:
             {k: v.to(device, non_blocking=True) for k, v in batch.items()}
             for batch in self._reader[1].next()
         ]
+
+    def close(self) -> None:
+        """Stop the reader's workers (also done at exit)."""
+        if self._reader is not None:
+            self._reader[1].close()
+            self._reader = None
 
     def __getstate__(self) -> dict:  # what a spawned DataLoader worker receives
         return {**self.__dict__, "_reader": None}
@@ -464,6 +473,38 @@ class _Microbatches(torch.utils.data.Dataset):
         return _collate([self.get_sample(i) for i in range(start, start + b)])
 
 
+class _WorkerSignals:
+    """``worker_init_fn`` of the readers' DataLoader workers: SIGTERM is ignored until the
+    reader is closed (``stop`` set).
+
+    Slurm signals every process of a step; a worker that died of it would make the next batch
+    fail before ``--exit-signal-handler`` could save. Once ``stop`` is set (the reader is
+    closed, or the process exits: :func:`_stop_workers_at_exit`), SIGTERM ends the worker as
+    usual, so ``multiprocessing``'s terminate-and-join at exit cannot hang.
+    """
+
+    def __init__(self, stop):
+        self.stop = stop
+
+    def __call__(self, worker_id: int) -> None:
+        stop = self.stop
+
+        def on_sigterm(signum, frame):
+            if stop.is_set():
+                os._exit(0)
+
+        signal.signal(signal.SIGTERM, on_sigterm)
+
+
+_OPEN_READERS: "weakref.WeakSet[BatchReader]" = weakref.WeakSet()
+
+
+@atexit.register  # registered after multiprocessing's own exit handler, so it runs before it
+def _stop_workers_at_exit() -> None:
+    for reader in list(_OPEN_READERS):
+        reader.close()
+
+
 class BatchReader:
     """The micro-batches of consecutive steps from ``first_step`` on, in the order of
     :func:`microbatches`.
@@ -471,7 +512,8 @@ class BatchReader:
     With ``num_workers > 0`` a ``torch.utils.data.DataLoader`` (as Megatron-LM builds for
     ``--num-workers``) reads them in worker processes, up to ``2 * num_workers``
     micro-batches ahead, so reading overlaps the step's compute (``pin_memory``: page-locked
-    host batches, for a CUDA device). With 0 they are read in this process when asked for.
+    host batches, for a CUDA device). The workers outlive a SIGTERM sent to the whole job
+    step (see :class:`_WorkerSignals`) until :meth:`close`. With 0 they are read in this process when asked for.
     """
 
     def __init__(
@@ -486,13 +528,17 @@ class BatchReader:
         self.layout, self.next_step = layout, first_step
         first = first_step * layout.num_microbatches
         dataset = _Microbatches(get_sample, layout)
+        self._stop = None
         if num_workers > 0:
+            self._stop = torch.multiprocessing.Event()
+            _OPEN_READERS.add(self)
             loader = torch.utils.data.DataLoader(
                 dataset,
                 batch_size=None,
                 sampler=itertools.count(first),
                 num_workers=num_workers,
                 pin_memory=pin_memory,
+                worker_init_fn=_WorkerSignals(self._stop),
             )
             self._batches = iter(loader)
         else:
@@ -506,3 +552,14 @@ class BatchReader:
         """
         self.next_step += 1
         return [next(self._batches) for _ in range(self.layout.num_microbatches)]
+
+    def close(self) -> None:
+        """Stop the workers (if any); the reader gives no more batches. Also on garbage
+        collection: ``stop`` must be set before the DataLoader iterator shuts its workers
+        down, which ends a stuck worker with SIGTERM."""
+        if getattr(self, "_stop", None) is not None:
+            self._stop.set()
+            _OPEN_READERS.discard(self)
+        self._batches = iter(())  # the DataLoader iterator goes: it shuts its workers down
+
+    __del__ = close
