@@ -82,14 +82,13 @@ def _traffic_child(rank, world, port, sp, bag, out):
 
 
 def embedding_tp_traffic(bag: int, sp: bool) -> dict:
-    import socket
     import tempfile
 
     import torch.multiprocessing as mp
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    from tst_megatron.runtime.distributed import free_port
+
+    port = free_port()
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "traffic.pt")
         mp.start_processes(
@@ -121,7 +120,6 @@ def main():
     ).items():
         os.environ.setdefault(key, value)
     from tst_megatron.runtime import destroy
-    from tst_megatron.superposition.schedule import phase_at
     from tst_megatron.training import trainer
     from tst_megatron.training.config import parse_args
 
@@ -184,14 +182,14 @@ def main():
         ]
     )
     run = trainer.setup(cfg)
-    T, n1 = cfg.model.seq_length, steps + 2
+    n1 = steps + 2
     results = {1: {"time": [], "peak": 0, "tokens": 0}, 2: {"time": [], "peak": 0, "tokens": 0}}
     # Warm-up one step of each, then alternate: phase-1 step i, phase-2 step n1 + i.
     order = [(0, 1), (n1, 2)] + [
         (it, ph) for i in range(1, steps + 1) for it, ph in ((i, 1), (n1 + i, 2))
     ]
     for k, (iteration, expected) in enumerate(order):
-        phase = phase_at(iteration, cfg.tst, seq_length=T, train_iters=train_iters)
+        phase = run.schedule.phase_at(iteration)
         assert phase.index == expected
         mem = PeakTensorMemory() if k >= 2 and iteration in (1, n1 + 1) else None
         start = time.perf_counter()

@@ -169,17 +169,11 @@ def model_flags(args, data_prefix: str) -> list[str]:
     ]
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def run_arm(args, name: str, flags: list[str]) -> dict:
     """Train one arm with torchrun (2 processes); return its curves and wall-clock time."""
-    port = _free_port()
+    from tst_megatron.runtime.distributed import free_port
+
+    port = free_port()
     tb = os.path.join(args.work_dir, name, "tensorboard")
     if os.path.isdir(tb):
         import shutil

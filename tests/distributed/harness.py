@@ -9,18 +9,13 @@ return value with ``torch.save``; the parent loads them and returns ``[result_ra
 from __future__ import annotations
 
 import os
-import socket
 import tempfile
 import traceback
 
 import torch
 import torch.multiprocessing as mp
 
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from tst_megatron.runtime.distributed import free_port
 
 
 def _child(rank, world_size, port, out_dir, fn, kwargs):
@@ -52,7 +47,7 @@ def run_distributed(fn, world_size: int = 2, **kwargs):
         try:
             mp.start_processes(
                 _child,
-                args=(world_size, _free_port(), out_dir, fn, kwargs),
+                args=(world_size, free_port(), out_dir, fn, kwargs),
                 nprocs=world_size,
                 start_method="spawn",
             )

@@ -17,18 +17,14 @@ import subprocess
 import time
 from pathlib import Path
 
+from tst_megatron.runtime.distributed import free_port
+
 BINARIES = ("munged", "slurmctld", "slurmd", "sbatch", "srun", "scontrol", "scancel", "sinfo")
 PACKAGES = ("slurm-wlm", "munge")
 
 
 class Unavailable(RuntimeError):
     """This machine cannot run the local cluster; the message says why (one line)."""
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _tail(path: Path, lines: int = 3) -> str:
@@ -97,8 +93,8 @@ class LocalSlurm:
             f"SlurmctldHost={self.node}",
             "SlurmUser=root",
             "SlurmdUser=root",
-            f"SlurmctldPort={_free_port()}",
-            f"SlurmdPort={_free_port()}",
+            f"SlurmctldPort={free_port()}",
+            f"SlurmdPort={free_port()}",
             "AuthType=auth/munge",
             "CredType=cred/munge",
             # cred_expire also delays a requeued job's restart (default 120 s).

@@ -5,7 +5,6 @@ import sys
 
 import pytest
 
-from tst_megatron.superposition.schedule import Phase, TSTConfig, phase_at
 from tst_megatron.training.config import all_flags, parse_args, validate
 
 # Frozen flag set: adding, renaming or removing a flag must be a deliberate change here.
@@ -241,16 +240,6 @@ def test_good_settings_pass():
 def test_data_source_required():
     with pytest.raises(ValueError, match="give --mock-data or --data-path"):
         validate(parse_args(["--vocab-size", "10"]), 1, "cpu")
-
-
-def test_phase_schedule_is_a_pure_function_of_the_step():
-    tst = TSTConfig(bag_size=4, phase1_fraction=0.3)
-    phases = [phase_at(i, tst, seq_length=32, train_iters=10) for i in range(10)]
-    assert phases[:3] == [Phase(1, 4, 128, 32)] * 3
-    assert phases[3:] == [Phase(2, 1, 32, 32)] * 7
-    assert TSTConfig(bag_size=4).phase1_steps(100) == 30  # the paper's r = 0.3 by default
-    assert TSTConfig(bag_size=1, phase1_iters=5).phase1_steps(100) == 0  # S = 1 is a baseline
-    assert TSTConfig(bag_size=6, phase1_iters=7).phase1_steps(100) == 7
 
 
 def test_cli_error_is_one_line_and_exit_code_2(tmp_path):

@@ -18,6 +18,7 @@ from typing import Dict, Optional, Tuple
 import torch
 
 from tst_megatron.conversion.rules import ARCHITECTURES, Architecture, Shapes, architecture_for
+from tst_megatron.training.model import ffn_hidden_size
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -33,10 +34,6 @@ def require_transformers():
             f"'tst-megatron[hf]' ({exc})"
         ) from exc
     return transformers
-
-
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
 
 
 def shapes_of(args: dict) -> Shapes:
@@ -111,7 +108,7 @@ def hf_config(args: dict, *, dtype: str, special_ids: Optional[dict] = None):
     arch = target_architecture(args)
     m, moe = args["model"], args["moe"]
     s = shapes_of(args)
-    ffn = m.get("ffn_hidden_size") or 4 * m["hidden_size"]
+    ffn = ffn_hidden_size(m.get("ffn_hidden_size"), m["hidden_size"])
     kwargs = dict(
         vocab_size=s.vocab_size,
         hidden_size=m["hidden_size"],

@@ -13,18 +13,12 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-import socket
 from typing import Dict, Iterator, Optional, Tuple
 
 import torch
 
+from tst_megatron.runtime.distributed import free_port
 from tst_megatron.training import checkpointing
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @contextlib.contextmanager
@@ -53,7 +47,7 @@ def single_process() -> Iterator[None]:
             WORLD_SIZE="1",
             LOCAL_RANK="0",
             MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(_free_port()),
+            MASTER_PORT=str(free_port()),
         )
         init_distributed(device="cpu")
     elif dist.get_world_size() != 1:
@@ -97,7 +91,9 @@ def run_config(args: dict):
         model=model,
         moe=known(MoEArgs, args["moe"]),
         parallel=ParallelArgs(),
-        train=TrainArgs(device="cpu", bf16=args.get("params_dtype") == "bfloat16"),
+        train=TrainArgs(
+            device="cpu", transformer_impl="local", bf16=args.get("params_dtype") == "bfloat16"
+        ),
         data=DataArgs(mock_data=True),
         checkpoint=CheckpointArgs(),
         tst=TSTConfig(),
@@ -107,19 +103,12 @@ def run_config(args: dict):
 def build_model(args: dict):
     """The whole ``GPTModel`` of checkpoint ``args`` in this 1-process world (local spec,
     eval mode, CPU). Call inside :func:`single_process`."""
-    from tst_megatron.training.model import build_gpt_model, transformer_config
+    from tst_megatron.training.model import build_model as build_run_model
+    from tst_megatron.training.model import transformer_config
 
     cfg = run_config(args)
     config = transformer_config(cfg, use_cpu_initialization=True)
-    model = build_gpt_model(
-        config,
-        vocab_size=args["padded_vocab_size"],
-        max_sequence_length=cfg.model.max_position_embeddings or cfg.model.seq_length,
-        position_embedding_type=cfg.model.position_embedding_type,
-        rotary_base=cfg.model.rotary_base,
-        share_embeddings_and_output_weights=not cfg.model.untie_embeddings_and_output_weights,
-    )
-    return model.eval()
+    return build_run_model(cfg, config, vocab_size=args["padded_vocab_size"]).eval()
 
 
 def tensor_names(model) -> Dict[str, torch.Size]:

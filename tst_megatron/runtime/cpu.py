@@ -1,7 +1,7 @@
 """Run megatron-core on a CPU with gloo: the one place its CUDA assumptions are redirected.
 
 This is for laptops, CI and debugging; GPU runs never call :func:`enable`. The redirections
-(``shared/MEGATRON_ON_CPU.md`` lists the assumptions) are scoped to megatron-core's own
+(``docs/design.md``, "megatron-core on the CPU", lists the assumptions) are scoped to megatron-core's own
 modules: nothing in ``torch`` itself is changed, so project code and user code see the
 real ``torch.cuda``.
 

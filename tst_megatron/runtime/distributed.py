@@ -97,6 +97,14 @@ class ParallelConfig:
             )
 
 
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port on ``host`` that is free now (the OS's pick for port 0), e.g. for a 1-node
+    rendezvous (``MASTER_PORT``). Another process may take it before it is used."""
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
 def _env_int(env: Mapping[str, str], *names: str, default: Optional[int] = None) -> int:
     for name in names:
         if name in env:

@@ -1,7 +1,7 @@
 """Token Superposition Training: the method, as small functions over tensors.
 
 Source: Peng, Gigant, Quesnelle, "Efficient Pre-Training with Token Superposition",
-arXiv 2605.06546 (2026), section 3; the project's decisions are in ``shared/TST_SPEC.md``.
+arXiv 2605.06546 (2026), section 3; the method as implemented and the project's decisions are in ``docs/design.md``.
 
 Glossary (used in every docstring of this package)
 --------------------------------------------------

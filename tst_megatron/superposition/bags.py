@@ -1,4 +1,4 @@
-"""Bag folding, label/mask alignment and slot weights (TST_SPEC.md section 3)."""
+"""Bag folding, label/mask alignment and slot weights (``docs/design.md``, "The method")."""
 
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ def align_bag_targets(
     With ``x`` the sample's ``S*T + 1`` tokens, the standard labels are
     ``labels[i] = x[i+1]``. Slot ``k`` of latent position ``j`` targets
     ``x[(j+1)*S + k] = labels[j*S + k + S - 1]``: the labels shifted left by ``S - 1``,
-    the tail padded, folded to ``[b, T, S]`` (TST_SPEC.md section 3, "Label alignment").
+    the tail padded, folded to ``[b, T, S]`` (``docs/design.md``, "Label alignment").
     The last latent position of a sample has only slot 0 valid.
 
     Args:

@@ -3,7 +3,7 @@
 Style follows megatron-core's ``tensor_parallel/cross_entropy.py``: the math is split into
 named steps; the collectives live in a thin autograd function.
 
-Source of the loss: TST_SPEC.md section 3, "Multi-hot cross-entropy (MCE)":
+Source of the loss: ``docs/design.md``, "Multi-hot cross-entropy (MCE)":
 ``MCE_j = sum_k w_k * m_{j,k} * CE(z_j, t_{j,k})`` with ``CE(z, t) = logsumexp(z) - z[t]``.
 """
 
@@ -145,7 +145,7 @@ def multi_hot_cross_entropy(
 
     ``loss_sum = sum w_k * m_{j,k} * ce_{j,k}`` and ``weight_sum = sum w_k * m_{j,k}`` over all
     positions ``j`` and slots ``k``; the batch MCE is ``loss_sum / weight_sum``
-    (TST_SPEC.md section 3). Masked slots are excluded with ``torch.where``, so a NaN or inf
+    (``docs/design.md``, "Multi-hot cross-entropy (MCE)"). Masked slots are excluded with ``torch.where``, so a NaN or inf
     CE in a masked slot cannot leak into the loss or its gradient.
 
     Args:

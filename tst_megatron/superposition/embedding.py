@@ -1,4 +1,4 @@
-"""Bag-averaged, vocab-parallel input embedding (TST_SPEC.md section 3, "Input superposition")."""
+"""Bag-averaged, vocab-parallel input embedding (``docs/design.md``, "Input superposition")."""
 
 from __future__ import annotations
 

@@ -1,12 +1,16 @@
-"""The TST phase schedule: a pure function of the step (TST_SPEC.md sections 2-4).
+"""The TST phase schedule and the loop's decisions, as pure functions of the iteration.
 
-Resuming recomputes the phase from the iteration number; no stage index is ever stored.
+:class:`Schedule` is the one place that knows the plan (``docs/design.md``, "The schedule"):
+phase 1 on iterations ``[0, N1)``, phase 2 on ``[N1, N)``, ``N1`` computed once. Resuming
+recomputes the phase from the iteration number; no stage index is ever stored.
+:func:`should_eval`, :func:`should_save` and :func:`should_exit` decide what happens after
+a step, from the iteration and the settings only.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import Callable, Optional
 
 from tst_megatron.errors import ConfigError
 from tst_megatron.superposition.bags import BAG_WEIGHTINGS
@@ -65,7 +69,11 @@ class TSTConfig:
 
 @dataclasses.dataclass(frozen=True)
 class Phase:
-    """What one optimizer step does."""
+    """What one optimizer step does, and where its data comes from.
+
+    The first five fields are the plan (compared, printed); the trainer binds the last two
+    (:meth:`bind`): this module knows nothing of datasets or models.
+    """
 
     index: int
     """1 = superposition (bags), 2 = recovery (next-token)."""
@@ -74,18 +82,121 @@ class Phase:
     data_seq_length: int
     """Tokens per sample read from the data: ``S * T`` in phase 1, ``T`` in phase 2."""
     model_seq_length: int
-    """Positions the transformer processes: always ``T``; goes to the pipeline schedule."""
+    """Positions the transformer processes: always ``T``; the pipeline schedule's ``seq_length``."""
+    first_iteration: int = 0
+    """Iteration at which the phase starts (0, or ``N1`` for phase 2)."""
+    read_sample: Optional[Callable[[int], dict]] = dataclasses.field(
+        default=None, compare=False, repr=False
+    )
+    """Sample ``i`` of the phase's data (a dict of ``[data_seq_length]`` tensors)."""
+    forward_step: Optional[Callable] = dataclasses.field(default=None, compare=False, repr=False)
+    """The phase's megatron-core forward-step function ``(data_iterator, model)``."""
+
+    def data_step(self, iteration: int) -> int:
+        """The phase-local data step of 0-based ``iteration``: phase 2 reads its own data from
+        its step 0 (``N1``) on, whatever phase 1 read."""
+        return iteration - self.first_iteration
+
+    def bind(self, read_sample: Callable[[int], dict], forward_step: Callable) -> "Phase":
+        """This phase reading ``read_sample`` and stepping with ``forward_step``."""
+        return dataclasses.replace(self, read_sample=read_sample, forward_step=forward_step)
 
 
-def phase_at(step: int, tst: TSTConfig, *, seq_length: int, train_iters: int) -> Phase:
-    """The phase of 0-based optimizer step ``step``: steps ``0..N1-1`` are phase 1.
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    """The run's two phases: phase 1 on iterations ``[0, N1)``, phase 2 on ``[N1, N)``.
 
-    Args:
-        step: 0-based iteration (the number of optimizer steps already taken).
-        tst: the TST settings.
-        seq_length: ``T`` (``--seq-length``).
-        train_iters: ``N`` (``--train-iters``).
+    Build it with :meth:`plan`; ``N1 = 0`` (``S = 1``) is a plain next-token run.
     """
-    if step < tst.phase1_steps(train_iters):
-        return Phase(1, tst.bag_size, tst.bag_size * seq_length, seq_length)
-    return Phase(2, 1, seq_length, seq_length)
+
+    train_iters: int
+    """N, the optimizer steps of the whole run (``--train-iters``)."""
+    phase1: Phase
+    phase2: Phase
+
+    @classmethod
+    def plan(cls, tst: TSTConfig, *, seq_length: int, train_iters: int) -> "Schedule":
+        """The schedule of ``tst`` for ``T = seq_length`` and ``N = train_iters`` (N1 computed here)."""
+        n1, s, t = tst.phase1_steps(train_iters), tst.bag_size, seq_length
+        return cls(train_iters, Phase(1, s, s * t, t, 0), Phase(2, 1, t, t, n1))
+
+    @property
+    def n1(self) -> int:
+        """N1: the number of phase-1 optimizer steps."""
+        return self.phase2.first_iteration
+
+    def phase_at(self, iteration: int) -> Phase:
+        """The phase of 0-based ``iteration`` (the number of optimizer steps already taken)."""
+        return self.phase1 if iteration < self.n1 else self.phase2
+
+    def switches_after(self, iteration: int) -> bool:
+        """True when ``iteration`` completed steps end phase 1 (``iteration == N1 > 0``)."""
+        return 0 < self.n1 == iteration
+
+    def bind(self, phase1: tuple, phase2: tuple) -> "Schedule":
+        """The schedule with each phase bound to ``(read_sample, forward_step)`` (:meth:`Phase.bind`)."""
+        return dataclasses.replace(
+            self, phase1=self.phase1.bind(*phase1), phase2=self.phase2.bind(*phase2)
+        )
+
+
+# --- what happens after a step ------------------------------------------------------------
+# ``iteration`` below is the number of optimizer steps completed (1 after the first step).
+
+
+def should_eval(
+    iteration: int, *, eval_interval: Optional[int], eval_iters: int, at_switch: bool
+) -> bool:
+    """Validate after ``iteration`` steps? Every ``--eval-interval`` steps (Megatron-LM's rule)
+    and at the TST switch; never without an interval or with ``--eval-iters 0`` (no batches:
+    nothing to report)."""
+    if not eval_interval or eval_iters <= 0:
+        return False
+    return iteration % eval_interval == 0 or at_switch
+
+
+def should_exit(
+    iteration: int,
+    *,
+    train_iters: int,
+    signalled: bool = False,
+    exit_interval: Optional[int] = None,
+    minutes_elapsed: Optional[float] = None,
+    exit_duration_in_mins: Optional[float] = None,
+) -> Optional[str]:
+    """Why the run stops after ``iteration`` steps, or None to go on.
+
+    Returns ``"finished"`` at ``--train-iters``; ``"signal"`` when SIGTERM reached any rank
+    (``--exit-signal-handler``); ``"interval"`` every ``exit_interval`` steps and
+    ``"duration"`` once ``minutes_elapsed >= exit_duration_in_mins`` (Megatron-LM's
+    ``--exit-interval`` / ``--exit-duration-in-mins``; the minutes must be agreed by all ranks).
+    """
+    if iteration >= train_iters:
+        return "finished"
+    if signalled:
+        return "signal"
+    if exit_interval and iteration % exit_interval == 0:
+        return "interval"
+    if exit_duration_in_mins is not None and minutes_elapsed is not None:
+        if minutes_elapsed >= exit_duration_in_mins:
+            return "duration"
+    return None
+
+
+def should_save(
+    iteration: int,
+    *,
+    save: Optional[str],
+    save_interval: Optional[int],
+    at_switch: bool,
+    save_at_switch: bool,
+    exiting: bool,
+) -> bool:
+    """Save a checkpoint after ``iteration`` steps? Only with ``--save``: every
+    ``--save-interval`` steps, at the TST switch (``--no-tst-save-at-switch`` turns it off),
+    and whenever the run stops (:func:`should_exit`), as Megatron-LM does at the end of
+    training and on an exit signal. At most once per iteration by construction."""
+    if not save:
+        return False
+    on_interval = bool(save_interval) and iteration % save_interval == 0
+    return exiting or on_interval or (at_switch and save_at_switch)

@@ -30,6 +30,7 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject
 from tst_megatron.errors import ConfigError
 from tst_megatron.superposition.schedule import TSTConfig
 from tst_megatron.training.forward import unwrap
+from tst_megatron.training.model import ffn_hidden_size
 
 TRACKER = "latest_checkpointed_iteration.txt"
 RELEASE = "release"
@@ -90,7 +91,7 @@ def _effective(args: dict) -> dict:
     """``args`` with the defaults that None stands for filled in (Megatron's meanings)."""
     m, moe = dict(args["model"]), dict(args["moe"])
     m["kv_channels"] = m.get("kv_channels") or m["hidden_size"] // m["num_attention_heads"]
-    m["ffn_hidden_size"] = m.get("ffn_hidden_size") or 4 * m["hidden_size"]
+    m["ffn_hidden_size"] = ffn_hidden_size(m.get("ffn_hidden_size"), m["hidden_size"])
     if not m.get("group_query_attention"):
         m["num_query_groups"] = m["num_attention_heads"]
     if moe.get("num_experts"):

@@ -6,9 +6,9 @@ samples are consecutive windows of the packed token stream: window ``j`` holds t
 ``[j*T, (j+1)*T]``. :class:`TrainStream` groups the windows into blocks of ``S``
 consecutive windows and shuffles the blocks once (seeded):
 - phase-1 sample ``i`` is block ``perm[i]``: ``S`` windows concatenated, exactly ``S*T + 1``
-  contiguous tokens (TST_SPEC.md section 3, "Data");
+  contiguous tokens (``docs/design.md``, "Phase 1 data");
 - phase 2 reads the windows of the blocks phase 1 did not use, ``perm[n1:]``, in order, so
-  it continues through the data instead of rereading what phase 1 consumed (section 4).
+  it continues through the data instead of rereading what phase 1 consumed (``docs/design.md``, "The schedule").
 The data position is a pure function of the iteration: micro-batch ``m`` of phase-local
 step ``k`` on data-parallel rank ``r`` holds samples ``(k*M + m)*b*DP + r*b + [0, b)``
 (megatron-core's pretraining sampler order). Validation reads its own split in the
@@ -431,6 +431,38 @@ class TrainStream:
 
     def __getstate__(self) -> dict:  # what a spawned DataLoader worker receives
         return {**self.__dict__, "_reader": None}
+
+    def samples(self, phase: int) -> "PhaseSamples":
+        """Phase ``phase``'s samples, to bind to the phase (see :func:`read_step`)."""
+        return PhaseSamples(self, phase)
+
+
+@dataclasses.dataclass(frozen=True)
+class PhaseSamples:
+    """One phase of a :class:`TrainStream`: callable as ``get_sample(i)``, and read by step
+    through the stream's reader (DataLoader workers when ``--num-workers`` > 0)."""
+
+    stream: TrainStream
+    phase: int
+    """1 or 2."""
+
+    def __call__(self, i: int) -> dict:
+        return self.stream.phase1_sample(i) if self.phase == 1 else self.stream.phase2_sample(i)
+
+
+def read_step(
+    get_sample: Callable[[int], dict], layout: BatchLayout, *, step: int, device: torch.device
+) -> list[dict]:
+    """The ``M`` micro-batches of step ``step`` on this rank: through the stream's reader for
+    a :class:`PhaseSamples` (read ahead by workers), else :func:`microbatches` in this process
+    (e.g. validation's ``dataset.__getitem__``).
+
+    Raises:
+        IndexError: the data has too few samples for the step.
+    """
+    if isinstance(get_sample, PhaseSamples):
+        return get_sample.stream.batches(get_sample.phase, step, layout, device=device)
+    return list(microbatches(get_sample, layout, step=step, device=device))
 
 
 #: The sample fields a forward step reads (Megatron-LM's ``get_batch``); others, such as

@@ -5,7 +5,7 @@ loss_func)``; ``loss_func(output) -> (loss_sum, num_tokens, report)`` with an *i
 ``num_tokens`` (the schedule accumulates it in an int tensor) and
 ``config.calculate_per_token_loss = True`` so gradients are scaled by the global token count.
 
-Phase 1 (TST_SPEC.md section 3): the first stage embeds bags with ``bag_embedding`` and
+Phase 1 (``docs/design.md``, "The method"): the first stage embeds bags with ``bag_embedding`` and
 passes them as ``decoder_input``; the last stage takes vocab-parallel logits
 (``labels=None``) and scores the next bag with the MCE. The MCE denominator
 ``sum_k w_k m_k`` is not an integer for power weights, so the loss returned is

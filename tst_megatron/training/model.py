@@ -1,8 +1,10 @@
 """Model construction: a plain megatron-core ``GPTModel`` in both TST phases.
 
-All construction lives here (``build_gpt_model``) so a later move to megatron-core's
-``HybridModel`` touches one file. TST adds no module and no parameter: its state dict has
-exactly the keys of a baseline model.
+All construction lives here so a later move to megatron-core's ``HybridModel`` touches one
+file: :func:`build_model` builds the model a run configuration describes (the trainer, per
+virtual pipeline stage, and the checkpoint converter both call it), on top of
+:func:`build_gpt_model`. TST adds no module and no parameter: its state dict has exactly the
+keys of a baseline model.
 """
 
 from __future__ import annotations
@@ -10,8 +12,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal, Optional
 
+from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+from megatron.core.tensor_parallel import RowParallelLinear
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
@@ -21,6 +25,47 @@ from tst_megatron.errors import ConfigError
 from tst_megatron.runtime.norm import SequenceParallelNorm
 
 TransformerImpl = Literal["local", "transformer_engine"]
+
+
+def ffn_hidden_size(ffn_hidden_size: Optional[int], hidden_size: int) -> int:
+    """The dense MLP width: ``--ffn-hidden-size``, or Megatron-LM's default ``4 * h``."""
+    return ffn_hidden_size or 4 * hidden_size
+
+
+class ExpertRowParallelLinear(RowParallelLinear):
+    """megatron-core's ``RowParallelLinear``, for the second linear layer of local experts.
+
+    Why: when the experts are neither tensor- nor expert-parallel (expert TP = EP = 1),
+    megatron-core passes this layer's output through an identity autograd function (the
+    TP reduction over one rank), so it is a view; with biases on, megatron-core's expert MLP
+    then adds the probability-scaled bias *in place* (``output += bias * per_token_scale`` in
+    ``transformer/mlp.py``) and autograd raises "... is a view and is being modified
+    inplace" at the first step. Over one rank that reduction is the identity, so this layer
+    always takes megatron-core's own expert path (``explicit_expert_comm``: the output
+    returned as computed, the bias handed back separately): the same numbers, no view.
+    Parameters and checkpoint keys are those of ``RowParallelLinear``.
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # Larger expert-TP or EP sizes set this already; at size 1 the skipped reduce is a no-op.
+        self.explicit_expert_comm = self.is_expert
+
+
+def _with_expert_fc2(spec) -> object:
+    """Return the layer ``spec`` with a local MoE's expert ``linear_fc2`` set to
+    :class:`ExpertRowParallelLinear` (dense layers are returned unchanged)."""
+    mlp = getattr(getattr(spec, "submodules", None), "mlp", None)
+    experts = getattr(getattr(mlp, "submodules", None), "experts", None)
+    fc2 = getattr(getattr(experts, "submodules", None), "linear_fc2", None)
+    if fc2 is not RowParallelLinear:
+        return spec
+    experts = dataclasses.replace(
+        experts,
+        submodules=dataclasses.replace(experts.submodules, linear_fc2=ExpertRowParallelLinear),
+    )
+    mlp = dataclasses.replace(mlp, submodules=dataclasses.replace(mlp.submodules, experts=experts))
+    return dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, mlp=mlp))
 
 
 def _with_norm(spec, norm) -> object:
@@ -59,7 +104,8 @@ def gpt_block_spec(
     ``transformer_impl="transformer_engine"`` returns megatron-core's TE spec (GPU; FP8).
     ``"local"`` returns megatron-core's local spec with every norm replaced by
     :class:`~tst_megatron.runtime.norm.SequenceParallelNorm`, so TP + SP + MoE runs without
-    TE or Apex. Dense/MoE layers follow ``config.moe_layer_freq`` as in megatron-core's
+    TE or Apex, and the experts' second linear layer by :class:`ExpertRowParallelLinear`, so
+    MoE runs with biases. Dense/MoE layers follow ``config.moe_layer_freq`` as in megatron-core's
     ``get_gpt_decoder_block_spec``.
 
     Raises:
@@ -91,7 +137,9 @@ def gpt_block_spec(
         vp_stage=vp_stage,
     )
     return TransformerBlockSubmodules(
-        layer_specs=[_with_norm(spec, SequenceParallelNorm) for spec in block.layer_specs],
+        layer_specs=[
+            _with_expert_fc2(_with_norm(spec, SequenceParallelNorm)) for spec in block.layer_specs
+        ],
         layer_norm=SequenceParallelNorm,
     )
 
@@ -147,6 +195,38 @@ def build_gpt_model(
     )
 
 
+def build_model(cfg, config: TransformerConfig, *, vocab_size: int, vp_stage: Optional[int] = None):
+    """The ``GPTModel`` of run configuration ``cfg`` for this pipeline stage (and virtual stage).
+
+    The one place that turns a :class:`~tst_megatron.training.config.RunConfig` into a model:
+    the trainer calls it per virtual pipeline stage, the checkpoint converter in a 1-process
+    world. Whether the stage holds the embedding / output layer comes from megatron-core's
+    parallel state (initialised before the call).
+
+    Args:
+        cfg: the run configuration (``cfg.model`` and ``cfg.train.transformer_impl`` are read).
+        config: ``transformer_config(cfg, ...)`` (shared by all stages of a rank).
+        vocab_size: padded vocabulary size ``V`` (:func:`padded_vocab_size`).
+        vp_stage: virtual pipeline stage index, or None when not interleaved.
+
+    Returns:
+        The ``GPTModel`` on the CPU (or where ``config`` initialises it); see :func:`build_gpt_model`.
+    """
+    m = cfg.model
+    return build_gpt_model(
+        config,
+        vocab_size=vocab_size,
+        max_sequence_length=m.max_position_embeddings or m.seq_length,
+        position_embedding_type=m.position_embedding_type,
+        rotary_base=m.rotary_base,
+        share_embeddings_and_output_weights=not m.untie_embeddings_and_output_weights,
+        transformer_impl=cfg.train.transformer_impl,
+        pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+        post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
+        vp_stage=vp_stage,
+    )
+
+
 def padded_vocab_size(vocab_size: int, *, divisible_by: int, tp: int) -> int:
     """Megatron-LM's padding: the smallest multiple of ``divisible_by * tp`` >= ``vocab_size``."""
     multiple = divisible_by * tp
@@ -163,7 +243,7 @@ def transformer_config(cfg, *, use_cpu_initialization: bool) -> TransformerConfi
     kwargs = dict(
         num_layers=m.num_layers,
         hidden_size=m.hidden_size,
-        ffn_hidden_size=m.ffn_hidden_size or 4 * m.hidden_size,
+        ffn_hidden_size=ffn_hidden_size(m.ffn_hidden_size, m.hidden_size),
         num_attention_heads=m.num_attention_heads,
         kv_channels=m.kv_channels,
         layernorm_epsilon=m.norm_epsilon,
@@ -183,7 +263,8 @@ def transformer_config(cfg, *, use_cpu_initialization: bool) -> TransformerConfi
         pipeline_dtype=dtype,
         bf16=t.bf16,
         num_moe_experts=moe.num_experts,
-        moe_ffn_hidden_size=moe.moe_ffn_hidden_size or (m.ffn_hidden_size or 4 * m.hidden_size),
+        moe_ffn_hidden_size=moe.moe_ffn_hidden_size
+        or ffn_hidden_size(m.ffn_hidden_size, m.hidden_size),
         moe_router_topk=moe.moe_router_topk,
         moe_router_load_balancing_type=moe.moe_router_load_balancing_type,
         moe_aux_loss_coeff=moe.moe_aux_loss_coeff,
@@ -197,6 +278,13 @@ def transformer_config(cfg, *, use_cpu_initialization: bool) -> TransformerConfi
         moe_shared_expert_intermediate_size=moe.moe_shared_expert_intermediate_size,
         moe_expert_capacity_factor=moe.moe_expert_capacity_factor,
         calculate_per_token_loss=True,
+        # Megatron-LM's pipeline p2p settings: the interleaved schedule overlaps separate
+        # isend/irecv calls with compute, the others batch them. Separate calls also keep
+        # PP = 2 with virtual stages exact: there the previous and the next stage are the
+        # same rank, and a batch of sends and receives to it pairs them up in the wrong order
+        # (activations arrive as gradients and back), silently.
+        overlap_p2p_comm=pcfg.virtual_pipeline_model_parallel_size is not None,
+        batch_p2p_comm=pcfg.virtual_pipeline_model_parallel_size is None,
     )
     if t.fp8_format:
         kwargs.update(

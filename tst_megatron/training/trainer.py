@@ -1,11 +1,12 @@
 """A lean ``pretrain_gpt``-style trainer built from megatron-core parts, with the TST switch.
 
-``train(cfg)`` reads as a table of contents: set up, then per step: phase, (switch),
-step, log, evaluate, save, stop on a signal. The phase is a pure function of the iteration
-(:func:`tst_megatron.superposition.schedule.phase_at`), so a resumed run lands in the right
-phase; the data iterator, the forward-step function and the data sequence length change
-together at step ``N1`` on every rank, while the model, the optimizer state and the LR
-schedule carry on.
+``train(cfg)`` reads as a table of contents: set up, then per step: phase, step, log,
+(switch), evaluate, exit?, save. The plan lives in :class:`~tst_megatron.superposition.
+schedule.Schedule` (``N1`` computed once; each phase carries its data reader and its
+forward step), so a resumed run lands in the right phase, and the data, the forward step
+and the sequence length change together at step ``N1`` on every rank while the model, the
+optimizer state and the LR schedule carry on. What to do after a step (validate, save,
+stop) is decided by the pure functions of that module.
 """
 
 from __future__ import annotations
@@ -39,7 +40,13 @@ from tst_megatron.runtime import (
     resolve_process,
     set_seed,
 )
-from tst_megatron.superposition.schedule import Phase, phase_at
+from tst_megatron.superposition.schedule import (
+    Phase,
+    Schedule,
+    should_eval,
+    should_exit,
+    should_save,
+)
 from tst_megatron.training import checkpointing
 from tst_megatron.training.config import RunConfig, data_parallel_size, validate
 from tst_megatron.training.data import (
@@ -49,10 +56,13 @@ from tst_megatron.training.data import (
     build_tokenizer,
     check_data_files,
     check_mock_data,
-    microbatches,
+    read_step,
 )
 from tst_megatron.training.forward import make_phase1_step, make_phase2_step
-from tst_megatron.training.model import build_gpt_model, padded_vocab_size, transformer_config
+from tst_megatron.training.model import build_model, padded_vocab_size, transformer_config
+
+NO_TOKENS = "n/a (no tokens scored)"
+"""Printed instead of a loss when a step or a validation round scored no token."""
 
 
 @dataclasses.dataclass
@@ -65,19 +75,19 @@ class Run:
     optimizer: object
     scheduler: OptimizerParamScheduler
     layout: BatchLayout
-    stream: TrainStream
-    """Training samples of both phases (see :mod:`.data`)."""
-    valid: object
-    """The validation dataset (``T``-token samples)."""
+    schedule: Schedule
+    """The two training phases, each bound to its data and forward step."""
+    validation: Phase
+    """Next-token steps over the validation dataset (in both phases)."""
     writer: Optional[object]
     args: dict
     """The checkpoint ``args`` entry (:func:`.checkpointing.checkpoint_args`)."""
     history: dict = dataclasses.field(default_factory=lambda: {"train": {}, "valid": {}})
-    """Per-iteration training loss and validation loss (for tests and plots)."""
+    """Per-iteration training loss and validation loss (None: no token scored)."""
 
 
 def print_rank0(*args) -> None:
-    if dist.get_rank() == 0:
+    if not dist.is_initialized() or dist.get_rank() == 0:
         print(*args, flush=True)
 
 
@@ -87,26 +97,16 @@ def print_rank0(*args) -> None:
 def build_model_chunks(cfg: RunConfig, config, vocab: int, device) -> list:
     """One ``GPTModel`` per virtual pipeline stage on this rank, each wrapped in DDP."""
     vpp = ps.get_virtual_pipeline_model_parallel_world_size()
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, use_distributed_optimizer=cfg.train.use_distributed_optimizer
+    )
     chunks = []
     for stage in range(vpp or 1):
-        vp_stage = stage if vpp else None
-        model = build_gpt_model(
-            config,
-            vocab_size=vocab,
-            max_sequence_length=cfg.model.max_position_embeddings or cfg.model.seq_length,
-            position_embedding_type=cfg.model.position_embedding_type,
-            rotary_base=cfg.model.rotary_base,
-            share_embeddings_and_output_weights=not cfg.model.untie_embeddings_and_output_weights,
-            transformer_impl=cfg.train.transformer_impl,
-            pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
-            post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
-            vp_stage=vp_stage,
-        ).to(device)
-        ddp_config = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, use_distributed_optimizer=cfg.train.use_distributed_optimizer
-        )
+        model = build_model(cfg, config, vocab_size=vocab, vp_stage=stage if vpp else None)
         chunks.append(
-            DistributedDataParallel(config, ddp_config, model, disable_bucketing=stage > 0)
+            DistributedDataParallel(
+                config, ddp_config, model.to(device), disable_bucketing=stage > 0
+            )
         )
     return chunks
 
@@ -148,11 +148,10 @@ def build_optimizer(cfg: RunConfig, chunks):
     return optimizer, scheduler
 
 
-def build_data(cfg: RunConfig, tokenizer, layout: BatchLayout):
+def build_data(cfg: RunConfig, tokenizer, layout: BatchLayout, n1: int):
     """The training stream (both phases) and the validation dataset, sized for the run."""
     t, c, tst, T = cfg.train, cfg.checkpoint, cfg.tst, cfg.model.seq_length
     gbs = layout.global_batch_size
-    n1 = tst.phase1_steps(t.train_iters)
     windows = n1 * gbs * tst.bag_size + (t.train_iters - n1) * gbs + tst.bag_size  # whole blocks
     evals = (t.train_iters // c.eval_interval + 1) if c.eval_interval else 1
     train, valid, _ = build_datasets(
@@ -176,6 +175,29 @@ def build_data(cfg: RunConfig, tokenizer, layout: BatchLayout):
         num_workers=cfg.data.num_workers,
     )
     return stream, valid
+
+
+def build_phases(cfg: RunConfig, tokenizer, layout: BatchLayout) -> tuple[Schedule, Phase]:
+    """The schedule with each phase bound to its samples and forward step, and validation."""
+    schedule = Schedule.plan(
+        cfg.tst, seq_length=cfg.model.seq_length, train_iters=cfg.train.train_iters
+    )
+    stream, valid = build_data(cfg, tokenizer, layout, schedule.n1)
+    tp_group, cp_group = ps.get_tensor_model_parallel_group(), ps.get_context_parallel_group()
+    phase1_step = make_phase1_step(
+        bag_size=cfg.tst.bag_size,
+        weighting=cfg.tst.bag_weighting,
+        tp_group=tp_group,
+        cp_group=cp_group,
+    )
+    phase2_step = make_phase2_step(cp_group=cp_group)
+    schedule = schedule.bind(
+        phase1=(stream.samples(1), phase1_step), phase2=(stream.samples(2), phase2_step)
+    )
+    validation = dataclasses.replace(schedule.phase2, first_iteration=0).bind(
+        valid.__getitem__, phase2_step
+    )
+    return schedule, validation
 
 
 def setup(cfg: RunConfig) -> Run:
@@ -219,7 +241,7 @@ def setup(cfg: RunConfig) -> Run:
         ps.get_data_parallel_rank(),
         gbs // (cfg.train.micro_batch_size * dp),
     )
-    stream, valid = build_data(cfg, tokenizer, layout)
+    schedule, validation = build_phases(cfg, tokenizer, layout)
     writer = None
     if cfg.checkpoint.tensorboard_dir and dist.get_rank() == dist.get_world_size() - 1:
         from torch.utils.tensorboard import SummaryWriter
@@ -228,21 +250,29 @@ def setup(cfg: RunConfig) -> Run:
     args = checkpointing.checkpoint_args(
         cfg, vocab_size=cfg.model.vocab_size or tokenizer.vocab_size, padded_vocab_size=vocab
     )
-    return Run(cfg, info.device, chunks, optimizer, scheduler, layout, stream, valid, writer, args)
+    return Run(
+        cfg, info.device, chunks, optimizer, scheduler, layout, schedule, validation, writer, args
+    )
 
 
 # --- one step -----------------------------------------------------------------------------
 
 
-def _reduce_report(reports: list, device: torch.device) -> float:
-    """Megatron's ``[loss_sum, tokens]`` reports of this step -> mean loss over DP/CP.
-    (On ``device``: NCCL reduces only CUDA tensors.)"""
+def mean_loss(loss_sum: float, tokens: float) -> Optional[float]:
+    """``loss_sum / tokens``, or None when no token was scored (never a made-up 0)."""
+    return loss_sum / tokens if tokens > 0 else None
+
+
+def _reduce_report(reports: list, device: torch.device) -> Optional[float]:
+    """Megatron's ``[loss_sum, tokens]`` reports of this step -> mean loss over DP/CP, or
+    None when no token was scored. (On ``device``: NCCL reduces only CUDA tensors.)"""
     total = torch.zeros(2, dtype=torch.float64, device=device)
     if ps.is_pipeline_last_stage(ignore_virtual=True) and ps.get_tensor_model_parallel_rank() == 0:
         for report in reports:
             total += report["lm loss"].detach().double()
     dist.all_reduce(total)  # contributions: one per distinct DP/CP slice of the data
-    return (total[0] / total[1].clamp_min(1)).item()
+    loss_sum, tokens = total.tolist()
+    return mean_loss(loss_sum, tokens)
 
 
 def _moe_aux_loss(cfg: RunConfig, num_microbatches: int) -> Optional[float]:
@@ -257,68 +287,58 @@ def _moe_aux_loss(cfg: RunConfig, num_microbatches: int) -> Optional[float]:
     return value
 
 
-def run_schedule(run: Run, forward_step, batches: list, *, forward_only: bool) -> list:
-    """One pass of megatron-core's schedule over the micro-batches ``batches``."""
-    T, M = run.cfg.model.seq_length, len(batches)
+def read_batches(run: Run, phase: Phase, data_step: int) -> list:
+    """This rank's micro-batches of ``phase``'s phase-local step ``data_step``."""
+    return read_step(phase.read_sample, run.layout, step=data_step, device=run.device)
+
+
+def run_schedule(run: Run, phase: Phase, batches: list, *, forward_only: bool) -> list:
+    """One pass of megatron-core's pipeline schedule over ``batches`` with ``phase``'s forward
+    step; returns the loss reports of this rank."""
     iterators = [iter(batches) for _ in run.model]
     return get_forward_backward_func()(
-        forward_step_func=forward_step,
+        forward_step_func=phase.forward_step,
         data_iterator=iterators if len(run.model) > 1 else iterators[0],
         model=run.model,
-        num_microbatches=M,
-        seq_length=T,
+        num_microbatches=len(batches),
+        seq_length=phase.model_seq_length,
         micro_batch_size=run.layout.micro_batch_size,
         forward_only=forward_only,
     )
 
 
 def train_step(run: Run, phase: Phase, iteration: int) -> dict:
-    """One optimizer step of ``phase``; returns the step's metrics."""
-    n1 = run.cfg.tst.phase1_steps(run.cfg.train.train_iters)
-    if phase.index == 1:
-        step = iteration
-        forward_step = make_phase1_step(
-            bag_size=phase.bag_size,
-            weighting=run.cfg.tst.bag_weighting,
-            tp_group=ps.get_tensor_model_parallel_group(),
-            cp_group=ps.get_context_parallel_group(),
-        )
-    else:
-        step = iteration - n1
-        forward_step = make_phase2_step(cp_group=ps.get_context_parallel_group())
-    batches = run.stream.batches(phase.index, step, run.layout, device=run.device)
-    start = time.perf_counter()
+    """One optimizer step of ``phase`` at 0-based ``iteration``; returns the step's metrics."""
+    batches = read_batches(run, phase, phase.data_step(iteration))
+    start = time.perf_counter()  # the step itself, without reading samples
     for chunk in run.model:
         chunk.zero_grad_buffer()
     run.optimizer.zero_grad()
-    reports = run_schedule(run, forward_step, batches, forward_only=False)
+    reports = run_schedule(run, phase, batches, forward_only=False)
     _, grad_norm, _ = run.optimizer.step()
     run.scheduler.step(increment=1)
     elapsed = time.perf_counter() - start
-    tokens = run.layout.global_batch_size * phase.data_seq_length
     return {
         "loss": _reduce_report(reports, run.device),
         "moe_aux_loss": _moe_aux_loss(run.cfg, run.layout.num_microbatches),
         "grad_norm": grad_norm,
         "lr": run.optimizer.param_groups[0]["lr"],
-        "tokens": tokens,
+        "tokens": run.layout.global_batch_size * phase.data_seq_length,
         "step_time": elapsed,
     }
 
 
-def evaluate(run: Run, eval_round: int) -> float:
-    """Next-token validation loss (ordinary batches, in either phase)."""
+def evaluate(run: Run, eval_round: int) -> Optional[float]:
+    """Next-token validation loss of round ``eval_round`` (in either phase); None when no
+    token was scored."""
+    phase, k = run.validation, run.cfg.checkpoint.eval_iters
     for chunk in run.model:
         chunk.eval()
     reports = []
-    forward_step = make_phase2_step(cp_group=ps.get_context_parallel_group())
     with torch.no_grad():
-        for i in range(run.cfg.checkpoint.eval_iters):
-            step = eval_round * run.cfg.checkpoint.eval_iters + i
-            batches = list(
-                microbatches(run.valid.__getitem__, run.layout, step=step, device=run.device)
-            )
-            reports += run_schedule(run, forward_step, batches, forward_only=True)
+        for i in range(k):
+            batches = read_batches(run, phase, eval_round * k + i)
+            reports += run_schedule(run, phase, batches, forward_only=True)
     for chunk in run.model:
         chunk.train()
     moe_utils.clear_aux_losses_tracker()
@@ -328,8 +348,13 @@ def evaluate(run: Run, eval_round: int) -> float:
 # --- logging, saving, signals -------------------------------------------------------------
 
 
+def _loss_text(loss: Optional[float]) -> str:
+    return NO_TOKENS if loss is None else f"{loss:.6E}"
+
+
 def log_step(run: Run, iteration: int, phase: Phase, metrics: dict, tokens_seen: int) -> None:
-    """Megatron-style console line and TensorBoard scalars (against steps and tokens)."""
+    """Megatron-style console line and TensorBoard scalars (against steps and tokens); a step
+    that scored no token prints :data:`NO_TOKENS` and writes no loss scalar."""
     run.history["train"][iteration] = metrics["loss"]
     if run.writer is not None:  # the phase marker at every step, so the switch is exact
         run.writer.add_scalar("tst-phase", phase.index, iteration)
@@ -337,36 +362,39 @@ def log_step(run: Run, iteration: int, phase: Phase, metrics: dict, tokens_seen:
         return
     kind = "mce loss" if phase.index == 1 else "lm loss"
     aux = metrics["moe_aux_loss"]
+    tokens_per_second = metrics["tokens"] / metrics["step_time"]
     print_rank0(
         f" iteration {iteration:8d}/{run.cfg.train.train_iters:8d} | phase {phase.index} | "
         f"consumed tokens: {tokens_seen:12d} | elapsed time per iteration (ms): "
-        f"{1000 * metrics['step_time']:.1f} | tokens/s: {metrics['tokens'] / metrics['step_time']:.0f} | "
-        f"learning rate: {metrics['lr']:.3E} | {kind}: {metrics['loss']:.6E} | "
+        f"{1000 * metrics['step_time']:.1f} | tokens/s: {tokens_per_second:.0f} | "
+        f"learning rate: {metrics['lr']:.3E} | {kind}: {_loss_text(metrics['loss'])} | "
         + (f"moe aux loss: {aux:.4E} | " if aux is not None else "")
         + f"grad norm: {metrics['grad_norm']:.3f} |"
     )
     if run.writer is not None:
         scalars = {
-            "lm loss" if phase.index == 2 else "mce loss": metrics["loss"],
+            kind: metrics["loss"],
             "learning-rate": metrics["lr"],
             "grad-norm": metrics["grad_norm"],
-            "tokens-per-second": metrics["tokens"] / metrics["step_time"],
+            "tokens-per-second": tokens_per_second,
+            "moe aux loss": aux,
         }
-        if aux is not None:
-            scalars["moe aux loss"] = aux
         for name, value in scalars.items():
-            run.writer.add_scalar(name, value, iteration)
-            run.writer.add_scalar(f"{name} vs tokens", value, tokens_seen)
+            if value is not None:
+                run.writer.add_scalar(name, value, iteration)
+                run.writer.add_scalar(f"{name} vs tokens", value, tokens_seen)
         run.writer.add_scalar("tst-phase vs tokens", phase.index, tokens_seen)
 
 
-def log_validation(run: Run, iteration: int, loss: float, tokens_seen: int) -> None:
+def log_validation(run: Run, iteration: int, loss: Optional[float], tokens_seen: int) -> None:
+    """Megatron-style validation line and TensorBoard scalars; :data:`NO_TOKENS` and no
+    scalar when the round scored no token."""
     run.history["valid"][iteration] = loss
+    ppl = NO_TOKENS if loss is None else f"{math.exp(min(loss, 50)):.3E}"
     print_rank0(
-        f" validation at iteration {iteration} | lm loss: {loss:.6E} | "
-        f"lm loss PPL: {math.exp(min(loss, 50)):.3E} |"
+        f" validation at iteration {iteration} | lm loss: {_loss_text(loss)} | lm loss PPL: {ppl} |"
     )
-    if run.writer is not None:
+    if run.writer is not None and loss is not None:
         run.writer.add_scalar("validation lm loss", loss, iteration)
         run.writer.add_scalar("validation lm loss vs tokens", loss, tokens_seen)
 
@@ -389,7 +417,7 @@ class SignalFlag:
     """Set by SIGTERM; checked (on all ranks together) at the end of each step."""
 
     def __init__(self, enabled: bool, device: torch.device):
-        self.received, self.device = False, device
+        self.enabled, self.received, self.device = enabled, False, device
         if enabled:
             signal.signal(signal.SIGTERM, self._handle)
 
@@ -397,6 +425,9 @@ class SignalFlag:
         self.received = True
 
     def any_rank(self) -> bool:
+        """Whether any rank received SIGTERM (a collective when enabled; False otherwise)."""
+        if not self.enabled:
+            return False
         flag = torch.tensor([1.0 if self.received else 0.0], device=self.device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
@@ -433,11 +464,25 @@ def resume(run: Run) -> tuple[int, int]:
     return loop["iteration"], loop["consumed_tokens"]
 
 
+def _announce(run: Run, iteration: int) -> None:
+    n1, n = run.schedule.n1, run.schedule.train_iters
+    print_rank0(
+        f" TST: bag size {run.cfg.tst.bag_size}, phase 1 = iterations [0, {n1}), "
+        f"phase 2 = [{n1}, {n})"
+    )
+    if iteration >= n:
+        print_rank0(
+            f" nothing to do: the checkpoint is at iteration {iteration} of "
+            f"--train-iters {n}; raise --train-iters to train further"
+        )
+
+
 def train(cfg: RunConfig) -> dict:
     """Pretrain from iteration 0 (or the ``--load`` checkpoint) to ``--train-iters``.
 
     Returns the history ``{"train": {iteration: loss}, "valid": {iteration: loss},
-    "exit": "finished" | "signal"}`` (the same on every rank).
+    "exit": "finished" | "signal"}`` (the same on every rank; a loss is None when the step
+    or round scored no token).
     """
     # The handler goes in before set-up, which can take minutes on a cluster: a preemption
     # notice that arrives while the model and checkpoint load is acted on after the first step.
@@ -445,50 +490,38 @@ def train(cfg: RunConfig) -> dict:
         cfg.checkpoint.exit_signal_handler, resolve_process(device=cfg.train.device).device
     )
     run = setup(cfg)
-    t, c, tst = cfg.train, cfg.checkpoint, cfg.tst
-    n1 = tst.phase1_steps(t.train_iters)
+    c, schedule = cfg.checkpoint, run.schedule
     iteration, tokens_seen = resume(run)
-    start_iteration = iteration
-    run.history["exit"] = "finished"
-    print_rank0(
-        f" TST: bag size {tst.bag_size}, phase 1 = iterations [0, {n1}), "
-        f"phase 2 = [{n1}, {t.train_iters})"
-    )
-    if iteration >= t.train_iters:
-        print_rank0(
-            f" nothing to do: the checkpoint is at iteration {iteration} of "
-            f"--train-iters {t.train_iters}; raise --train-iters to train further"
-        )
-    while iteration < t.train_iters:
-        phase = phase_at(iteration, tst, seq_length=cfg.model.seq_length, train_iters=t.train_iters)
+    _announce(run, iteration)
+    exit_reason = should_exit(iteration, train_iters=schedule.train_iters)
+    while exit_reason is None:
+        phase = schedule.phase_at(iteration)
         metrics = train_step(run, phase, iteration)
-        iteration += 1
-        tokens_seen += metrics["tokens"]
+        iteration, tokens_seen = iteration + 1, tokens_seen + metrics["tokens"]
         log_step(run, iteration, phase, metrics, tokens_seen)
-        switched = iteration == n1 and phase.index == 1
-        if switched:
-            print_rank0(f" TST switch at iteration {n1}: phase 2 (next-token) from here on")
-        if c.eval_interval and (iteration % c.eval_interval == 0 or switched):
-            log_validation(run, iteration, evaluate(run, iteration // c.eval_interval), tokens_seen)
-        stop = signals.any_rank() if c.exit_signal_handler else False
-        if c.save and (
-            stop
-            or (switched and tst.save_at_switch)
-            or (c.save_interval and iteration % c.save_interval == 0)
+        at_switch = schedule.switches_after(iteration)
+        if at_switch:
+            print_rank0(f" TST switch at iteration {iteration}: phase 2 (next-token) from here on")
+        if should_eval(
+            iteration, eval_interval=c.eval_interval, eval_iters=c.eval_iters, at_switch=at_switch
+        ):
+            loss = evaluate(run, iteration // c.eval_interval)
+            log_validation(run, iteration, loss, tokens_seen)
+        exit_reason = should_exit(
+            iteration, train_iters=schedule.train_iters, signalled=signals.any_rank()
+        )
+        if should_save(
+            iteration,
+            save=c.save,
+            save_interval=c.save_interval,
+            at_switch=at_switch,
+            save_at_switch=cfg.tst.save_at_switch,
+            exiting=exit_reason is not None,
         ):
             save(run, iteration, tokens_seen)
-        if stop:
-            print_rank0(f" exiting on SIGTERM after iteration {iteration}")
-            run.history["exit"] = "signal"
-            break
-    saved_already = c.save_interval and iteration % c.save_interval == 0
-    if (
-        c.save
-        and run.history["exit"] == "finished"
-        and iteration > start_iteration
-        and not (saved_already or (iteration == n1 and tst.save_at_switch))
-    ):
-        save(run, iteration, tokens_seen)
+    if exit_reason == "signal":
+        print_rank0(f" exiting on SIGTERM after iteration {iteration}")
+    run.history["exit"] = exit_reason
     if run.writer is not None:
         run.writer.close()
     return run.history
