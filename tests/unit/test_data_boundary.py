@@ -226,7 +226,8 @@ def test_workers_give_the_same_batches_in_the_same_order(tmp_path, layout):
     def read(num_workers, start):
         stream = TrainStream(train, bag_size=2, phase1_samples=24, seed=5, num_workers=num_workers)
         steps = [(1, s) for s in range(start, 4)] + [(2, s) for s in range(0, 5)]
-        return [stream.batches(p, s, layout, device=cpu) for p, s in steps]
+        # as the trainer reads: phases bound to stream.samples(phase), read with read_step
+        return [data_mod.read_step(stream.samples(p), layout, step=s, device=cpu) for p, s in steps]
 
     for start in (0, 2):  # a fresh run and a resumed one
         plain, workers = read(0, start), read(2, start)
