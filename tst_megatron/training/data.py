@@ -24,13 +24,12 @@ training micro-batches ahead (:class:`BatchReader`); validation reads in this pr
 
 from __future__ import annotations
 
-import atexit
 import dataclasses
 import itertools
+import multiprocessing.util
 import os
 import signal
 import struct
-import weakref
 from typing import Callable, Iterator, Optional
 
 import numpy as np
@@ -511,8 +510,8 @@ class _WorkerSignals:
 
     Slurm signals every process of a step; a worker that died of it would make the next batch
     fail before ``--exit-signal-handler`` could save. Once ``stop`` is set (the reader is
-    closed, or the process exits: :func:`_stop_workers_at_exit`), SIGTERM ends the worker as
-    usual, so ``multiprocessing``'s terminate-and-join at exit cannot hang.
+    closed, or the process exits: a ``multiprocessing`` finalizer), SIGTERM ends the worker
+    as usual, so ``multiprocessing``'s terminate-and-join at exit cannot hang.
     """
 
     def __init__(self, stop):
@@ -528,13 +527,8 @@ class _WorkerSignals:
         signal.signal(signal.SIGTERM, on_sigterm)
 
 
-_OPEN_READERS: "weakref.WeakSet[BatchReader]" = weakref.WeakSet()
-
-
-@atexit.register  # registered after multiprocessing's own exit handler, so it runs before it
-def _stop_workers_at_exit() -> None:
-    for reader in list(_OPEN_READERS):
-        reader.close()
+def _release(stop) -> None:
+    stop.set()
 
 
 class BatchReader:
@@ -563,7 +557,10 @@ class BatchReader:
         self._stop = None
         if num_workers > 0:
             self._stop = torch.multiprocessing.Event()
-            _OPEN_READERS.add(self)
+            # multiprocessing's exit runs finalizers of priority >= 0 before it terminates and
+            # joins daemonic children (the workers), in torchrun/srun processes (atexit) and
+            # in spawned ones alike; an atexit hook would not run first in the latter.
+            multiprocessing.util.Finalize(self, _release, args=(self._stop,), exitpriority=10)
             loader = torch.utils.data.DataLoader(
                 dataset,
                 batch_size=None,
@@ -591,7 +588,6 @@ class BatchReader:
         down, which ends a stuck worker with SIGTERM."""
         if getattr(self, "_stop", None) is not None:
             self._stop.set()
-            _OPEN_READERS.discard(self)
         self._batches = iter(())  # the DataLoader iterator goes: it shuts its workers down
 
     __del__ = close
