@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Set up ./.venv if needed, then run the whole test suite (unit, 2-process gloo, slow ones too).
+# Set up the venv if needed (default ./.venv; VENV=... for another, see setup.sh), then run the
+# whole test suite (unit, 2-process gloo, slow ones too) with its Python.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-exec .venv/bin/python -m pytest "$@"
+exec "${VENV:-.venv}/bin/python" -m pytest "$@"

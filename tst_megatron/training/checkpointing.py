@@ -25,7 +25,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing, tensor_parallel
-from megatron.core.dist_checkpointing.mapping import ShardedObject
+from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
+from megatron.core.dist_checkpointing.serialization import load_sharded_metadata
 
 from tst_megatron.errors import ConfigError
 from tst_megatron.superposition.schedule import TSTConfig
@@ -301,7 +302,7 @@ def load_checkpoint(
     same_world = load_rng and common["loop"].get("world_size") == dist.get_world_size()
     if same_world:
         request["rng_state"] = _rng_object()
-    state = dist_checkpointing.load(request, path)
+    state = load_sharded(request, path)
     _set_model(model_chunks, state)
     if load_optim:
         optimizer.load_state_dict(state["optimizer"])
@@ -309,6 +310,68 @@ def load_checkpoint(
     if same_world:
         _restore_rng(state["rng_state"])
     return state["loop"]
+
+
+#: Names megatron-core gives one tensor in its two layer specs: an MoE layer's pre-MLP norm is
+#: ``pre_mlp_layernorm.*`` in the Transformer Engine spec (a separate norm) but
+#: ``mlp.linear_fc1.layer_norm_*`` in the local spec (whose ``sharded_state_dict_keys_map``
+#: renames it to the TE name of a norm fused into fc1, which only dense TE layers have).
+SPEC_ALIASES = (("pre_mlp_layernorm.", "mlp.linear_fc1.layer_norm_"),)
+
+
+def load_sharded(request: dict, path: str) -> dict:
+    """``dist_checkpointing.load(request, path)`` for a checkpoint saved with either layer
+    spec (Transformer Engine or local, ``--moe-grouped-gemm`` or not), as megatron-core means
+    them to be interchangeable. Collective.
+
+    - A tensor the checkpoint holds under the other spec's name (:data:`SPEC_ALIASES`) is read
+      from there (model weights and their optimizer states alike).
+    - An ``_extra_state`` object (Transformer Engine's FP8 metadata, e.g. of a TE norm) that
+      the checkpoint lacks, because the other spec has no such module state, is returned as
+      ``None``, which leaves the module's state as it is when loaded.
+
+    Args:
+        request: a sharded state dict (``{"model": model.sharded_state_dict(), ...}``); its
+            keys are renamed in place where an alias applies.
+        path: the checkpoint directory.
+
+    Returns:
+        The loaded state dict, shaped like ``request``.
+
+    Raises:
+        megatron-core's ``CheckpointingException``: any other tensor or object is missing.
+    """
+    saved = {getattr(meta, "key", name) for name, meta in load_sharded_metadata(path).items()}
+    absent = []
+
+    def adapt(tree: dict, where: tuple) -> dict:
+        out = {}
+        for name, value in tree.items():
+            if isinstance(value, dict):
+                out[name] = adapt(value, where + (name,))
+            elif isinstance(value, ShardedTensor) and value.key not in saved:
+                for a, b in SPEC_ALIASES:
+                    for old, new in ((a, b), (b, a)):
+                        if old in value.key and value.key.replace(old, new, 1) in saved:
+                            value.key = value.key.replace(old, new, 1)
+                out[name] = value
+            elif (
+                isinstance(value, ShardedObject)
+                and value.key.endswith("_extra_state")
+                and value.key not in saved
+            ):
+                absent.append(where + (name,))
+            else:
+                out[name] = value
+        return out
+
+    state = dist_checkpointing.load(adapt(request, ()), path)
+    for where in absent:
+        node = state
+        for name in where[:-1]:
+            node = node.setdefault(name, {})
+        node[where[-1]] = None
+    return state
 
 
 def _set_model(model_chunks, state: dict) -> None:
@@ -321,7 +384,7 @@ def _set_model(model_chunks, state: dict) -> None:
 
 def _load_model(model_chunks, path: str) -> None:
     """Load only the weights of the checkpoint at ``path`` (any layout it was saved in)."""
-    _set_model(model_chunks, dist_checkpointing.load(_model_sharded(model_chunks), path))
+    _set_model(model_chunks, load_sharded(_model_sharded(model_chunks), path))
 
 
 def save_release(root: str, model_chunks, *, args: dict) -> str:

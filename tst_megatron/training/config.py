@@ -19,6 +19,7 @@ from typing import Optional, Sequence
 from tst_megatron.errors import ConfigError
 from tst_megatron.runtime.distributed import ParallelConfig
 from tst_megatron.superposition.schedule import TSTConfig
+from tst_megatron.training.precision import check_fp8_shapes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -506,6 +507,7 @@ def validate(cfg: RunConfig, world_size: int, device_type: str = "cuda") -> None
         raise ConfigError("--transformer-impl must be local or transformer_engine")
     if t.fp8_format and t.transformer_impl != "transformer_engine":
         raise ConfigError("--fp8-format needs --transformer-impl transformer_engine")
+    check_fp8_shapes(cfg)
     if moe.moe_grouped_gemm and t.transformer_impl != "transformer_engine":
         raise ConfigError("--moe-grouped-gemm needs --transformer-impl transformer_engine")
     if d.num_workers < 0:

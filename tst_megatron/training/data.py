@@ -39,6 +39,7 @@ from megatron.core.datasets.gpt_dataset import GPTDataset, MockGPTDataset, MockG
 from megatron.core.datasets.utils import get_blend_from_list
 from megatron.core.tokenizers import MegatronTokenizer
 
+from tst_megatron.compat import null_tokenizer
 from tst_megatron.data.files import read_stamp, write_stamp
 from tst_megatron.errors import ConfigError
 from tst_megatron.training.index_cache import CachedGPTDatasetConfig, build_splits
@@ -72,10 +73,7 @@ def build_tokenizer(tokenizer_type: str, *, vocab_size: Optional[int], model: Op
     if tokenizer_type == "NullTokenizer":
         if vocab_size is None:
             raise ConfigError("--vocab-size is required with --tokenizer-type NullTokenizer")
-        # megatron-core's null tokenizer adds one id for EOD.
-        return MegatronTokenizer.from_pretrained(
-            metadata_path={"library": "null"}, vocab_size=vocab_size - 1
-        )
+        return null_tokenizer(vocab_size)  # library name and EOD id differ across releases
     if tokenizer_type == "SentencePieceTokenizer":
         return MegatronTokenizer.from_pretrained(
             tokenizer_path=model, metadata_path={"library": "sentencepiece"}

@@ -10,6 +10,7 @@ keys of a baseline model.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Literal, Optional
 
 from megatron.core import parallel_state
@@ -52,19 +53,35 @@ class ExpertRowParallelLinear(RowParallelLinear):
         self.explicit_expert_comm = self.is_expert
 
 
+def _submodules(spec):
+    """The ``submodules`` of a spec: a ``ModuleSpec`` (megatron-core <= 0.18) or, for MoE
+    layers and experts from 0.19 on, a ``functools.partial(Module, submodules=...)``."""
+    if isinstance(spec, functools.partial):
+        return spec.keywords.get("submodules")
+    return getattr(spec, "submodules", None)
+
+
+def _with_submodules(spec, submodules):
+    """``spec`` (``ModuleSpec`` or ``functools.partial``) with its ``submodules`` replaced."""
+    if isinstance(spec, functools.partial):
+        return functools.partial(
+            spec.func, *spec.args, **{**spec.keywords, "submodules": submodules}
+        )
+    return dataclasses.replace(spec, submodules=submodules)
+
+
 def _with_expert_fc2(spec) -> object:
     """Return the layer ``spec`` with a local MoE's expert ``linear_fc2`` set to
     :class:`ExpertRowParallelLinear` (dense layers are returned unchanged)."""
-    mlp = getattr(getattr(spec, "submodules", None), "mlp", None)
-    experts = getattr(getattr(mlp, "submodules", None), "experts", None)
-    fc2 = getattr(getattr(experts, "submodules", None), "linear_fc2", None)
+    mlp = getattr(_submodules(spec), "mlp", None)
+    experts = getattr(_submodules(mlp), "experts", None)
+    fc2 = getattr(_submodules(experts), "linear_fc2", None)
     if fc2 is not RowParallelLinear:
         return spec
-    experts = dataclasses.replace(
-        experts,
-        submodules=dataclasses.replace(experts.submodules, linear_fc2=ExpertRowParallelLinear),
+    experts = _with_submodules(
+        experts, dataclasses.replace(_submodules(experts), linear_fc2=ExpertRowParallelLinear)
     )
-    mlp = dataclasses.replace(mlp, submodules=dataclasses.replace(mlp.submodules, experts=experts))
+    mlp = _with_submodules(mlp, dataclasses.replace(_submodules(mlp), experts=experts))
     return dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, mlp=mlp))
 
 

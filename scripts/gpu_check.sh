@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# The GPU path in one command (< 8 min on one H100/H200): Transformer Engine spec + bf16 and
+# FP8 (delayed and current scaling) through the TST switch against the local spec, distributed
+# optimizer + alltoall + grouped GEMM, the MCE against megatron-core's fused CE, the step-cost
+# benchmark on CUDA, and an FP8 save/resume. Writes docs/results/gpu_check.md (a Markdown
+# table; training logs in runs/gpu_check.log) and exits 1 if a check fails.
+#
+# PYTHON: the interpreter with torch (CUDA), megatron-core and Transformer Engine (default:
+# .venv/bin/python when it exists, else python3). Extra arguments go to tests/gpu/gpu_check.py
+# (e.g. --output FILE). Without a GPU it exits at once with status 1, checking nothing.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+if ! command -v nvidia-smi >/dev/null 2>&1 || ! nvidia-smi -L 2>/dev/null | grep -q GPU; then
+    echo "gpu_check.sh: no NVIDIA GPU on this machine (nvidia-smi finds none); nothing was checked" >&2
+    exit 1
+fi
+if [ -z "${PYTHON:-}" ]; then
+    if [ -x .venv/bin/python ]; then PYTHON=.venv/bin/python; else PYTHON=python3; fi
+fi
+exec "$PYTHON" tests/gpu/gpu_check.py "$@"
