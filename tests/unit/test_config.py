@@ -275,6 +275,7 @@ GOOD = [
             "cpu",
             "--lr-warmup-iters 10 must be in [0, --train-iters 10)",
         ),
+        (["--num-workers", "-1"], 1, "cpu", "--num-workers must be >= 0"),
         (
             ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"],
             2,

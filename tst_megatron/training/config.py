@@ -892,6 +892,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> RunConfig:
         if key == "refused":
             continue
         group, field = key.split(".", 1)
+        if isinstance(value, list):  # --data-path 0.7 A 0.3 B (nargs="*")
+            value = " ".join(value) or None
         values[group][field] = value
     data = values["data"]
     if isinstance(data["data_path"], list):  # Megatron-LM's nargs: 'w1 p1 w2 p2' or 'p'

@@ -62,7 +62,8 @@ from tst_megatron.training.data import (
     build_datasets,
     build_tokenizer,
     check_data_files,
-    microbatches,
+    check_mock_data,
+    read_step,
 )
 from tst_megatron.training.forward import make_phase1_step, make_phase2_step
 from tst_megatron.training.model import build_model, padded_vocab_size, transformer_config
@@ -188,7 +189,13 @@ def build_data(cfg: RunConfig, tokenizer, layout: BatchLayout, n1: int):
                 f"the data gives no {name} samples of {T} tokens; lower --seq-length or add "
                 "data (--data-path, --split)"
             )
-    stream = TrainStream(train, bag_size=tst.bag_size, phase1_samples=n1 * gbs, seed=t.seed)
+    stream = TrainStream(
+        train,
+        bag_size=tst.bag_size,
+        phase1_samples=n1 * gbs,
+        seed=t.seed,
+        num_workers=cfg.data.num_workers,
+    )
     return stream, valid
 
 
@@ -207,7 +214,7 @@ def build_phases(cfg: RunConfig, tokenizer, layout: BatchLayout) -> tuple[Schedu
     )
     phase2_step = make_phase2_step(cp_group=cp_group)
     schedule = schedule.bind(
-        phase1=(stream.phase1_sample, phase1_step), phase2=(stream.phase2_sample, phase2_step)
+        phase1=(stream.samples(1), phase1_step), phase2=(stream.samples(2), phase2_step)
     )
     validation = dataclasses.replace(schedule.phase2, first_iteration=0).bind(
         valid.__getitem__, phase2_step
@@ -242,7 +249,11 @@ def setup(cfg: RunConfig) -> Run:
             f"{cfg.model.vocab_size}; make them equal (or omit --vocab-size)"
         )
     if cfg.data.data_path:
-        check_data_files(cfg.data.data_path, tokenizer.vocab_size)
+        check_data_files(
+            cfg.data.data_path, tokenizer.vocab_size, cache_path=cfg.data.data_cache_path
+        )
+    else:
+        check_mock_data(tokenizer, tokenizer.vocab_size)
     vocab = padded_vocab_size(
         cfg.model.vocab_size or tokenizer.vocab_size,
         divisible_by=cfg.model.make_vocab_size_divisible_by,
@@ -309,7 +320,7 @@ def _moe_aux_loss(cfg: RunConfig, num_microbatches: int) -> Optional[float]:
 
 def read_batches(run: Run, phase: Phase, data_step: int) -> list:
     """This rank's micro-batches of ``phase``'s phase-local step ``data_step``."""
-    return list(microbatches(phase.read_sample, run.layout, step=data_step, device=run.device))
+    return read_step(phase.read_sample, run.layout, step=data_step, device=run.device)
 
 
 def run_schedule(run: Run, phase: Phase, batches: list, *, forward_only: bool) -> list:
