@@ -37,7 +37,8 @@ data=$out/data
     --num-experts 8 --moe-ffn-hidden-size 128 --moe-router-topk 2 --moe-aux-loss-coeff 0.01 \
     --expert-model-parallel-size 2 \
     --micro-batch-size 4 --global-batch-size 8 --train-iters 600 \
-    --lr 2e-3 --min-lr 2e-4 --lr-decay-style WSD --lr-warmup-iters 30 \
+    --lr 2e-3 --min-lr 2e-4 --lr-decay-style WSD --lr-wsd-decay-style linear --lr-warmup-iters 30 \
+    --adam-beta2 0.95 --moe-token-dispatcher-type alltoall --num-workers 0 \
     --hidden-dropout 0 --attention-dropout 0 \
     --tst-bag-size 4 --tst-phase1-fraction 0.3 \
     --log-interval 20 --eval-interval 50 --eval-iters 4 \

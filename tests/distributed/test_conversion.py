@@ -16,6 +16,7 @@ import sys
 import pytest
 import torch
 
+from tests.defaults import TEST_DEFAULTS
 from tests.distributed.harness import run_distributed
 
 transformers = pytest.importorskip("transformers")
@@ -26,6 +27,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 N, N1, V = 4, 2, 120  # 4 steps, switch at 2; vocabulary 120 padded to 128
 
 MODEL = [
+    *TEST_DEFAULTS,
     "--mock-data",
     "--vocab-size",
     str(V),

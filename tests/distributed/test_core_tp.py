@@ -86,7 +86,7 @@ def _embedding_child(rank, world, *, sp, position, bag_size, seed, dtype=torch.f
             bags = _bags(seed, bag_size)
             bags[1, 1, 1] = bad
             try:
-                bag_embedding(emb, bags)
+                bag_embedding(emb, bags, check=True)
             except ValueError as exc:
                 errors.append(str(exc))
     finally:
@@ -141,7 +141,7 @@ def _ce_child(rank, world, *, dtype, seed):
     try:
         bad = targets.clone()
         bad[0, 0, 0] = V
-        vocab_parallel_multi_target_cross_entropy(local.detach(), bad, tp_group=group)
+        vocab_parallel_multi_target_cross_entropy(local.detach(), bad, tp_group=group, check=True)
     except ValueError as exc:
         result["error"] = str(exc)
     return result

@@ -1,7 +1,7 @@
 """A megatron-core GPTModel (local spec, MoE, 2 layers) driven through TST's seams on the
-CPU runtime: ``bag_embedding`` -> ``decoder_input``, ``labels=None`` logits -> multi-target
-CE -> MCE, forward and backward, with TP=2 (+SP), EP=2 (alltoall and allgather dispatchers)
-and PP=2 (1F1B schedule) on 2 gloo processes. PP=2 and EP=2 are compared with the
+CPU runtime: ``bag_embedding`` -> ``decoder_input``, ``labels=[b, T, S]`` -> per-slot CE
+from the model's loss seam (``TSTGPTModel``) -> MCE, forward and backward, with TP=2 (+SP),
+EP=2 (alltoall and allgather dispatchers) and PP=2 (1F1B schedule) on 2 gloo processes. PP=2 and EP=2 are compared with the
 1-process result of the same weights and data.
 """
 
@@ -74,23 +74,22 @@ def _batch(index):
 
 
 def _mce(model, batch, tp_group):
+    """Phase 1 through the model's loss seam: ``labels=[b, T, S]`` -> per-slot CE -> MCE."""
     from tst_megatron.superposition import (
         align_bag_targets,
         bag_embedding,
         bag_weights,
         fold_bags,
         multi_hot_cross_entropy,
-        vocab_parallel_multi_target_cross_entropy,
     )
 
     tokens, labels, loss_mask = batch
     x = bag_embedding(model.embedding, fold_bags(tokens, S)) if model.pre_process else None
-    out = model(None, None, None, decoder_input=x, labels=None)
     targets, mask = align_bag_targets(labels, loss_mask, S)
+    out = model(None, None, None, decoder_input=x, labels=targets)
 
-    def loss_func(logits):
-        ce = vocab_parallel_multi_target_cross_entropy(logits, targets, tp_group=tp_group)
-        loss_sum, weight_sum = multi_hot_cross_entropy(ce, mask, bag_weights(S))
+    def loss_func(per_slot_ce):
+        loss_sum, weight_sum = multi_hot_cross_entropy(per_slot_ce, mask, bag_weights(S))
         loss = loss_sum / weight_sum
         return loss, {"mce": loss.detach()}
 

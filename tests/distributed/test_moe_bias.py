@@ -9,9 +9,11 @@ must now match a plain float64 reference written from its weights, forward and b
 import pytest
 import torch
 
+from tests.defaults import TEST_DEFAULTS
 from tests.distributed.harness import run_distributed
 
 ARGV = [
+    *TEST_DEFAULTS,
     "--mock-data",
     "--vocab-size",
     "128",

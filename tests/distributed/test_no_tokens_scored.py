@@ -9,10 +9,12 @@ import numpy as np
 import pytest
 import torch
 
+from tests.defaults import TEST_DEFAULTS
 from tests.distributed.harness import run_distributed
 
 V = 128  # NullTokenizer: EOD is the last id
 ARGV = [
+    *TEST_DEFAULTS,
     "--vocab-size",
     str(V),
     "--make-vocab-size-divisible-by",

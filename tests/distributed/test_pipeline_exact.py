@@ -14,10 +14,12 @@ import shutil
 
 import pytest
 
+from tests.defaults import TEST_DEFAULTS
 from tests.distributed.harness import run_distributed
 
 N, N1 = 3, 2
 DENSE = [
+    *TEST_DEFAULTS,
     "--mock-data",
     "--vocab-size",
     "128",

@@ -13,10 +13,12 @@ import signal
 import pytest
 import torch
 
+from tests.defaults import TEST_DEFAULTS
 from tests.distributed.harness import run_distributed
 
 N, N1 = 6, 3
 BASE = [
+    *TEST_DEFAULTS,
     "--mock-data",
     "--vocab-size",
     "128",

@@ -28,6 +28,16 @@ N, N1 = 20, 8  # iterations; the switch at N1
 #: Small but FP8-valid: 128 * 4 = 512 tokens per micro-batch, every width a multiple of 32.
 BASE = [
     "--mock-data",
+    "--tokenizer-type",
+    "NullTokenizer",
+    "--position-embedding-type",
+    "rope",
+    "--normalization",
+    "RMSNorm",
+    "--adam-beta2",
+    "0.95",
+    "--lr-decay-style",
+    "WSD",
     "--device",
     "cuda",
     "--vocab-size",

@@ -118,7 +118,9 @@ def test_multi_target_ce_errors():
             torch.zeros(2, 3, 10), torch.zeros(2, 4, 1, dtype=torch.long)
         )
     with pytest.raises(ValueError, match="target id 10 is outside the vocabulary"):
-        vocab_parallel_multi_target_cross_entropy(torch.zeros(2, 10), torch.full((2, 1), 10))
+        vocab_parallel_multi_target_cross_entropy(
+            torch.zeros(2, 10), torch.full((2, 1), 10), check=True
+        )
     with pytest.raises(ValueError, match="integer tensor"):
         vocab_parallel_multi_target_cross_entropy(torch.zeros(2, 10), torch.zeros(2, 1))
 
@@ -156,3 +158,50 @@ def test_multi_hot_all_masked_is_zero_and_finite():
     assert torch.isfinite(ce.grad).all() and (ce.grad == 0).all()
     with pytest.raises(ValueError, match="shapes do not match"):
         multi_hot_cross_entropy(ce, torch.zeros(1, 2), bag_weights(3))
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+def test_multi_target_ce_inplace_matches_reference(inplace):
+    g = torch.Generator().manual_seed(11)
+    logits = torch.randn(5, 2, 40, generator=g) * 2  # sequence-first [T, b, V]
+    targets = torch.randint(0, 40, (5, 2, 3), generator=g)
+    upstream = torch.randn(5, 2, 3, generator=g, dtype=torch.float64) + 0.2
+    x = logits.clone().requires_grad_(True)
+    work = x * 1.0  # a non-leaf, like the output layer's logits
+    ce = vocab_parallel_multi_target_cross_entropy(work, targets, inplace=inplace)
+    ce.backward(upstream.float())
+    assert torch.equal(work.detach(), logits) != inplace  # in place: overwritten by softmax
+    ref_x = logits.double().requires_grad_(True)
+    ref = _reference_ce(ref_x, targets)
+    ref.backward(upstream)
+    torch.testing.assert_close(ce.double(), ref.detach(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(x.grad.double(), ref_x.grad, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan")])
+def test_masked_position_with_non_finite_logit_gets_zero_gradient(bad):
+    """Issue 13.1, phase 1: a non-finite logit at a latent position whose slots are all masked
+    contributes exactly zero to the loss and to every gradient (selection, not 0 * nan)."""
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(2, 4, 30, generator=g)
+    logits[1, 2, 7] = bad
+    targets = torch.randint(0, 30, (2, 4, 4), generator=g)
+    mask = torch.ones(2, 4, 4)
+    mask[1, 2, :] = 0.0  # every slot of that position is masked
+    mask[0, 3, 1:] = 0.0  # the last-bag pattern
+    x = logits.clone().requires_grad_(True)
+    ce = vocab_parallel_multi_target_cross_entropy(x * 1.0, targets, inplace=True)
+    loss_sum, weight_sum = multi_hot_cross_entropy(ce, mask, bag_weights(4, "power"))
+    (loss_sum / weight_sum * 1.3).backward()
+    assert torch.isfinite(loss_sum) and torch.isfinite(x.grad).all()
+    assert (x.grad[1, 2] == 0).all()
+    # Everything else equals a float64 reference without the bad position.
+    keep = torch.ones(2, 4, dtype=torch.bool)
+    keep[1, 2] = False
+    ref_x = logits.double().masked_fill(~keep[..., None], 0.0).requires_grad_(True)
+    w = bag_weights(4, "power").double()
+    ref_ce = _reference_ce(ref_x, targets)
+    ref_loss = (ref_ce * mask * w).sum()
+    (ref_loss / (mask * w).sum() * 1.3).backward()
+    torch.testing.assert_close(loss_sum.double(), ref_loss.detach(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(x.grad.double()[keep], ref_x.grad[keep], rtol=1e-5, atol=1e-6)

@@ -6,6 +6,7 @@ import os
 import pytest
 import torch
 
+from tests.defaults import TEST_DEFAULTS
 from tst_megatron.conversion import hf, rules
 from tst_megatron.training.checkpointing import checkpoint_args
 from tst_megatron.training.config import parse_args
@@ -13,6 +14,7 @@ from tst_megatron.training.config import parse_args
 transformers = pytest.importorskip("transformers")
 
 ARGV = [
+    *TEST_DEFAULTS,
     "--mock-data",
     "--vocab-size",
     "100",

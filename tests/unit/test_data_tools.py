@@ -11,6 +11,7 @@ import sentencepiece as spm
 import torch
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 
+from tests.defaults import TEST_DEFAULTS
 from tst_megatron.data.corpus import build_corpus, jsonl_documents
 from tst_megatron.data.preprocess import preprocess
 from tst_megatron.data.tokenizer import train_tokenizer
@@ -103,7 +104,7 @@ def test_check_data_files(tmp_path, tiny):
 
     _, _, prefix = tiny
     check_data_files(prefix, 512)
-    with pytest.raises(ValueError, match=r"holds token id \d+, outside the vocabulary of 100"):
+    with pytest.raises(ValueError, match=r"holds token id \d+, outside the vocabulary \[0, 100\)"):
         check_data_files(prefix, 100)
     with pytest.raises(ValueError, match="missing_text_document.bin does not exist"):
         check_data_files(str(tmp_path / "missing_text_document"), 512)
@@ -175,6 +176,7 @@ def test_end_to_end_on_a_slice_of_the_real_corpus(tiny, tmp_path):
         _e2e_child,
         2,
         argv=[
+            *TEST_DEFAULTS,
             "--device",
             "cpu",
             "--data-path",
@@ -226,6 +228,8 @@ def test_end_to_end_on_a_slice_of_the_real_corpus(tiny, tmp_path):
             str(tmp_path / "ckpt"),
             "--log-interval",
             "1",
+            "--num-workers",
+            "2",  # samples read ahead by DataLoader workers, forked after gloo started
         ],
     )
     for history in ranks:

@@ -1,10 +1,14 @@
-"""Phase-1 context parallelism splits the *latent* sequence: each CP chunk holds whole bags
-and the targets of exactly those latent positions (megatron-core's 2*CP load-balanced order)."""
+"""The forward steps' own context-parallel split (a zig-zag of whole bags) against
+megatron-core's ``get_batch_on_this_cp_rank`` (0.16.1), and the phase-2 loss function's
+masking by selection."""
 
+import inspect
+
+import pytest
 import torch
-from megatron.core.utils import get_batch_on_this_cp_rank
 
 from tst_megatron.superposition import align_bag_targets, fold_bags
+from tst_megatron.training.forward import make_phase2_step, split_for_context_parallel
 
 
 class _Group:
@@ -18,26 +22,60 @@ class _Group:
         return self._rank
 
 
-def test_cp_chunks_hold_whole_bags_and_their_targets():
+def _megatron_split(batch, cp, rank):
+    from megatron.core.utils import get_batch_on_this_cp_rank
+
+    if "is_hybrid_cp" in inspect.signature(get_batch_on_this_cp_rank).parameters:
+        pytest.skip("the reference is megatron-core 0.16/0.17's get_batch_on_this_cp_rank")
+    return get_batch_on_this_cp_rank(dict(batch), cp_group=_Group(cp, rank))
+
+
+@pytest.fixture
+def gloo_world():
     # get_batch_on_this_cp_rank asks the group for its size only once torch.distributed is up.
     torch.distributed.init_process_group(
         "gloo", rank=0, world_size=1, init_method="tcp://127.0.0.1:0"
     )
-    try:
-        _check_cp_split()
-    finally:
-        torch.distributed.destroy_process_group()
+    yield
+    torch.distributed.destroy_process_group()
 
 
-def _check_cp_split():
+@pytest.mark.parametrize("cp", [2, 4])
+def test_cp_split_equals_megatron_core(gloo_world, cp):
+    g = torch.Generator().manual_seed(cp)
+    b, T = 2, 16
+    batch = {
+        "tokens": torch.randint(0, 100, (b, T), generator=g),
+        "labels": torch.randint(0, 100, (b, T), generator=g),
+        "loss_mask": torch.rand(b, T, generator=g),
+        "position_ids": torch.arange(T).expand(b, T),
+        "attention_mask": torch.rand(b, 1, T, T, generator=g) > 0.5,
+        "bags": torch.randint(0, 100, (b, T, 4), generator=g),
+        "absent": None,
+    }
+    for rank in range(cp):
+        ours = split_for_context_parallel(batch, cp, rank)
+        theirs = _megatron_split(batch, cp, rank)
+        assert ours.keys() == theirs.keys()
+        for key, value in theirs.items():
+            if value is None:
+                assert ours[key] is None
+            else:
+                assert torch.equal(ours[key], value), key
+    assert split_for_context_parallel(batch, 1, 0) is batch
+    with pytest.raises(ValueError, match="multiple of 2 x CP = 6"):
+        split_for_context_parallel({"tokens": torch.zeros(1, 16)}, 3, 0)
+
+
+def test_cp_chunks_hold_whole_bags_and_their_targets():
     bag, latent, cp = 4, 8, 2
     x = torch.arange(bag * latent + 1).unsqueeze(0)  # token id = position in the sample
     bags = fold_bags(x[:, :-1], bag)
     targets, mask = align_bag_targets(x[:, 1:], torch.ones(1, bag * latent), bag)
     seen = []
     for rank in range(cp):
-        local = get_batch_on_this_cp_rank(
-            {"bags": bags, "targets": targets, "mask": mask}, cp_group=_Group(cp, rank)
+        local = split_for_context_parallel(
+            {"bags": bags, "targets": targets, "mask": mask}, cp, rank
         )
         assert local["bags"].shape == (1, latent // cp, bag)
         for j in range(latent // cp):
@@ -52,3 +90,82 @@ def _check_cp_split():
     assert sorted(seen) == list(range(latent))
     # load balancing: rank 0 holds chunks 0 and 3 of 4, rank 1 chunks 1 and 2
     assert seen[:4] == [0, 1, 6, 7]
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("nan")])
+def test_phase2_masked_non_finite_loss_contributes_zero(bad):
+    """Issue 13.1, phase 2 (training and validation use this step): a per-token loss of inf or
+    nan where the loss mask is 0 leaves the loss and its gradient exactly as without it."""
+    g = torch.Generator().manual_seed(1)
+    b, T = 2, 6
+    loss_mask = torch.ones(b, T)
+    loss_mask[0, 2] = loss_mask[1, 5] = 0.0
+    per_token = torch.rand(b, T, generator=g, dtype=torch.float64) * 3
+    batch = {
+        "tokens": torch.zeros(b, T, dtype=torch.long),
+        "labels": torch.zeros(b, T, dtype=torch.long),
+        "loss_mask": loss_mask,
+        "position_ids": torch.arange(T).expand(b, T),
+    }
+    leaf = per_token.clone().requires_grad_(True)
+    poisoned = torch.where(loss_mask > 0, leaf, torch.tensor(bad, dtype=torch.float64))
+
+    def model(tokens, position_ids, attention_mask, labels):
+        return poisoned
+
+    output, loss_func = make_phase2_step()(iter([batch]), model)
+    loss, num_tokens, report = loss_func(output)
+    (loss * 0.7).backward()
+    assert int(num_tokens) == 10
+    expected = (per_token * loss_mask).sum()
+    torch.testing.assert_close(loss.double(), expected, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(leaf.grad, 0.7 * loss_mask.double())
+    assert torch.isfinite(report["lm loss"]).all()
+
+
+class _PerSlotModel:
+    """Stands in for the last pipeline stage: returns a fixed per-slot CE ``[b, T, S]``."""
+
+    pre_process = False
+
+    def __init__(self, table):
+        self.table = table
+
+    def __call__(self, *args, decoder_input=None, labels=None):
+        assert labels.shape == self.table.shape
+        return self.table
+
+
+def test_phase1_step_loss_and_gradient_are_the_papers_mce():
+    """Issue 12.4: counting scored positions (not slots) leaves the MCE as the paper defines
+    it: uniform weights, no masking inside bags -> the step's ``sum loss / sum num_tokens`` is
+    the mean over all scored slots of all micro-batches (the last bag of each row has only
+    slot 0), and so is its gradient."""
+    from tst_megatron.training.forward import make_phase1_step
+
+    b, T, S, M = 2, 5, 4, 3
+    g = torch.Generator().manual_seed(4)
+    tables = [
+        (torch.rand(b, T, S, generator=g, dtype=torch.float64) * 4).requires_grad_(True)
+        for _ in range(M)
+    ]
+    step = make_phase1_step(bag_size=S, weighting="uniform")
+    losses, counts = [], []
+    for table in tables:
+        x = torch.randint(0, 50, (b, S * T + 1), generator=g)
+        batch = {"tokens": x[:, :-1], "labels": x[:, 1:], "loss_mask": torch.ones(b, S * T)}
+        output, loss_func = step(iter([batch]), _PerSlotModel(table))
+        loss, num_tokens, _ = loss_func(output)
+        assert num_tokens.dtype == torch.int32 and int(num_tokens) == b * T  # positions
+        losses.append(loss)
+        counts.append(num_tokens)
+    step_loss = torch.stack(losses).sum() / torch.stack(counts).sum()
+    (step_loss * 1.9).backward()
+    # Reference: mean over all valid slots; slot k of the last position is valid only for k=0.
+    valid = torch.ones(b, T, S, dtype=torch.bool)
+    valid[:, -1, 1:] = False
+    every = torch.cat([t.detach()[valid] for t in tables])
+    torch.testing.assert_close(step_loss.double(), every.mean(), rtol=1e-6, atol=1e-9)
+    for table in tables:
+        expected = torch.where(valid, 1.9 / every.numel(), 0.0).double()
+        torch.testing.assert_close(table.grad, expected, rtol=1e-6, atol=1e-12)

@@ -8,6 +8,10 @@ from tst_megatron.training.config import parse_args, validate
 
 BASE = [
     "--mock-data",
+    "--tokenizer-type",
+    "NullTokenizer",
+    "--lr",
+    "1e-3",
     "--vocab-size",
     "1000",
     "--num-layers",
@@ -97,18 +101,22 @@ def test_fp8_tokens_per_rank(extra, world, tokens):
             "the attention width per TP rank",
             16,
         ),
-        # GQA: (4 heads + 2 * 1 group) * 8 = 48 per rank is fine for 16 but not for 32
+        # GQA: (8 heads + 2 * 2 groups) * 8 / TP 2 = 48 per rank is fine for 16 but not for 32,
+        # while the attention width 8 * 8 / 2 = 32 is fine (the groups divide by TP, as
+        # megatron-core's attention requires)
         (
             [
                 "--fp8-recipe",
                 "mxfp8",
+                "--num-attention-heads",
+                "8",
                 "--kv-channels",
-                "32",
+                "8",
                 "--group-query-attention",
                 "--num-query-groups",
-                "1",
+                "2",
                 "--tensor-model-parallel-size",
-                "4",
+                "2",
                 "--sequence-parallel",
             ],
             "the query-key-value width per TP rank",

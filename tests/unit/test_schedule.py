@@ -129,10 +129,14 @@ class _Writer:
 
 
 def _run():
-    cfg = types.SimpleNamespace(
-        checkpoint=types.SimpleNamespace(log_interval=1), train=types.SimpleNamespace(train_iters=4)
+    from tests.defaults import TEST_DEFAULTS
+    from tst_megatron.training.config import parse_args
+
+    argv = ["--mock-data", "--vocab-size", "64", "--train-iters", "4", "--log-interval", "1"]
+    cfg = parse_args(TEST_DEFAULTS + argv)
+    return types.SimpleNamespace(
+        cfg=cfg, writer=_Writer(), wandb=None, history={"train": {}, "valid": {}}
     )
-    return types.SimpleNamespace(cfg=cfg, writer=_Writer(), history={"train": {}, "valid": {}})
 
 
 @pytest.mark.parametrize("phase", [1, 2])

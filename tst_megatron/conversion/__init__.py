@@ -182,4 +182,9 @@ def trainer_flags(args: dict) -> list:
                     flags.append(flag)
             elif value is not None:
                 flags += [flag, str(value)]
+    tokenizer = args.get("tokenizer") or {}
+    if tokenizer.get("type"):  # required by the trainer, as by Megatron-LM
+        flags += ["--tokenizer-type", tokenizer["type"]]
+        if tokenizer.get("model"):
+            flags += ["--tokenizer-model", tokenizer["model"]]
     return flags

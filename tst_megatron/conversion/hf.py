@@ -108,7 +108,7 @@ def hf_config(args: dict, *, dtype: str, special_ids: Optional[dict] = None):
     arch = target_architecture(args)
     m, moe = args["model"], args["moe"]
     s = shapes_of(args)
-    ffn = ffn_hidden_size(m.get("ffn_hidden_size"), m["hidden_size"])
+    ffn = ffn_hidden_size(m.get("ffn_hidden_size"), m["hidden_size"], swiglu=m.get("swiglu", False))
     kwargs = dict(
         vocab_size=s.vocab_size,
         hidden_size=m["hidden_size"],

@@ -1,11 +1,14 @@
-"""Write files so that a crash never leaves one that looks complete: a temporary name in
-the same directory, then an atomic rename."""
+"""Files of a dataset: atomic writes (a crash never leaves a file that looks complete: a
+temporary name in the same directory, then an atomic rename) and the token-range stamp that
+lets a start-up skip reading a ``.bin`` it has checked before."""
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
 import os
-from typing import Iterator
+from typing import Iterator, Optional
 
 
 @contextlib.contextmanager
@@ -21,3 +24,60 @@ def atomic_path(path: str) -> Iterator[str]:
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
+
+
+# --- token-id range stamps ----------------------------------------------------------------
+
+#: Suffix of the stamp written beside a dataset's ``.bin`` (``<prefix>.token-range.json``).
+STAMP_SUFFIX = ".token-range.json"
+
+
+def stamp_path(prefix: str, cache_path: Optional[str] = None) -> str:
+    """Where the token-range stamp of dataset ``prefix`` lives: in ``cache_path`` (the
+    ``--data-cache-path``) when given, named after the prefix and a hash of its real path (so
+    two datasets with one basename do not collide), else beside the ``.bin``."""
+    if not cache_path:
+        return prefix + STAMP_SUFFIX
+    real = os.path.realpath(prefix + ".bin")
+    tag = hashlib.md5(real.encode(), usedforsecurity=False).hexdigest()[:12]
+    return os.path.join(cache_path, f"{os.path.basename(prefix)}-{tag}{STAMP_SUFFIX}")
+
+
+def file_identity(prefix: str) -> dict:
+    """What a stamp is valid for: size (bytes) and modification time (ns) of the ``.bin`` and
+    the ``.idx`` of ``prefix``. A file rewritten in place changes at least one of them."""
+    out = {}
+    for suffix in (".bin", ".idx"):
+        st = os.stat(prefix + suffix)
+        out[suffix[1:]] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns}
+    return out
+
+
+def read_stamp(prefix: str, cache_path: Optional[str] = None) -> Optional[tuple[int, int]]:
+    """``(min id, max id)`` recorded for ``prefix`` if a stamp exists (in ``cache_path``, then
+    beside the ``.bin``) and still matches the files' sizes and times; else None."""
+    identity = file_identity(prefix)
+    for path in dict.fromkeys([stamp_path(prefix, cache_path), stamp_path(prefix)]):
+        try:
+            with open(path) as f:
+                stamp = json.load(f)
+            if stamp["files"] == identity:
+                return int(stamp["min"]), int(stamp["max"])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return None
+
+
+def write_stamp(prefix: str, lo: int, hi: int, cache_path: Optional[str] = None) -> str:
+    """Record that every token id of ``prefix``'s ``.bin`` is in ``[lo, hi]`` (written to a
+    temporary name, then renamed). Returns the stamp's path.
+
+    Raises:
+        OSError: the stamp's directory is not writable.
+    """
+    path = stamp_path(prefix, cache_path)
+    stamp = {"bin": os.path.realpath(prefix + ".bin"), "files": file_identity(prefix)}
+    stamp.update(min=int(lo), max=int(hi))
+    with atomic_path(path) as tmp, open(tmp, "w") as f:
+        json.dump(stamp, f, indent=1)
+    return path

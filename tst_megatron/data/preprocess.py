@@ -14,6 +14,8 @@ import torch
 from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
 from tqdm import tqdm
 
+from tst_megatron.data.files import write_stamp
+
 _processor: Optional[spm.SentencePieceProcessor] = None
 
 
@@ -52,7 +54,10 @@ def preprocess(
     """Tokenize every document of ``input_path`` and write one dataset per JSON key.
 
     Files are written under temporary names and renamed at the end, ``.bin`` before
-    ``.idx``, so an ``.idx`` file means its dataset is complete.
+    ``.idx``, so an ``.idx`` file means its dataset is complete. The range of token ids
+    written is recorded beside them (``<prefix>.token-range.json``,
+    :func:`tst_megatron.data.files.write_stamp`), so the trainer's start-up check of the ids
+    does not read the ``.bin``.
 
     Returns ``{key: {"documents": n, "tokens": m, "prefix": dataset prefix}}``.
 
@@ -69,6 +74,7 @@ def preprocess(
     final = {key: output_paths(output_prefix, key) for key in json_keys}
     tmp = {key: tuple(f"{p}.tmp{os.getpid()}" for p in final[key]) for key in json_keys}
     stats = {key: {"documents": 0, "tokens": 0, "prefix": final[key][0][:-4]} for key in json_keys}
+    ranges = {}  # key -> (min id, max id) written
     try:
         builders = {
             key: IndexedDatasetBuilder(tmp[key][0], dtype=DType.optimal_dtype(vocab))
@@ -89,6 +95,8 @@ def preprocess(
                         builders[key].add_document(torch.tensor(ids), [len(ids)])
                         stats[key]["documents"] += 1
                         stats[key]["tokens"] += len(ids)
+                        lo, hi = ranges.get(key, (min(ids), max(ids)))
+                        ranges[key] = (min(lo, *ids), max(hi, *ids))
         for key in json_keys:
             if stats[key]["documents"] == 0:
                 raise ValueError(f"{input_path} has no document with text in key {key!r}")
@@ -96,6 +104,8 @@ def preprocess(
         for key in json_keys:
             os.replace(tmp[key][0], final[key][0])
             os.replace(tmp[key][1], final[key][1])
+            # the trainer's start-up check then need not read the .bin (training/data.py)
+            write_stamp(stats[key]["prefix"], *ranges[key])
     finally:
         for paths in tmp.values():
             for path in paths:

@@ -15,9 +15,15 @@ Glossary (used in every docstring of this package)
 
 Layouts: token ids and labels are batch-first, ``[b, L]`` folded to ``[b, T, S]``. The
 embedding returns Megatron's sequence-first hidden states ``[T, b, h]`` (``[T/tp, b, h]``
-under sequence parallelism). ``GPTModel(labels=None)`` returns batch-first logits
-``[b, T, V/tp]``; :func:`vocab_parallel_multi_target_cross_entropy` accepts any leading
-shape as long as logits and targets agree.
+under sequence parallelism). The output layer's logits are sequence-first
+``[T, b, V/tp]``; the trainer scores them there, in the model's loss seam
+(:class:`tst_megatron.training.gpt.TSTGPTModel`, ``labels=[b, T, S]``), while
+``GPTModel(labels=None)`` returns a batch-first copy ``[b, T, V/tp]``.
+:func:`vocab_parallel_multi_target_cross_entropy` accepts any leading shape as long as
+logits and targets agree.
+
+Host synchronisation: none of these functions reads a device value on the host, unless
+asked to check ids (``check=True``); ids are checked once where data enters.
 """
 
 from tst_megatron.superposition.bags import align_bag_targets, bag_weights, fold_bags

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from typing import Literal, get_args
+
 import torch
 
-BAG_WEIGHTINGS = ("uniform", "power")
+BagWeighting = Literal["uniform", "power"]
+"""Slot weights of the MCE loss: the one declaration of the choices."""
+BAG_WEIGHTINGS = get_args(BagWeighting)
 
 
 def _check_bag_size(bag_size: int) -> None:
@@ -99,7 +103,8 @@ def bag_weights(bag_size: int, kind: str = "uniform") -> torch.Tensor:
 
 # --- superposition modes (paper section 5.2; ``--tst-mode``) -------------------------------
 
-TST_MODES = ("full", "input", "output")
+TSTMode = Literal["full", "input", "output"]
+TST_MODES = get_args(TSTMode)
 """The phase-1 superposition modes. With ``x`` a sample's tokens and ``y[i] = x[i+1]`` its
 standard next-token labels:
 

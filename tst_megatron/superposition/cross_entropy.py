@@ -26,8 +26,16 @@ def _group_size_rank(group: Optional[dist.ProcessGroup]) -> tuple[int, int]:
 # --- named math steps ------------------------------------------------------------------
 
 
-def _shifted_logits(logits: torch.Tensor, global_max: torch.Tensor) -> torch.Tensor:
-    """``[..., V/tp]`` fp32 logits minus the global row max: a new tensor (input untouched)."""
+def _shifted_logits(
+    logits: torch.Tensor, global_max: torch.Tensor, *, inplace: bool
+) -> torch.Tensor:
+    """``[..., V/tp]`` fp32 logits minus the global row max.
+
+    A new tensor, unless ``inplace`` and the logits are fp32: then the logits' own storage
+    (megatron-core's CE does the same; the output layer does not keep its logits).
+    """
+    if inplace and logits.dtype == torch.float32:
+        return logits.sub_(global_max.unsqueeze(-1))
     return logits.float() - global_max.unsqueeze(-1)
 
 
@@ -41,7 +49,7 @@ def _local_target_logits(
     in_shard = (targets >= vocab_start) & (targets < vocab_end)
     local_targets = torch.where(in_shard, targets - vocab_start, 0)
     target_logits = torch.gather(shifted, -1, local_targets)
-    return target_logits * in_shard, local_targets, in_shard
+    return torch.where(in_shard, target_logits, 0.0), local_targets, in_shard
 
 
 class _VocabParallelMultiTargetCrossEntropy(torch.autograd.Function):
@@ -52,24 +60,26 @@ class _VocabParallelMultiTargetCrossEntropy(torch.autograd.Function):
     2. one all-reduce SUM of ``[..., k+1]``: the ``k`` target logits and the sum of exps.
     Saved for backward: the local softmax ``[..., V/tp]`` fp32 (one, not ``k``), the local
     target indices ``[..., k]`` and their shard mask ``[..., k]``. Backward needs no
-    communication: ``dL/dz = softmax * sum_k g_k - sum_k g_k * onehot(t_k)``. As in
-    megatron-core, backward writes into the saved softmax, so it can run once per forward.
+    communication: ``dL/dz = softmax * sum_k g_k - sum_k g_k * onehot(t_k)``; a row whose
+    upstream gradients are all zero (a fully masked position) gets exactly zero, even where
+    its softmax is not finite. As in megatron-core, backward writes into the saved softmax,
+    so it can run once per forward. No host synchronisation.
     """
 
     @staticmethod
-    def forward(ctx, vocab_parallel_logits, targets, tp_group):
+    def forward(ctx, vocab_parallel_logits, targets, tp_group, inplace):
         tp_size, tp_rank = _group_size_rank(tp_group)
         vocab_per_rank = vocab_parallel_logits.shape[-1]
         vocab_start = tp_rank * vocab_per_rank
 
         # Step 1: global max for a stable log-sum-exp.
-        global_max = vocab_parallel_logits.detach().float().amax(dim=-1)
+        global_max = vocab_parallel_logits.detach().amax(dim=-1).float()
         if tp_size > 1:
             dist.all_reduce(global_max, op=dist.ReduceOp.MAX, group=tp_group)
 
-        # Step 2: shifted logits (a new fp32 tensor), the target logits in this shard, and
-        # the local sum of exps; one all-reduce carries both.
-        shifted = _shifted_logits(vocab_parallel_logits.detach(), global_max)
+        # Step 2: shifted logits, the target logits in this shard, and the local sum of
+        # exps; one all-reduce carries both.
+        shifted = _shifted_logits(vocab_parallel_logits.detach(), global_max, inplace=inplace)
         target_logits, local_targets, in_shard = _local_target_logits(
             shifted, targets, vocab_start, vocab_start + vocab_per_rank
         )
@@ -90,11 +100,12 @@ class _VocabParallelMultiTargetCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_loss):
         softmax, local_targets, in_shard = ctx.saved_tensors
         grad_loss = grad_loss.float()
-        # softmax * sum_k g_k ...
-        grad_input = softmax.mul_(grad_loss.sum(dim=-1, keepdim=True))
+        grad_sum = grad_loss.sum(dim=-1, keepdim=True)
+        # softmax * sum_k g_k, exactly 0 on rows without gradient (selection: 0 * nan = nan) ...
+        grad_input = softmax.mul_(grad_sum).masked_fill_(grad_sum == 0, 0.0)
         # ... minus g_k at each target in this shard (duplicates add up).
-        grad_input.scatter_add_(-1, local_targets, -(grad_loss * in_shard))
-        return grad_input.to(ctx.input_dtype), None, None
+        grad_input.scatter_add_(-1, local_targets, -torch.where(in_shard, grad_loss, 0.0))
+        return grad_input.to(ctx.input_dtype), None, None, None
 
 
 def vocab_parallel_multi_target_cross_entropy(
@@ -102,6 +113,8 @@ def vocab_parallel_multi_target_cross_entropy(
     targets: torch.Tensor,
     *,
     tp_group: Optional[dist.ProcessGroup] = None,
+    inplace: bool = False,
+    check: bool = False,
 ) -> torch.Tensor:
     """Cross-entropy of ``k`` targets per position against vocab-parallel logits.
 
@@ -111,30 +124,41 @@ def vocab_parallel_multi_target_cross_entropy(
 
     Args:
         vocab_parallel_logits: ``[..., V/tp]`` float logits, this rank's contiguous vocab
-            shard (rank ``r`` holds ids ``[r*V/tp, (r+1)*V/tp)``). Never modified.
-        targets: ``[..., k]`` int64 *global* token ids in ``[0, V)``, same leading shape.
+            shard (rank ``r`` holds ids ``[r*V/tp, (r+1)*V/tp)``). Any layout, e.g. the
+            output layer's sequence-first ``[T, b, V/tp]``.
+        targets: ``[..., k]`` integer *global* token ids in ``[0, V)``, same leading shape.
+            An id outside ``[0, V)`` is not detected unless ``check`` (it then scores as a
+            target of logit 0); check ids where data enters instead.
         tp_group: the tensor-parallel group the vocab is split over (e.g.
             ``model.output_layer.tp_group``). ``None`` means no tensor parallelism.
+        inplace: reuse the storage of fp32 logits for the softmax (as megatron-core's CE
+            does): saves one logits-sized fp32 buffer; the logits are overwritten and must
+            not be used afterwards. Without it the logits are never modified.
+        check: raise on ids outside ``[0, V)`` (one min/max and one device-to-host read).
 
     Returns:
         ``[..., k]`` float32 per-slot cross-entropy (nats).
 
     Raises:
-        ValueError: leading shapes differ, targets are not integers, or a target id lies
-            outside ``[0, V)``.
+        ValueError: leading shapes differ, targets are not integers, or (with ``check``) a
+            target id lies outside ``[0, V)``.
 
     Cost: 2 all-reduces on ``tp_group`` (see ``_VocabParallelMultiTargetCrossEntropy``);
-    memory: one fp32 ``[..., V/tp]`` softmax kept for backward.
+    memory: one fp32 ``[..., V/tp]`` softmax kept for backward (the logits' own with
+    ``inplace``); no host synchronisation unless ``check``.
     """
     if vocab_parallel_logits.shape[:-1] != targets.shape[:-1]:
         raise ValueError(
             f"logits {tuple(vocab_parallel_logits.shape)} and targets {tuple(targets.shape)} "
             "must agree in all but the last dimension"
         )
-    tp_size, _ = _group_size_rank(tp_group)
-    check_token_ids(targets, vocab_parallel_logits.shape[-1] * tp_size, what="target id")
+    if targets.dtype.is_floating_point or targets.dtype == torch.bool:
+        raise ValueError(f"target ids must be an integer tensor, got dtype {targets.dtype}")
+    if check:
+        tp_size, _ = _group_size_rank(tp_group)
+        check_token_ids(targets, vocab_parallel_logits.shape[-1] * tp_size, what="target id")
     return _VocabParallelMultiTargetCrossEntropy.apply(
-        vocab_parallel_logits, targets.to(torch.int64), tp_group
+        vocab_parallel_logits, targets.to(torch.int64), tp_group, inplace
     )
 
 

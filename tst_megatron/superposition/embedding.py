@@ -40,15 +40,20 @@ def bag_embedding(
     embedding: LanguageModelEmbedding,
     bags: torch.Tensor,
     position_ids: Optional[torch.Tensor] = None,
+    *,
+    check: bool = False,
 ) -> torch.Tensor:
     """Embed each bag as the mean of its ``S`` token embeddings, with megatron-core's weights.
 
     Computes ``e_j = (1/S) * sum_k E[bags[:, j, k]]`` (paper section 3) with
     ``embedding.word_embeddings.weight`` (the local vocab shard ``[V/tp, h]``), then does
-    what :meth:`LanguageModelEmbedding.forward` does after its lookup: adds the learned
-    absolute position embedding of the *latent* position, transposes to sequence-first,
-    applies fp32-residual casting, the sequence-parallel scatter and dropout (under the
-    model-parallel RNG tracker when SP is on). Its output can be passed to
+    what :meth:`LanguageModelEmbedding.forward` does after its lookup, step for step in
+    every supported megatron-core (0.16.1 to 0.19): adds the learned absolute position
+    embedding of the *latent* position, transposes to sequence-first, applies the MuP
+    embedding multiplier (``config.use_mup``, megatron-core 0.17+; detected by the config
+    field), fp32-residual casting, the sequence-parallel scatter and dropout (under the
+    model-parallel RNG tracker when SP is on). With ``S = 1`` it equals
+    ``LanguageModelEmbedding.forward`` (tested). Its output can be passed to
     ``GPTModel.forward(decoder_input=...)``.
 
     Why the mean is taken before the TP reduction: each TP rank looks up only the ids of
@@ -69,6 +74,10 @@ def bag_embedding(
         bags: ``[b, T, S]`` integer token ids (global ids in ``[0, V)``).
         position_ids: ``[b, T]`` latent positions for learned absolute position embeddings;
             defaults to ``0..T-1`` for every sample. Ignored for RoPE models.
+        check: raise on ids outside ``[0, V)`` (one min/max and one device-to-host read,
+            which stalls a GPU stream). Off by default: the trainer checks ids once where
+            data enters, and an unchecked out-of-range id embeds as zeros at TP > 1 or
+            fails inside the lookup at TP = 1.
 
     Returns:
         ``[T, b, h]`` (``[T/tp, b, h]`` under sequence parallelism) in the embedding weight's
@@ -77,15 +86,19 @@ def bag_embedding(
         bf16/fp16) and divided by ``S`` in fp32 before the cast back.
 
     Raises:
-        ValueError: ``bags`` is not a 3-D integer tensor, or holds an id outside ``[0, V)``
-            (same message at every TP size), or the embedding has token-type embeddings.
+        ValueError: ``bags`` is not a 3-D integer tensor, or (with ``check``) holds an id
+            outside ``[0, V)`` (same message at every TP size), or the embedding has
+            token-type embeddings.
     """
     if bags.dim() != 3:
         raise ValueError(f"bags must be [b, T, S], got shape {tuple(bags.shape)}")
     if getattr(embedding, "tokentype_embeddings", None) is not None:
         raise ValueError("bag_embedding does not support token-type embeddings")
+    if bags.dtype.is_floating_point or bags.dtype == torch.bool:
+        raise ValueError(f"token ids must be an integer tensor, got dtype {bags.dtype}")
     word = embedding.word_embeddings
-    check_token_ids(bags, word.num_embeddings)
+    if check:
+        check_token_ids(bags, word.num_embeddings)
     b, latent_len, bag_size = bags.shape
     weight = word.weight
 
@@ -113,7 +126,7 @@ def bag_embedding(
             output_parallel, group=word.tp_group
         )
 
-    # From here on: the tail of LanguageModelEmbedding.forward (megatron-core 0.16).
+    # From here on: the tail of LanguageModelEmbedding.forward (megatron-core 0.16 - 0.19).
     if embedding.add_position_embedding:
         if position_ids is None:
             position_ids = torch.arange(latent_len, device=bags.device).unsqueeze(0).expand(b, -1)
@@ -121,6 +134,9 @@ def bag_embedding(
     if not embedding.reduce_scatter_embeddings:
         embeddings = embeddings.transpose(0, 1).contiguous()  # [b, T, h] -> [T, b, h]
     config = embedding.config
+    # MuP input multiplier (megatron-core 0.17+; configs without the field have no MuP).
+    if getattr(config, "use_mup", False) and config.mup_embedding_mult != 1.0:
+        embeddings = embeddings * config.mup_embedding_mult
     if config.fp32_residual_connection:
         embeddings = embeddings.float()
     if config.sequence_parallel:

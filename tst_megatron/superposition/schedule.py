@@ -12,8 +12,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable, Optional
 
-from tst_megatron.errors import ConfigError
-from tst_megatron.superposition.bags import BAG_WEIGHTINGS, TST_MODES, mode_reads_bags
+from tst_megatron.superposition.bags import BagWeighting, TSTMode, mode_reads_bags
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,45 +29,40 @@ class TSTConfig:
     phase1_fraction: Optional[float] = None
     """r: phase-1 share of ``--train-iters`` (``--tst-phase1-fraction``), N1 = round(r * N).
     None with ``phase1_iters`` None means 0.3 when ``bag_size > 1`` (the paper's r)."""
-    bag_weighting: str = "uniform"
+    bag_weighting: BagWeighting = "uniform"
     """Slot weights of the MCE loss: ``uniform`` or ``power`` (``--tst-bag-weighting``)."""
     save_at_switch: bool = True
     """Save a checkpoint at step N1 (disable with ``--no-tst-save-at-switch``)."""
-    mode: str = "full"
+    mode: TSTMode = "full"
     """Phase-1 superposition (``--tst-mode``; paper section 5.2): ``full`` = bag-averaged
     input, MCE over the next bag (samples of S*T tokens); ``input`` = bag-averaged input,
     target the next bag's first token (S*T tokens); ``output`` = ordinary token input, MCE
     over the S tokens after each position (T tokens, as the baseline)."""
 
-    def validate(self, train_iters: int) -> None:
-        """Raise ``ConfigError`` (one line naming the flag) for an unusable setting. Reads only."""
+    def validate(self, train_iters: int) -> list[str]:
+        """The problems of these settings, one line each naming the flag (empty: none).
+        Reads only; the choice of ``bag_weighting`` is checked from its ``Literal`` type by
+        the caller (:func:`tst_megatron.training.config.validate`)."""
+        problems = []
         if (
             isinstance(self.bag_size, bool)
             or not isinstance(self.bag_size, int)
             or self.bag_size < 1
         ):
-            raise ConfigError(f"--tst-bag-size must be an integer >= 1, got {self.bag_size!r}")
+            problems.append(f"--tst-bag-size must be an integer >= 1, got {self.bag_size!r}")
         if self.phase1_iters is not None and self.phase1_fraction is not None:
-            raise ConfigError("give --tst-phase1-iters or --tst-phase1-fraction, not both")
+            problems.append("give --tst-phase1-iters or --tst-phase1-fraction, not both")
         if self.phase1_iters is not None and not 0 <= self.phase1_iters <= train_iters:
-            raise ConfigError(
+            problems.append(
                 f"--tst-phase1-iters {self.phase1_iters} must be in [0, --train-iters {train_iters}]"
             )
         if self.phase1_fraction is not None and not 0.0 <= self.phase1_fraction <= 1.0:
-            raise ConfigError(f"--tst-phase1-fraction {self.phase1_fraction} must be in [0, 1]")
-        if self.mode not in TST_MODES:
-            raise ConfigError(
-                f"--tst-mode must be one of {', '.join(TST_MODES)}, got {self.mode!r}"
-            )
+            problems.append(f"--tst-phase1-fraction {self.phase1_fraction} must be in [0, 1]")
         if self.mode != "full" and self.bag_size == 1:
-            raise ConfigError(
+            problems.append(
                 f"--tst-mode {self.mode} needs --tst-bag-size > 1 (S = 1 has no phase 1)"
             )
-        if self.bag_weighting not in BAG_WEIGHTINGS:
-            raise ConfigError(
-                f"--tst-bag-weighting must be one of {', '.join(BAG_WEIGHTINGS)}, "
-                f"got {self.bag_weighting!r}"
-            )
+        return problems
 
     def windows_per_sample(self) -> int:
         """``T``-token windows in one phase-1 sample: ``S`` (``full``, ``input``), 1 (``output``)."""

@@ -92,7 +92,9 @@ def _effective(args: dict) -> dict:
     """``args`` with the defaults that None stands for filled in (Megatron's meanings)."""
     m, moe = dict(args["model"]), dict(args["moe"])
     m["kv_channels"] = m.get("kv_channels") or m["hidden_size"] // m["num_attention_heads"]
-    m["ffn_hidden_size"] = ffn_hidden_size(m.get("ffn_hidden_size"), m["hidden_size"])
+    m["ffn_hidden_size"] = ffn_hidden_size(
+        m.get("ffn_hidden_size"), m["hidden_size"], swiglu=m.get("swiglu", False)
+    )
     if not m.get("group_query_attention"):
         m["num_query_groups"] = m["num_attention_heads"]
     if moe.get("num_experts"):
@@ -242,6 +244,8 @@ def load_checkpoint(
     args: dict,
     load_optim: bool = True,
     load_rng: bool = True,
+    finetune: bool = False,
+    strict: str = "assume_ok_unexpected",
 ) -> Optional[dict]:
     """Restore the newest checkpoint under ``root`` into the given objects.
 
@@ -249,7 +253,9 @@ def load_checkpoint(
         The saved ``loop`` dict (with ``iteration``), or None when ``root`` has no checkpoint.
         A ``release`` checkpoint (weights only) restores the model and returns
         ``{"iteration": 0, "consumed_tokens": 0, "release": True}``: training starts at
-        iteration 0 with a fresh optimizer and schedule, as Megatron-LM does.
+        iteration 0 with a fresh optimizer and schedule, as Megatron-LM does; so does any
+        checkpoint with ``finetune`` (``--finetune``). ``strict`` is megatron-core's
+        ``dist_checkpointing`` key-mismatch handling (``--dist-ckpt-strictness``).
 
     The model always loads into any TP/PP/EP/DP layout (``torch_dist`` reshards). The
     optimizer state does too, except between layouts whose megatron-core optimizer is split
@@ -269,8 +275,8 @@ def load_checkpoint(
     common = dist_checkpointing.load_common_state_dict(path)
     if "args" in common:
         check_architecture(common["args"], args, path)
-    if iteration == RELEASE:
-        _load_model(model_chunks, path)
+    if iteration == RELEASE or finetune:
+        _load_model(model_chunks, path, strict=strict)
         return {"iteration": 0, "consumed_tokens": 0, "release": True}
     saved_tst = TSTConfig(**common["tst"])
     for name in _RUN_CHANGING:
@@ -302,7 +308,7 @@ def load_checkpoint(
     same_world = load_rng and common["loop"].get("world_size") == dist.get_world_size()
     if same_world:
         request["rng_state"] = _rng_object()
-    state = load_sharded(request, path)
+    state = load_sharded(request, path, strict=strict)
     _set_model(model_chunks, state)
     if load_optim:
         optimizer.load_state_dict(state["optimizer"])
@@ -319,7 +325,7 @@ def load_checkpoint(
 SPEC_ALIASES = (("pre_mlp_layernorm.", "mlp.linear_fc1.layer_norm_"),)
 
 
-def load_sharded(request: dict, path: str) -> dict:
+def load_sharded(request: dict, path: str, *, strict: str = "assume_ok_unexpected") -> dict:
     """``dist_checkpointing.load(request, path)`` for a checkpoint saved with either layer
     spec (Transformer Engine or local, ``--moe-grouped-gemm`` or not), as megatron-core means
     them to be interchangeable. Collective.
@@ -334,6 +340,7 @@ def load_sharded(request: dict, path: str) -> dict:
         request: a sharded state dict (``{"model": model.sharded_state_dict(), ...}``); its
             keys are renamed in place where an alias applies.
         path: the checkpoint directory.
+        strict: megatron-core's key-mismatch handling (``--dist-ckpt-strictness``).
 
     Returns:
         The loaded state dict, shaped like ``request``.
@@ -365,7 +372,7 @@ def load_sharded(request: dict, path: str) -> dict:
                 out[name] = value
         return out
 
-    state = dist_checkpointing.load(adapt(request, ()), path)
+    state = dist_checkpointing.load(adapt(request, ()), path, strict=strict)
     for where in absent:
         node = state
         for name in where[:-1]:
@@ -382,9 +389,9 @@ def _set_model(model_chunks, state: dict) -> None:
             unwrap(chunk).load_state_dict(state[f"model{i}"])
 
 
-def _load_model(model_chunks, path: str) -> None:
+def _load_model(model_chunks, path: str, strict: str = "assume_ok_unexpected") -> None:
     """Load only the weights of the checkpoint at ``path`` (any layout it was saved in)."""
-    _set_model(model_chunks, load_sharded(_model_sharded(model_chunks), path))
+    _set_model(model_chunks, load_sharded(_model_sharded(model_chunks), path, strict=strict))
 
 
 def save_release(root: str, model_chunks, *, args: dict) -> str:

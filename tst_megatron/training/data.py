@@ -14,23 +14,35 @@ step ``k`` on data-parallel rank ``r`` holds samples ``(k*M + m)*b*DP + r*b + [0
 (megatron-core's pretraining sampler order). Validation reads its own split in the
 dataset's order. A blend of several ``--data-path`` prefixes has no single stream; its
 samples are then taken in the blend's order.
+
+The data boundary: token ids are checked once, where data enters (:func:`check_data_files`
+at start-up, remembered in a stamp; :func:`check_mock_data`), so no training step reads
+values back to check them. Index caches are built once per cache directory and written
+atomically (:mod:`.index_cache`). With ``--num-workers N`` a ``DataLoader`` reads the
+training micro-batches ahead (:class:`BatchReader`); validation reads in this process.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import multiprocessing.util
 import os
+import signal
+import struct
 from typing import Callable, Iterator, Optional
 
 import numpy as np
 import torch
-from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
-from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
+import torch.distributed as dist
+from megatron.core.datasets.gpt_dataset import GPTDataset, MockGPTDataset, MockGPTLowLevelDataset
 from megatron.core.datasets.utils import get_blend_from_list
 from megatron.core.tokenizers import MegatronTokenizer
 
 from tst_megatron.compat import null_tokenizer
+from tst_megatron.data.files import read_stamp, write_stamp
 from tst_megatron.errors import ConfigError
+from tst_megatron.training.index_cache import CachedGPTDatasetConfig, build_splits
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,60 +63,249 @@ class BatchLayout:
         return self.micro_batch_size * self.data_parallel_size * self.num_microbatches
 
 
-def build_tokenizer(tokenizer_type: str, *, vocab_size: Optional[int], model: Optional[str]):
-    """A megatron-core tokenizer: ``NullTokenizer`` (ids ``0..vocab_size-1``, EOD = last id)
-    or ``SentencePieceTokenizer``.
+def build_tokenizer(
+    tokenizer_type: str,
+    *,
+    vocab_size: Optional[int],
+    model: Optional[str],
+    vocab_file: Optional[str] = None,
+    merge_file: Optional[str] = None,
+):
+    """A megatron-core tokenizer, for Megatron-LM's ``--tokenizer-type``:
+
+    - ``NullTokenizer``: ids ``0..vocab_size-1``, EOD = last id;
+    - ``SentencePieceTokenizer`` / ``Llama2Tokenizer``: the SentencePiece model
+      ``--tokenizer-model`` (megatron-core's ``sentencepiece`` library; EOD = ``</s>``);
+    - ``HuggingFaceTokenizer``: a local Hugging Face tokenizer directory (``--tokenizer-model``;
+      no hub access; megatron-core's ``huggingface`` library);
+    - ``GPT2BPETokenizer``: GPT-2 BPE from ``--vocab-file`` and ``--merge-file``, EOD =
+      ``<|endoftext|>`` (megatron-core's ``huggingface`` library over transformers'
+      ``GPT2Tokenizer``; see :func:`_gpt2_bpe`).
 
     Raises:
-        ConfigError: unknown type or missing settings.
+        ConfigError: unknown type, missing settings, or a tokenizer path that does not exist.
     """
     if tokenizer_type == "NullTokenizer":
         if vocab_size is None:
             raise ConfigError("--vocab-size is required with --tokenizer-type NullTokenizer")
         return null_tokenizer(vocab_size)  # library name and EOD id differ across releases
-    if tokenizer_type == "SentencePieceTokenizer":
-        return MegatronTokenizer.from_pretrained(
-            tokenizer_path=model, metadata_path={"library": "sentencepiece"}
+    if tokenizer_type == "GPT2BPETokenizer":
+        for flag, path in (("--vocab-file", vocab_file), ("--merge-file", merge_file)):
+            if not path or not os.path.isfile(path):
+                raise ConfigError(f"--tokenizer-type GPT2BPETokenizer: {flag} {path} is not a file")
+        return _gpt2_bpe(vocab_file, merge_file)
+    libraries = {
+        "SentencePieceTokenizer": "sentencepiece",
+        "Llama2Tokenizer": "sentencepiece",
+        "HuggingFaceTokenizer": "huggingface",
+    }
+    if tokenizer_type not in libraries:
+        raise ConfigError(f"unknown --tokenizer-type {tokenizer_type!r}")
+    if not model or not os.path.exists(model):
+        raise ConfigError(
+            f"--tokenizer-model {model} does not exist (--tokenizer-type {tokenizer_type} "
+            "reads a local file or directory; no hub access)"
         )
-    raise ConfigError(f"unknown --tokenizer-type {tokenizer_type!r}")
+    return MegatronTokenizer.from_pretrained(
+        tokenizer_path=model, metadata_path={"library": libraries[tokenizer_type]}
+    )
 
 
-def check_data_files(data_path: str, vocab_size: int) -> None:
-    """Before any work: every dataset prefix of ``--data-path`` has its ``.bin`` and ``.idx``,
-    and holds only token ids below ``vocab_size`` (one vectorised pass over the memory-mapped
-    ``.bin``).
+def _gpt2_bpe(vocab_file: str, merge_file: str):
+    """Megatron-LM's ``GPT2BPETokenizer`` from local files. megatron-core 0.16.1's ``megatron``
+    library always loads the hub name ``gpt2`` (and passes the vocab file as merges), so the
+    two files are put in a temporary directory as a transformers ``GPT2Tokenizer`` and read
+    through megatron-core's ``huggingface`` library, without hub access."""
+    import json
+    import shutil
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="gpt2-bpe-") as d:
+        shutil.copyfile(vocab_file, os.path.join(d, "vocab.json"))
+        shutil.copyfile(merge_file, os.path.join(d, "merges.txt"))
+        with open(os.path.join(d, "tokenizer_config.json"), "w") as f:
+            json.dump({"tokenizer_class": "GPT2Tokenizer"}, f)  # <|endoftext|> specials
+        return MegatronTokenizer.from_pretrained(
+            tokenizer_path=d, metadata_path={"library": "huggingface"}
+        )
+
+
+def data_prefixes(data_path: str) -> list[str]:
+    """The dataset prefixes of ``--data-path`` (``"A"``, ``"A B"`` or ``"0.7 A 0.3 B"``)."""
+    return get_blend_from_list(data_path.split())[0]
+
+
+@dataclasses.dataclass(frozen=True)
+class DataFile:
+    """One ``.bin/.idx`` pair, as its ``.idx`` header describes it."""
+
+    prefix: str
+    """Path without ``.bin``/``.idx``."""
+    dtype: type
+    """Token dtype of the ``.bin`` (numpy.uint16 or numpy.int32 from Megatron's tools)."""
+    sequences: int
+    """Sequences (documents, for GPT data) in the ``.idx``."""
+    tokens: int
+    """Tokens in the ``.bin``."""
+
+
+def _open_data_file(prefix: str) -> DataFile:
+    """Read the ``.idx`` header and check both files' sizes against it (O(1) reads).
 
     Raises:
-        ConfigError: a missing file, an empty dataset, or an out-of-vocabulary id, naming it.
+        ConfigError: a missing file, a file that is not a Megatron index, a truncated or
+            mismatched ``.idx``/``.bin``, or an empty dataset, naming the file.
     """
-    import numpy as np
     from megatron.core.datasets.indexed_dataset import DType
 
-    prefixes = get_blend_from_list(data_path.split())[0]
-    for prefix in prefixes:
-        for suffix in (".bin", ".idx"):
-            if not os.path.isfile(prefix + suffix):
-                raise ConfigError(
-                    f"--data-path: {prefix + suffix} does not exist (run tools/preprocess_data.py)"
-                )
-        with open(prefix + ".idx", "rb") as f:
-            header = f.read(9 + 8 + 1)  # magic, version, dtype code
-        if not header.startswith(b"MMIDIDX\x00\x00") or len(header) < 18:
-            raise ConfigError(f"--data-path: {prefix}.idx is not a Megatron index file")
-        dtype = DType.dtype_from_code(header[-1])
-        tokens = np.memmap(prefix + ".bin", dtype=dtype, mode="r")
-        if tokens.size == 0:
-            raise ConfigError(f"--data-path: {prefix}.bin holds no tokens")
-        top = int(tokens.max())
-        if top >= vocab_size:
+    for suffix in (".bin", ".idx"):
+        if not os.path.isfile(prefix + suffix):
             raise ConfigError(
-                f"--data-path: {prefix}.bin holds token id {top}, outside the vocabulary of "
-                f"{vocab_size}; preprocess with the tokenizer of --tokenizer-model or raise --vocab-size"
+                f"--data-path: {prefix + suffix} does not exist (run tools/preprocess_data.py)"
+            )
+    idx_size, bin_size = os.path.getsize(prefix + ".idx"), os.path.getsize(prefix + ".bin")
+    with open(prefix + ".idx", "rb") as f:
+        header = f.read(34)  # magic (9), version (8), dtype code (1), sequences (8), documents (8)
+    try:
+        if not header.startswith(b"MMIDIDX\x00\x00") or len(header) < 34:
+            raise ValueError
+        dtype = DType.dtype_from_code(header[17])
+    except ValueError:
+        raise ConfigError(f"--data-path: {prefix}.idx is not a Megatron index file") from None
+    sequences, documents = struct.unpack("<QQ", header[18:34])
+    expected = 34 + sequences * (4 + 8) + documents * 8  # lengths, pointers, document indices
+    if idx_size != expected:
+        raise ConfigError(
+            f"--data-path: {prefix}.idx has {idx_size} bytes but its header describes "
+            f"{expected}: the file is truncated or corrupt; rerun tools/preprocess_data.py"
+        )
+    itemsize = np.dtype(dtype).itemsize
+    tokens = 0
+    if sequences:
+        last_length = np.memmap(prefix + ".idx", np.int32, "r", 34 + 4 * (sequences - 1), (1,))
+        last_pointer = np.memmap(
+            prefix + ".idx", np.int64, "r", 34 + 4 * sequences + 8 * (sequences - 1), (1,)
+        )
+        tokens = (int(last_pointer[0]) + int(last_length[0]) * itemsize) // itemsize
+    if bin_size != tokens * itemsize:
+        raise ConfigError(
+            f"--data-path: {prefix}.bin has {bin_size} bytes but {prefix}.idx describes "
+            f"{tokens * itemsize}: the .bin is truncated or belongs to another index; rerun "
+            "tools/preprocess_data.py"
+        )
+    if tokens == 0:
+        raise ConfigError(f"--data-path: {prefix}.bin holds no tokens")
+    return DataFile(prefix, dtype, sequences, tokens)
+
+
+def scan_token_range(
+    file: DataFile, start: int = 0, stop: Optional[int] = None, chunk: int = 1 << 24
+) -> Optional[tuple[int, int]]:
+    """``(min, max)`` token id of ``file``'s ``.bin`` tokens ``[start, stop)`` (None if empty),
+    read in chunks of ``chunk`` tokens so memory stays bounded."""
+    tokens = np.memmap(file.prefix + ".bin", dtype=file.dtype, mode="r")
+    stop = file.tokens if stop is None else stop
+    lo = hi = None
+    for a in range(start, stop, chunk):
+        part = tokens[a : min(a + chunk, stop)]
+        a_lo, a_hi = int(part.min()), int(part.max())
+        lo, hi = (a_lo, a_hi) if lo is None else (min(lo, a_lo), max(hi, a_hi))
+    return None if lo is None else (lo, hi)
+
+
+def _distributed() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def token_ranges(files: list[DataFile], *, cache_path: Optional[str] = None) -> list[tuple]:
+    """``(min, max)`` token id of each file, the same on every rank, reading each ``.bin`` at
+    most once per change of the file.
+
+    Rank 0 looks for a stamp (:func:`tst_megatron.data.files.read_stamp`: written by
+    ``tools/preprocess_data.py`` or by an earlier start, valid while the ``.bin``/``.idx``
+    sizes and modification times are unchanged) and broadcasts what it found. Files without
+    one are scanned once, split evenly over all ranks (each reads ``1/world`` of the tokens),
+    the partial ranges are gathered, and rank 0 writes the stamp (in ``cache_path`` when
+    given, else beside the ``.bin``; a read-only place only costs the next start a scan).
+    Must be called on every rank (it uses collectives when ``torch.distributed`` is
+    initialised): the other ranks wait in the broadcast while rank 0 reads the stamps.
+    """
+    rank, world = _distributed()
+    known = [read_stamp(f.prefix, cache_path) for f in files] if rank == 0 else None
+    if world > 1:
+        box = [known]
+        dist.broadcast_object_list(box, src=0)
+        known = box[0]
+    if all(k is not None for k in known):
+        return known
+    partial = [
+        None
+        if k is not None
+        else scan_token_range(f, f.tokens * rank // world, f.tokens * (rank + 1) // world)
+        for f, k in zip(files, known)
+    ]
+    gathered = [partial]
+    if world > 1:
+        gathered = [None] * world
+        dist.all_gather_object(gathered, partial)
+    ranges = []
+    for i, (f, k) in enumerate(zip(files, known)):
+        if k is None:
+            parts = [g[i] for g in gathered if g[i] is not None]
+            k = (min(p[0] for p in parts), max(p[1] for p in parts))
+            if rank == 0:
+                try:
+                    write_stamp(f.prefix, *k, cache_path=cache_path)
+                except OSError as exc:
+                    print(f" warning: cannot record the token range of {f.prefix}.bin ({exc})")
+        ranges.append(tuple(k))
+    return ranges
+
+
+def check_data_files(data_path: str, vocab_size: int, *, cache_path: Optional[str] = None) -> None:
+    """Before any work: every dataset prefix of ``--data-path`` has a consistent ``.bin`` and
+    ``.idx``, and holds only token ids in ``[0, vocab_size)``, inputs and labels alike.
+
+    The ids are checked here, once, where data enters, so the training step needs no check
+    (and no device-to-host read): see :func:`token_ranges` for how a start-up avoids
+    rereading a ``.bin``. A negative id is refused too: megatron-core would take ``-1`` for
+    its padding id and silently replace it by 0 with its loss masked.
+
+    Raises:
+        ConfigError: a missing, truncated or malformed file, an empty dataset, or a token id
+            outside ``[0, vocab_size)``, naming the file and the id.
+    """
+    files = [_open_data_file(prefix) for prefix in data_prefixes(data_path)]
+    for file, (lo, hi) in zip(files, token_ranges(files, cache_path=cache_path)):
+        if lo < 0 or hi >= vocab_size:
+            bad = lo if lo < 0 else hi
+            raise ConfigError(
+                f"--data-path: {file.prefix}.bin holds token id {bad}, outside the vocabulary "
+                f"[0, {vocab_size}); preprocess with the tokenizer of --tokenizer-model or "
+                "raise --vocab-size"
             )
 
 
-def _dataset_config(data, tokenizer, seq_length, seed, blend) -> GPTDatasetConfig:
-    return GPTDatasetConfig(
+def check_mock_data(tokenizer, vocab_size: int) -> None:
+    """``--mock-data``: megatron-core's mock documents are ``(1, 2, ...) % tokenizer.vocab_size``
+    ending in ``tokenizer.eod``; check that they lie in ``[0, vocab_size)`` (no data is read).
+
+    Raises:
+        ConfigError: the tokenizer's ids or EOD fall outside ``[0, vocab_size)``.
+    """
+    top = max(tokenizer.vocab_size - 1, tokenizer.eod)
+    if tokenizer.eod < 0 or top >= vocab_size:
+        bad = tokenizer.eod if tokenizer.eod < 0 else top
+        raise ConfigError(
+            f"--mock-data: the mock documents hold token id {bad}, outside the vocabulary "
+            f"[0, {vocab_size}); make --vocab-size match the tokenizer"
+        )
+
+
+def _dataset_config(data, tokenizer, seq_length, seed, blend) -> CachedGPTDatasetConfig:
+    return CachedGPTDatasetConfig(
         random_seed=seed,
         sequence_length=seq_length,
         tokenizer=tokenizer,
@@ -114,16 +315,76 @@ def _dataset_config(data, tokenizer, seq_length, seed, blend) -> GPTDatasetConfi
         reset_position_ids=data.reset_position_ids,
         reset_attention_mask=data.reset_attention_mask,
         eod_mask_loss=data.eod_mask_loss,
-        create_attention_mask=data.reset_attention_mask,
+        create_attention_mask=data.reset_attention_mask
+        and data.create_attention_mask_in_dataloader,
+        mmap_bin_files=data.mmap_bin_files,
     )
 
 
+_SPLIT_NAMES = ("training", "validation", "test")
+
+
+def check_split(config, documents: dict, samples: tuple) -> None:
+    """Every split that is asked for samples gets at least one document of each dataset.
+
+    megatron-core splits each dataset by documents (``round(bookend * documents)``) and, for a
+    split with none, loops forever looking for enough tokens. A split with no document that
+    is asked for no samples is not built (``config.split_matrix`` entry set to None).
+
+    Args:
+        config: the ``GPTDatasetConfig`` (its ``split_matrix``; edited as said above).
+        documents: ``{prefix: documents}`` (sequences in the ``.idx``).
+        samples: samples asked of each split, ``(train, valid, test)``.
+
+    Raises:
+        ConfigError: a split asked for samples gets no document, naming the split and the
+            document counts.
+    """
+    for i, bookends in enumerate(config.split_matrix):
+        if bookends is None:
+            continue
+        for prefix, n in documents.items():
+            counts = [
+                int(round(b[1] * n)) - int(round(b[0] * n)) if b else 0 for b in config.split_matrix
+            ]
+            if counts[i] > 0:
+                continue
+            if samples[i]:
+                shares = ", ".join(f"{name} {c}" for name, c in zip(_SPLIT_NAMES, counts))
+                raise ConfigError(
+                    f"--split {config.split} gives the {_SPLIT_NAMES[i]} split none of the {n} "
+                    f"documents of {prefix} ({shares}); give it a larger share"
+                )
+            config.split_matrix = list(config.split_matrix)
+            config.split_matrix[i] = None
+            break
+
+
 def build_datasets(data, tokenizer, *, seq_length: int, samples: tuple[int, int, int], seed: int):
-    """``(train, valid, test)`` datasets of ``seq_length``-token samples (None where 0 asked)."""
-    blend = None if data.mock_data else get_blend_from_list(data.data_path.split())
-    cls = MockGPTDataset if data.mock_data else GPTDataset
+    """``(train, valid, test)`` datasets of ``seq_length``-token samples (None where a split
+    is empty and 0 samples are asked of it).
+
+    Index caches are built once per cache directory (once per node when
+    ``--data-cache-path`` is node-local) and written atomically; see
+    :mod:`tst_megatron.training.index_cache`. Must be called on every rank.
+
+    Raises:
+        ConfigError: a split asked for samples has no document (:func:`check_split`), or a
+            damaged index cache on a rank that only reads it.
+    """
+    from tst_megatron.runtime import resolve_process
+
+    if data.mock_data:
+        blend, prefixes, cls = None, None, MockGPTDataset
+        documents = {"--mock-data": MockGPTLowLevelDataset.size}
+    else:
+        blend = get_blend_from_list(data.data_path.split())
+        prefixes, cls = blend[0], GPTDataset
+        documents = {p: _open_data_file(p).sequences for p in dict.fromkeys(prefixes)}
     config = _dataset_config(data, tokenizer, seq_length, seed, blend)
-    return BlendedMegatronDatasetBuilder(cls, list(samples), lambda: True, config).build()
+    check_split(config, documents, samples)
+    local_rank = resolve_process(device="cpu").local_rank
+    return build_splits(cls, list(samples), config, local_rank=local_rank, prefixes=prefixes)
 
 
 class TrainStream:
@@ -134,13 +395,19 @@ class TrainStream:
         bag_size: ``S``.
         phase1_samples: samples phase 1 consumes in the whole run (``N1 * global batch``).
         seed: seeds the block permutation.
+        num_workers: DataLoader worker processes that read samples ahead (``--num-workers``;
+            0 = read in this process when a step needs them).
 
     Raises:
         ConfigError: fewer windows than one block per phase-1 sample.
     """
 
-    def __init__(self, dataset, *, bag_size: int, phase1_samples: int, seed: int):
+    def __init__(
+        self, dataset, *, bag_size: int, phase1_samples: int, seed: int, num_workers: int = 0
+    ):
         self.dataset, self.bag_size, self.phase1_samples = dataset, bag_size, phase1_samples
+        self.num_workers = num_workers
+        self._reader: Optional[tuple[int, BatchReader]] = None  # (phase, its reader)
         dataset[0]  # megatron-core may load its indices lazily
         shuffle = getattr(dataset, "shuffle_index", None)
         # window j in stream order is dataset[order[j]]
@@ -177,9 +444,82 @@ class TrainStream:
             )
         return self._window(int(self.blocks[block_slot]) * self.bag_size + k)
 
+    def batches(
+        self, phase: int, step: int, layout: BatchLayout, *, device: torch.device
+    ) -> list[dict]:
+        """The ``M`` micro-batches of phase-local step ``step`` of ``phase`` (1 or 2) on this
+        rank, as :func:`microbatches` gives them. Steps of a phase are read in order, ahead
+        of time by the workers; a step out of order (a new phase, a resumed run) starts
+        a new reader there.
+
+        Raises:
+            IndexError: the data has too few samples for the step.
+        """
+        if self._reader is None or self._reader[0] != phase or self._reader[1].next_step != step:
+            self.close()
+            get_sample = self.phase1_sample if phase == 1 else self.phase2_sample
+            reader = BatchReader(
+                get_sample,
+                layout,
+                first_step=step,
+                num_workers=self.num_workers,
+                pin_memory=device.type == "cuda",
+            )
+            self._reader = (phase, reader)
+        return [
+            {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+            for batch in self._reader[1].next()
+        ]
+
+    def close(self) -> None:
+        """Stop the reader's workers (also done at exit)."""
+        if self._reader is not None:
+            self._reader[1].close()
+            self._reader = None
+
+    def __getstate__(self) -> dict:  # what a spawned DataLoader worker receives
+        return {**self.__dict__, "_reader": None}
+
+    def samples(self, phase: int) -> "PhaseSamples":
+        """Phase ``phase``'s samples, to bind to the phase (see :func:`read_step`)."""
+        return PhaseSamples(self, phase)
+
+
+@dataclasses.dataclass(frozen=True)
+class PhaseSamples:
+    """One phase of a :class:`TrainStream`: callable as ``get_sample(i)``, and read by step
+    through the stream's reader (DataLoader workers when ``--num-workers`` > 0)."""
+
+    stream: TrainStream
+    phase: int
+    """1 or 2."""
+
+    def __call__(self, i: int) -> dict:
+        return self.stream.phase1_sample(i) if self.phase == 1 else self.stream.phase2_sample(i)
+
+
+def read_step(
+    get_sample: Callable[[int], dict], layout: BatchLayout, *, step: int, device: torch.device
+) -> list[dict]:
+    """The ``M`` micro-batches of step ``step`` on this rank: through the stream's reader for
+    a :class:`PhaseSamples` (read ahead by workers), else :func:`microbatches` in this process
+    (e.g. validation's ``dataset.__getitem__``).
+
+    Raises:
+        IndexError: the data has too few samples for the step.
+    """
+    if isinstance(get_sample, PhaseSamples):
+        return get_sample.stream.batches(get_sample.phase, step, layout, device=device)
+    return list(microbatches(get_sample, layout, step=step, device=device))
+
+
+#: The sample fields a forward step reads (Megatron-LM's ``get_batch``); others, such as
+#: the ``dataset_id`` (a numpy scalar) of a blend's samples, are not batched.
+BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids", "attention_mask")
+
 
 def _collate(samples: list[dict]) -> dict:
-    return {key: torch.stack([s[key] for s in samples]) for key in samples[0]}
+    return {k: torch.stack([s[k] for s in samples]) for k in BATCH_KEYS if k in samples[0]}
 
 
 def microbatches(
@@ -198,3 +538,105 @@ def microbatches(
         start = (step * layout.num_microbatches + m) * b * dp + layout.data_parallel_rank * b
         batch = _collate([get_sample(i) for i in range(start, start + b)])
         yield {k: v.to(device) for k, v in batch.items()}
+
+
+class _Microbatches(torch.utils.data.Dataset):
+    """Micro-batch ``k = step * M + m`` of this DP rank, collated on the host (a map-style
+    dataset for ``torch.utils.data.DataLoader``)."""
+
+    def __init__(self, get_sample: Callable[[int], dict], layout: BatchLayout):
+        self.get_sample, self.layout = get_sample, layout
+
+    def __getitem__(self, k: int) -> dict:
+        b, dp = self.layout.micro_batch_size, self.layout.data_parallel_size
+        start = k * b * dp + self.layout.data_parallel_rank * b
+        return _collate([self.get_sample(i) for i in range(start, start + b)])
+
+
+class _WorkerSignals:
+    """``worker_init_fn`` of the readers' DataLoader workers: SIGTERM is ignored until the
+    reader is closed (``stop`` set).
+
+    Slurm signals every process of a step; a worker that died of it would make the next batch
+    fail before ``--exit-signal-handler`` could save. Once ``stop`` is set (the reader is
+    closed, or the process exits: a ``multiprocessing`` finalizer), SIGTERM ends the worker
+    as usual, so ``multiprocessing``'s terminate-and-join at exit cannot hang.
+    """
+
+    def __init__(self, stop):
+        self.stop = stop
+
+    def __call__(self, worker_id: int) -> None:
+        stop = self.stop
+
+        def on_sigterm(signum, frame):
+            if stop.is_set():
+                os._exit(0)
+
+        signal.signal(signal.SIGTERM, on_sigterm)
+
+
+def _release(stop) -> None:
+    stop.set()
+
+
+class BatchReader:
+    """The micro-batches of consecutive steps from ``first_step`` on, in the order of
+    :func:`microbatches`.
+
+    With ``num_workers > 0`` a ``torch.utils.data.DataLoader`` (as Megatron-LM builds for
+    ``--num-workers``) reads them in worker processes, up to ``2 * num_workers``
+    micro-batches ahead, so reading overlaps the step's compute (``pin_memory``: page-locked
+    host batches, for a CUDA device). The workers outlive a SIGTERM sent to the whole job
+    step (see :class:`_WorkerSignals`) until :meth:`close`. With 0 they are read in this process when asked for.
+    """
+
+    def __init__(
+        self,
+        get_sample: Callable[[int], dict],
+        layout: BatchLayout,
+        *,
+        first_step: int,
+        num_workers: int,
+        pin_memory: bool = False,
+    ):
+        self.layout, self.next_step = layout, first_step
+        first = first_step * layout.num_microbatches
+        dataset = _Microbatches(get_sample, layout)
+        self._stop = None
+        if num_workers > 0:
+            self._stop = torch.multiprocessing.Event()
+            # multiprocessing's exit runs finalizers of priority >= 0 before it terminates and
+            # joins daemonic children (the workers), in torchrun/srun processes (atexit) and
+            # in spawned ones alike; an atexit hook would not run first in the latter.
+            multiprocessing.util.Finalize(self, _release, args=(self._stop,), exitpriority=10)
+            loader = torch.utils.data.DataLoader(
+                dataset,
+                batch_size=None,
+                sampler=itertools.count(first),
+                num_workers=num_workers,
+                pin_memory=pin_memory,
+                worker_init_fn=_WorkerSignals(self._stop),
+            )
+            self._batches = iter(loader)
+        else:
+            self._batches = (dataset[k] for k in itertools.count(first))
+
+    def next(self) -> list[dict]:
+        """The ``M`` micro-batches of step ``next_step`` (host tensors); advances it.
+
+        Raises:
+            IndexError: the data has too few samples for the step.
+        """
+        self.next_step += 1
+        return [next(self._batches) for _ in range(self.layout.num_microbatches)]
+
+    def close(self) -> None:
+        """Stop the workers (if any); the reader gives no more batches. Also on garbage
+        collection: ``stop`` must be set before the DataLoader iterator shuts its workers
+        down, which ends a stuck worker with SIGTERM."""
+        if getattr(self, "_stop", None) is not None:
+            self._stop.set()
+        self._batches = iter(())  # the DataLoader iterator goes: it shuts its workers down
+
+    __del__ = close

@@ -24,13 +24,20 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from tst_megatron.errors import ConfigError
 from tst_megatron.runtime.norm import SequenceParallelNorm
+from tst_megatron.training.gpt import TSTGPTModel
 
 TransformerImpl = Literal["local", "transformer_engine"]
 
 
-def ffn_hidden_size(ffn_hidden_size: Optional[int], hidden_size: int) -> int:
-    """The dense MLP width: ``--ffn-hidden-size``, or Megatron-LM's default ``4 * h``."""
-    return ffn_hidden_size or 4 * hidden_size
+def ffn_hidden_size(
+    ffn_hidden_size: Optional[int], hidden_size: int, *, swiglu: bool = False
+) -> int:
+    """The dense MLP width: ``--ffn-hidden-size``, or Megatron-LM's default
+    (``megatron/training/arguments.py``): ``4 * h``, or ``int(4h * 2/3 / 64) * 64`` with
+    ``--swiglu`` (the parameter count of the 4h non-gated MLP, a multiple of 64)."""
+    if ffn_hidden_size:
+        return ffn_hidden_size
+    return int((4 * hidden_size * 2 / 3) / 64) * 64 if swiglu else 4 * hidden_size
 
 
 class ExpertRowParallelLinear(RowParallelLinear):
@@ -168,6 +175,8 @@ def build_gpt_model(
     max_sequence_length: int,
     position_embedding_type: Literal["rope", "learned_absolute"] = "rope",
     rotary_base: int = 10000,
+    rotary_percent: float = 1.0,
+    seq_len_interpolation_factor: Optional[float] = None,
     share_embeddings_and_output_weights: bool = False,
     transformer_impl: TransformerImpl = "local",
     pre_process: bool = True,
@@ -182,6 +191,8 @@ def build_gpt_model(
         max_sequence_length: ``--max-position-embeddings``; also bounds learned positions.
         position_embedding_type: ``"rope"`` or ``"learned_absolute"``.
         rotary_base: RoPE base (``--rotary-base``).
+        rotary_percent: share of each head's channels RoPE rotates (``--rotary-percent``).
+        seq_len_interpolation_factor: ``--rotary-seq-len-interpolation-factor``.
         share_embeddings_and_output_weights: tied embeddings (not
             ``--untie-embeddings-and-output-weights``).
         transformer_impl: see :func:`gpt_block_spec`.
@@ -195,7 +206,7 @@ def build_gpt_model(
     Raises:
         ConfigError / ImportError: see :func:`gpt_block_spec`.
     """
-    return GPTModel(
+    return TSTGPTModel(  # a GPTModel with the bag loss in its loss seam (see training/gpt.py)
         config=config,
         transformer_layer_spec=gpt_block_spec(
             config, transformer_impl=transformer_impl, vp_stage=vp_stage
@@ -208,6 +219,8 @@ def build_gpt_model(
         share_embeddings_and_output_weights=share_embeddings_and_output_weights,
         position_embedding_type=position_embedding_type,
         rotary_base=rotary_base,
+        rotary_percent=rotary_percent,
+        seq_len_interpolation_factor=seq_len_interpolation_factor,
         vp_stage=vp_stage,
     )
 
@@ -253,14 +266,17 @@ def padded_vocab_size(vocab_size: int, *, divisible_by: int, tp: int) -> int:
 def transformer_config(cfg, *, use_cpu_initialization: bool) -> TransformerConfig:
     """megatron-core ``TransformerConfig`` from a :class:`~tst_megatron.training.config.RunConfig`."""
     import torch
+    from megatron.core.transformer.enums import AttnBackend
+
+    from tst_megatron.training.config import moe_layer_pattern
 
     m, moe, p, t = cfg.model, cfg.moe, cfg.parallel, cfg.train
-    dtype = torch.bfloat16 if t.bf16 else torch.float32
+    dtype = torch.bfloat16 if t.bf16 else torch.float16 if t.fp16 else torch.float32
     pcfg = p.to_parallel_config(m.num_layers)
     kwargs = dict(
         num_layers=m.num_layers,
         hidden_size=m.hidden_size,
-        ffn_hidden_size=ffn_hidden_size(m.ffn_hidden_size, m.hidden_size),
+        ffn_hidden_size=m.ffn_size(),
         num_attention_heads=m.num_attention_heads,
         kv_channels=m.kv_channels,
         layernorm_epsilon=m.norm_epsilon,
@@ -273,15 +289,22 @@ def transformer_config(cfg, *, use_cpu_initialization: bool) -> TransformerConfi
         init_method_std=m.init_method_std,
         hidden_dropout=m.hidden_dropout,
         attention_dropout=m.attention_dropout,
+        layernorm_zero_centered_gamma=m.apply_layernorm_1p,
+        attention_backend=AttnBackend[m.attention_backend],
+        masked_softmax_fusion=m.masked_softmax_fusion and not use_cpu_initialization,  # CUDA
+        cross_entropy_loss_fusion=t.cross_entropy_loss_fusion,
+        recompute_granularity=t.recompute_granularity,
+        recompute_method=t.recompute_method,
+        recompute_num_layers=t.recompute_num_layers,
         **dataclasses.asdict(pcfg),  # the same names as megatron-core's ModelParallelConfig
         sequence_parallel=t.sequence_parallel,
         use_cpu_initialization=use_cpu_initialization,
         params_dtype=dtype,
         pipeline_dtype=dtype,
         bf16=t.bf16,
+        fp16=t.fp16,
         num_moe_experts=moe.num_experts,
-        moe_ffn_hidden_size=moe.moe_ffn_hidden_size
-        or ffn_hidden_size(m.ffn_hidden_size, m.hidden_size),
+        moe_ffn_hidden_size=moe.moe_ffn_hidden_size or m.ffn_size(),
         moe_router_topk=moe.moe_router_topk,
         moe_router_load_balancing_type=moe.moe_router_load_balancing_type,
         moe_aux_loss_coeff=moe.moe_aux_loss_coeff,
@@ -291,7 +314,16 @@ def transformer_config(cfg, *, use_cpu_initialization: bool) -> TransformerConfi
         moe_router_dtype=moe.moe_router_dtype,
         moe_token_dispatcher_type=moe.moe_token_dispatcher_type,
         moe_grouped_gemm=moe.moe_grouped_gemm,
-        moe_layer_freq=moe.moe_layer_freq,
+        moe_layer_freq=moe.moe_layer_freq
+        if isinstance(moe.moe_layer_freq, int)
+        else moe_layer_pattern(moe.moe_layer_freq, m.num_layers),
+        moe_router_enable_expert_bias=moe.moe_router_enable_expert_bias,
+        moe_router_bias_update_rate=moe.moe_router_bias_update_rate,
+        moe_router_topk_scaling_factor=moe.moe_router_topk_scaling_factor,
+        moe_router_num_groups=moe.moe_router_num_groups,
+        moe_router_group_topk=moe.moe_router_group_topk,
+        moe_router_force_load_balancing=moe.moe_router_force_load_balancing,
+        moe_permute_fusion=moe.moe_permute_fusion,
         moe_shared_expert_intermediate_size=moe.moe_shared_expert_intermediate_size,
         moe_expert_capacity_factor=moe.moe_expert_capacity_factor,
         calculate_per_token_loss=True,
@@ -303,9 +335,15 @@ def transformer_config(cfg, *, use_cpu_initialization: bool) -> TransformerConfi
         overlap_p2p_comm=pcfg.virtual_pipeline_model_parallel_size is not None,
         batch_p2p_comm=pcfg.virtual_pipeline_model_parallel_size is None,
     )
+    if t.recompute_modules is not None:
+        kwargs["recompute_modules"] = list(t.recompute_modules)
     if t.fp8_format:
         kwargs.update(
-            fp8=t.fp8_format, fp8_recipe=t.fp8_recipe, fp8_amax_history_len=t.fp8_amax_history_len
+            fp8=t.fp8_format,
+            fp8_recipe=t.fp8_recipe,
+            fp8_amax_history_len=t.fp8_amax_history_len,
+            fp8_amax_compute_algo=t.fp8_amax_compute_algo,
+            fp8_param=t.fp8_param_gather,
         )
     if not moe.num_experts:
         for key in [k for k in kwargs if k.startswith("moe_")]:

@@ -12,6 +12,7 @@ stop) is decided by the pure functions of that module.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import math
 import os
 import signal
@@ -48,17 +49,25 @@ from tst_megatron.superposition.schedule import (
     should_save,
 )
 from tst_megatron.training import checkpointing
-from tst_megatron.training.config import RunConfig, data_parallel_size, validate
+from tst_megatron.training.config import (
+    RunConfig,
+    data_parallel_size,
+    lr_schedule,
+    resolve,
+    validate,
+)
 from tst_megatron.training.data import (
     BatchLayout,
     TrainStream,
     build_datasets,
     build_tokenizer,
     check_data_files,
-    microbatches,
+    check_mock_data,
+    read_step,
 )
 from tst_megatron.training.forward import make_phase1_step, make_phase2_step
 from tst_megatron.training.model import build_model, padded_vocab_size, transformer_config
+from tst_megatron.training.monitoring import Profiler, open_wandb
 
 NO_TOKENS = "n/a (no tokens scored)"
 """Printed instead of a loss when a step or a validation round scored no token."""
@@ -83,6 +92,8 @@ class Run:
     """The checkpoint ``args`` entry (:func:`.checkpointing.checkpoint_args`)."""
     history: dict = dataclasses.field(default_factory=lambda: {"train": {}, "valid": {}})
     """Per-iteration training loss and validation loss (None: no token scored)."""
+    wandb: Optional[object] = None
+    """The Weights & Biases run (``--wandb-project``, last rank), else None."""
 
 
 def print_rank0(*args) -> None:
@@ -96,8 +107,13 @@ def print_rank0(*args) -> None:
 def build_model_chunks(cfg: RunConfig, config, vocab: int, device) -> list:
     """One ``GPTModel`` per virtual pipeline stage on this rank, each wrapped in DDP."""
     vpp = ps.get_virtual_pipeline_model_parallel_world_size()
+    t = cfg.train
     ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, use_distributed_optimizer=cfg.train.use_distributed_optimizer
+        grad_reduce_in_fp32=not (t.bf16 and t.grad_reduce_in_bf16),
+        use_distributed_optimizer=t.use_distributed_optimizer,
+        overlap_grad_reduce=t.overlap_grad_reduce,
+        overlap_param_gather=t.overlap_param_gather,
+        check_for_nan_in_grad=t.check_for_nan_in_loss_and_grad,
     )
     chunks = []
     for stage in range(vpp or 1):
@@ -123,26 +139,32 @@ def build_optimizer(cfg: RunConfig, chunks):
             adam_beta2=t.adam_beta2,
             clip_grad=t.clip_grad,
             bf16=t.bf16,
-            params_dtype=torch.bfloat16 if t.bf16 else torch.float32,
+            fp16=t.fp16,
+            loss_scale=t.loss_scale,
+            initial_loss_scale=t.initial_loss_scale,
+            min_loss_scale=t.min_loss_scale,
+            loss_scale_window=t.loss_scale_window,
+            hysteresis=t.hysteresis,
+            decoupled_lr=t.decoupled_lr,
+            decoupled_min_lr=t.decoupled_min_lr,
+            params_dtype=torch.bfloat16 if t.bf16 else torch.float16 if t.fp16 else torch.float32,
             use_distributed_optimizer=t.use_distributed_optimizer,
+            log_num_zeros_in_grad=cfg.checkpoint.log_num_zeros_in_grad,
         ),
         chunks,
     )
-    wsd_iters = t.lr_wsd_decay_iters or max(1, int(0.1 * t.train_iters))
+    # Megatron-LM's lengths, in samples: the scheduler advances by the global batch per step.
     scheduler = OptimizerParamScheduler(
         optimizer,
-        init_lr=0.0,
+        init_lr=t.lr_warmup_init,
         max_lr=t.lr,
         min_lr=t.min_lr,
-        lr_warmup_steps=t.lr_warmup_iters,
-        lr_decay_steps=t.train_iters,
         lr_decay_style=t.lr_decay_style,
         start_wd=t.weight_decay,
         end_wd=t.weight_decay,
-        wd_incr_steps=t.train_iters,
         wd_incr_style="constant",
-        wsd_decay_steps=wsd_iters,
         lr_wsd_decay_style=t.lr_wsd_decay_style,
+        **lr_schedule(t),
     )
     return optimizer, scheduler
 
@@ -161,13 +183,20 @@ def build_data(cfg: RunConfig, tokenizer, layout: BatchLayout, n1: int):
         samples=(windows, c.eval_iters * gbs * evals, 0),
         seed=t.seed,
     )
-    for name, dataset in (("training", train), ("validation", valid)):
+    checks = [("training", train)] + ([("validation", valid)] if c.eval_iters else [])
+    for name, dataset in checks:
         if dataset is None or len(dataset) == 0:
             raise ConfigError(
                 f"the data gives no {name} samples of {T} tokens; lower --seq-length or add "
                 "data (--data-path, --split)"
             )
-    stream = TrainStream(train, bag_size=per_sample, phase1_samples=n1 * gbs, seed=t.seed)
+    stream = TrainStream(
+        train,
+        bag_size=per_sample,
+        phase1_samples=n1 * gbs,
+        seed=t.seed,
+        num_workers=cfg.data.num_workers,
+    )
     return stream, valid
 
 
@@ -187,7 +216,7 @@ def build_phases(cfg: RunConfig, tokenizer, layout: BatchLayout) -> tuple[Schedu
     )
     phase2_step = make_phase2_step(cp_group=cp_group)
     schedule = schedule.bind(
-        phase1=(stream.phase1_sample, phase1_step), phase2=(stream.phase2_sample, phase2_step)
+        phase1=(stream.samples(1), phase1_step), phase2=(stream.samples(2), phase2_step)
     )
     validation = dataclasses.replace(schedule.phase2, first_iteration=0).bind(
         valid.__getitem__, phase2_step
@@ -199,13 +228,22 @@ def setup(cfg: RunConfig) -> Run:
     """Start the process, validate, build model/optimizer/data, resume if asked."""
     process = resolve_process(device=cfg.train.device)
     validate(cfg, process.world_size, process.device.type)  # before any work
-    info = init_distributed(device=cfg.train.device)
+    cfg = resolve(cfg, process.world_size, process.device.type)
+    info = init_distributed(
+        device=cfg.train.device, timeout_minutes=cfg.train.distributed_timeout_minutes
+    )
     pcfg = cfg.parallel.to_parallel_config(cfg.model.num_layers)
     initialize_model_parallel(pcfg)
     print_rank0(describe_layout(info))
+    if process.device.type == "cpu":
+        print_rank0(" transformer impl: local (megatron-core's local spec; a CPU run)")
     set_seed(cfg.train.seed)
     tokenizer = build_tokenizer(
-        cfg.data.tokenizer_type, vocab_size=cfg.model.vocab_size, model=cfg.data.tokenizer_model
+        cfg.data.tokenizer_type,
+        vocab_size=cfg.model.vocab_size,
+        model=cfg.data.tokenizer_model,
+        vocab_file=cfg.data.vocab_file,
+        merge_file=cfg.data.merge_file,
     )
     if cfg.model.vocab_size is not None and tokenizer.vocab_size != cfg.model.vocab_size:
         raise ConfigError(
@@ -213,7 +251,11 @@ def setup(cfg: RunConfig) -> Run:
             f"{cfg.model.vocab_size}; make them equal (or omit --vocab-size)"
         )
     if cfg.data.data_path:
-        check_data_files(cfg.data.data_path, tokenizer.vocab_size)
+        check_data_files(
+            cfg.data.data_path, tokenizer.vocab_size, cache_path=cfg.data.data_cache_path
+        )
+    else:
+        check_mock_data(tokenizer, tokenizer.vocab_size)
     vocab = padded_vocab_size(
         cfg.model.vocab_size or tokenizer.vocab_size,
         divisible_by=cfg.model.make_vocab_size_divisible_by,
@@ -280,7 +322,7 @@ def _moe_aux_loss(cfg: RunConfig, num_microbatches: int) -> Optional[float]:
 
 def read_batches(run: Run, phase: Phase, data_step: int) -> list:
     """This rank's micro-batches of ``phase``'s phase-local step ``data_step``."""
-    return list(microbatches(phase.read_sample, run.layout, step=data_step, device=run.device))
+    return read_step(phase.read_sample, run.layout, step=data_step, device=run.device)
 
 
 def run_schedule(run: Run, phase: Phase, batches: list, *, forward_only: bool) -> list:
@@ -306,13 +348,26 @@ def train_step(run: Run, phase: Phase, iteration: int) -> dict:
         chunk.zero_grad_buffer()
     run.optimizer.zero_grad()
     reports = run_schedule(run, phase, batches, forward_only=False)
-    _, grad_norm, _ = run.optimizer.step()
-    run.scheduler.step(increment=1)
+    _, grad_norm, num_zeros = run.optimizer.step()
+    run.scheduler.step(increment=run.layout.global_batch_size)
     elapsed = time.perf_counter() - start
+    loss = _reduce_report(reports, run.device)
+    if (
+        run.cfg.train.check_for_nan_in_loss_and_grad
+        and loss is not None
+        and not math.isfinite(loss)
+    ):
+        raise RuntimeError(
+            f"iteration {iteration}: the loss is {loss} (--no-check-for-nan-in-loss-and-grad "
+            "skips this check)"
+        )
+    if run.cfg.train.empty_unused_memory_level >= 1 and run.device.type == "cuda":
+        torch.cuda.empty_cache()
     return {
-        "loss": _reduce_report(reports, run.device),
+        "loss": loss,
         "moe_aux_loss": _moe_aux_loss(run.cfg, run.layout.num_microbatches),
         "grad_norm": grad_norm,
+        "num_zeros": num_zeros,
         "lr": run.optimizer.param_groups[0]["lr"],
         "tokens": run.layout.global_batch_size * phase.data_seq_length,
         "step_time": elapsed,
@@ -354,6 +409,7 @@ def log_step(run: Run, iteration: int, phase: Phase, metrics: dict, tokens_seen:
     kind = "mce loss" if phase.index == 1 else "lm loss"
     aux = metrics["moe_aux_loss"]
     tokens_per_second = metrics["tokens"] / metrics["step_time"]
+    extra = _monitoring(run, metrics)  # collective (--log-params-norm): on every rank
     print_rank0(
         f" iteration {iteration:8d}/{run.cfg.train.train_iters:8d} | phase {phase.index} | "
         f"consumed tokens: {tokens_seen:12d} | elapsed time per iteration (ms): "
@@ -361,7 +417,16 @@ def log_step(run: Run, iteration: int, phase: Phase, metrics: dict, tokens_seen:
         f"learning rate: {metrics['lr']:.3E} | {kind}: {_loss_text(metrics['loss'])} | "
         + (f"moe aux loss: {aux:.4E} | " if aux is not None else "")
         + f"grad norm: {metrics['grad_norm']:.3f} |"
+        + (
+            f" throughput per GPU (TFLOP/s/GPU): {_tflops(run, metrics):.1f} |"
+            if run.cfg.checkpoint.log_throughput
+            else ""
+        )
+        + "".join(f" {name}: {value} |" for name, value in extra.items() if "mem" not in name)
     )
+    if run.wandb is not None:
+        logged = {kind: metrics["loss"], "learning-rate": metrics["lr"], **extra}
+        run.wandb.log({k: v for k, v in logged.items() if v is not None}, iteration)
     if run.writer is not None:
         scalars = {
             kind: metrics["loss"],
@@ -369,12 +434,38 @@ def log_step(run: Run, iteration: int, phase: Phase, metrics: dict, tokens_seen:
             "grad-norm": metrics["grad_norm"],
             "tokens-per-second": tokens_per_second,
             "moe aux loss": aux,
+            **extra,
         }
         for name, value in scalars.items():
             if value is not None:
                 run.writer.add_scalar(name, value, iteration)
                 run.writer.add_scalar(f"{name} vs tokens", value, tokens_seen)
         run.writer.add_scalar("tst-phase vs tokens", phase.index, tokens_seen)
+
+
+def _monitoring(run: Run, metrics: dict) -> dict:
+    """The optional values of Megatron-LM's --log-* flags for this step."""
+    from tst_megatron.training import monitoring
+
+    c, extra = run.cfg.checkpoint, {}
+    if c.log_num_zeros_in_grad:
+        extra["num zeros"] = int(metrics["num_zeros"])
+    if c.log_params_norm:
+        extra["params norm"] = round(monitoring.params_l2_norm(run.model), 6)
+    if c.log_timers_to_tensorboard:
+        extra["iteration-time"] = metrics["step_time"]
+    if c.log_memory_to_tensorboard:
+        extra.update(monitoring.memory_scalars(run.device))
+    return extra
+
+
+def _tflops(run: Run, metrics: dict) -> float:
+    """Model TFLOP/s per process of this step (``--log-throughput``)."""
+    from tst_megatron.training.plan import flops_per_position
+
+    positions = run.layout.global_batch_size * run.cfg.model.seq_length
+    flops = positions * flops_per_position(run.cfg)
+    return flops / metrics["step_time"] / dist.get_world_size() / 1e12
 
 
 def log_validation(run: Run, iteration: int, loss: Optional[float], tokens_seen: int) -> None:
@@ -388,6 +479,8 @@ def log_validation(run: Run, iteration: int, loss: Optional[float], tokens_seen:
     if run.writer is not None and loss is not None:
         run.writer.add_scalar("validation lm loss", loss, iteration)
         run.writer.add_scalar("validation lm loss vs tokens", loss, tokens_seen)
+        if run.cfg.checkpoint.log_validation_ppl_to_tensorboard:
+            run.writer.add_scalar("lm loss validation ppl", math.exp(min(loss, 50)), iteration)
 
 
 def save(run: Run, iteration: int, tokens_seen: int) -> None:
@@ -441,14 +534,16 @@ def resume(run: Run) -> tuple[int, int]:
         args=run.args,
         load_optim=run.cfg.checkpoint.load_optim,
         load_rng=run.cfg.checkpoint.load_rng,
+        finetune=run.cfg.checkpoint.finetune,
+        strict=run.cfg.checkpoint.dist_ckpt_strictness,
     )
     if loop is None:
         print_rank0(f" no checkpoint in {run.cfg.checkpoint.load}; starting from scratch")
         return 0, 0
     if loop.get("release"):
         print_rank0(
-            f" loaded the weights of {run.cfg.checkpoint.load}/release (a converted "
-            "checkpoint); training starts at iteration 0 with a new optimizer"
+            f" loaded the weights of {run.cfg.checkpoint.load} (--finetune or a converted "
+            "release checkpoint); training starts at iteration 0 with a new optimizer"
         )
     else:
         print_rank0(f" resumed from iteration {loop['iteration']} of {run.cfg.checkpoint.load}")
@@ -481,25 +576,41 @@ def train(cfg: RunConfig) -> dict:
         cfg.checkpoint.exit_signal_handler, resolve_process(device=cfg.train.device).device
     )
     run = setup(cfg)
-    c, schedule = cfg.checkpoint, run.schedule
+    cfg = run.cfg  # resolved: iterations from samples, global batch, ...
+    c, t, schedule = cfg.checkpoint, cfg.train, run.schedule
+    run.wandb = open_wandb(cfg, dist.get_rank(), dist.get_world_size())
+    profiler = Profiler(cfg, dist.get_rank(), run.device)
+    if t.manual_gc:  # Megatron-LM's --manual-gc: no automatic collection during steps
+        gc.disable()
+        gc.collect()
+    started = time.monotonic()
     iteration, tokens_seen = resume(run)
     _announce(run, iteration)
     exit_reason = should_exit(iteration, train_iters=schedule.train_iters)
     while exit_reason is None:
         phase = schedule.phase_at(iteration)
+        profiler.before_step(iteration)
         metrics = train_step(run, phase, iteration)
+        profiler.after_step(iteration)
         iteration, tokens_seen = iteration + 1, tokens_seen + metrics["tokens"]
         log_step(run, iteration, phase, metrics, tokens_seen)
         at_switch = schedule.switches_after(iteration)
         if at_switch:
             print_rank0(f" TST switch at iteration {iteration}: phase 2 (next-token) from here on")
+        if t.manual_gc and t.manual_gc_interval and iteration % t.manual_gc_interval == 0:
+            gc.collect()
         if should_eval(
             iteration, eval_interval=c.eval_interval, eval_iters=c.eval_iters, at_switch=at_switch
         ):
             loss = evaluate(run, iteration // c.eval_interval)
             log_validation(run, iteration, loss, tokens_seen)
         exit_reason = should_exit(
-            iteration, train_iters=schedule.train_iters, signalled=signals.any_rank()
+            iteration,
+            train_iters=schedule.train_iters,
+            signalled=signals.any_rank(),
+            exit_interval=t.exit_interval,
+            minutes_elapsed=_minutes_elapsed(started, run.device, t.exit_duration_in_mins),
+            exit_duration_in_mins=t.exit_duration_in_mins,
         )
         if should_save(
             iteration,
@@ -510,31 +621,52 @@ def train(cfg: RunConfig) -> dict:
             exiting=exit_reason is not None,
         ):
             save(run, iteration, tokens_seen)
-    if exit_reason == "signal":
-        print_rank0(f" exiting on SIGTERM after iteration {iteration}")
+    if exit_reason != "finished":
+        print_rank0(f" exiting after iteration {iteration} ({exit_reason})")
     run.history["exit"] = exit_reason
     if run.writer is not None:
         run.writer.close()
+    if t.manual_gc:
+        gc.enable()
+    if run.wandb is not None:
+        run.wandb.finish()
     return run.history
+
+
+def _minutes_elapsed(started: float, device, limit: Optional[float]) -> Optional[float]:
+    """Minutes since ``started``, the maximum over ranks so all agree (a collective); None
+    without ``--exit-duration-in-mins``."""
+    if limit is None:
+        return None
+    minutes = torch.tensor([(time.monotonic() - started) / 60.0], device=device)
+    dist.all_reduce(minutes, op=dist.ReduceOp.MAX)
+    return minutes.item()
 
 
 def main(argv=None) -> int:
     """Entry point: parse, train, tear down.
 
     A :class:`~tst_megatron.errors.ConfigError` (bad flag, layout, tokenizer, data or
-    checkpoint) prints one line from rank 0 and returns 2; any other exception propagates
-    with its traceback on the rank where it happened.
+    checkpoint) prints its problems (``error: ...``, one line each) from rank 0 and returns
+    2; any other exception propagates with its traceback on the rank where it happened.
+    ``--dry-run`` validates and prints the resolved run without training
+    (:func:`tst_megatron.training.plan.dry_run`).
     """
     from tst_megatron.runtime import destroy
     from tst_megatron.training.config import parse_args
 
     cfg = parse_args(argv)
+    if cfg.train.dry_run:
+        from tst_megatron.training.plan import dry_run
+
+        return dry_run(cfg)
     try:
         train(cfg)
     except ConfigError as exc:  # checks give the same verdict on every rank: print once
         if not dist.is_initialized() or dist.get_rank() == 0:
             if os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0":
-                print(f"error: {exc}", file=sys.stderr, flush=True)
+                for line in str(exc).splitlines():
+                    print(f"error: {line}", file=sys.stderr, flush=True)
         return 2
     finally:
         destroy()

@@ -1,0 +1,95 @@
+"""Index caches and the token-id check on 2 gloo processes: a shared cache directory and
+two "nodes" with a cache directory each, built once per directory, never seen half-written."""
+
+import contextlib
+import io
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from tests.distributed.harness import run_distributed
+from tests.unit.test_data_boundary import VOCAB, random_documents, write_dataset
+
+
+def _build(prefix, cache, local_rank):
+    from tst_megatron.training.config import DataArgs
+    from tst_megatron.training.data import build_datasets, build_tokenizer
+
+    os.environ["LOCAL_RANK"] = str(local_rank)
+    tok = build_tokenizer("NullTokenizer", vocab_size=VOCAB, model=None)
+    data = DataArgs(data_path=prefix, split="90,10,0", data_cache_path=cache)
+    train, valid, _ = build_datasets(data, tok, seq_length=16, samples=(60, 8, 0), seed=1)
+    return {
+        # megatron-core maps a cache it loads (np.memmap); what it computed is in memory
+        "built": not isinstance(train.shuffle_index, np.memmap),
+        "tokens": torch.stack([train[i]["tokens"] for i in range(len(train))]),
+        "files": sorted(os.listdir(cache)),
+    }
+
+
+def _child(rank, world, *, prefix, bad_prefix, root):
+    import torch.distributed as dist
+
+    from tst_megatron.errors import ConfigError
+    from tst_megatron.training.data import check_data_files
+
+    out = {}
+    shared = os.path.join(root, "shared")
+    out["shared"] = _build(prefix, shared, local_rank=rank)  # one node, 2 ranks
+    out["shared_again"] = _build(prefix, shared, local_rank=rank)
+    own = os.path.join(root, f"node{rank}")  # 2 nodes of 1 rank, each its own disk
+    out["node_local"] = _build(prefix, own, local_rank=0)
+    out["node_local_again"] = _build(prefix, own, local_rank=0)
+    dist.barrier()
+    # token ids: the first start reads half of the .bin on each rank, rank 0 stamps it
+    check_data_files(prefix, VOCAB, cache_path=shared)
+    dist.barrier()
+    out["stamps"] = sorted(n for n in os.listdir(shared) if n.endswith(".token-range.json"))
+    try:
+        check_data_files(bad_prefix, VOCAB, cache_path=shared)
+        out["bad"] = None
+    except ConfigError as exc:
+        out["bad"] = str(exc)
+    # the same through the trainer at TP=2: one line from rank 0, status 2 on every rank
+    from tst_megatron.training.trainer import main
+
+    argv = [
+        *("--device", "cpu", "--data-path", bad_prefix, "--data-cache-path", shared),
+        *("--vocab-size", str(VOCAB), "--tensor-model-parallel-size", "2", "--seq-length", "16"),
+        *("--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4"),
+        *("--micro-batch-size", "2", "--train-iters", "4", "--tst-bag-size", "2"),
+        *("--tst-phase1-iters", "2", "--lr", "1e-3"),
+    ]
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        out["main"] = (main(argv), err.getvalue())
+    return out
+
+
+@pytest.mark.slow
+def test_index_caches_shared_and_node_local(tmp_path):
+    prefix = write_dataset(tmp_path / "data", random_documents(300))
+    docs = random_documents(300)
+    docs[-1][-2] = -1  # in rank 1's half of the .bin
+    bad = write_dataset(tmp_path / "bad", docs)
+    ranks = run_distributed(_child, 2, prefix=prefix, bad_prefix=bad, root=str(tmp_path))
+    r0, r1 = ranks
+    # shared: built once (rank 0), read by rank 1; then read by both
+    assert (r0["shared"]["built"], r1["shared"]["built"]) == (True, False)
+    assert not r0["shared_again"]["built"] and not r1["shared_again"]["built"]
+    # node-local: each node's local rank 0 builds its own; then both read
+    assert r0["node_local"]["built"] and r1["node_local"]["built"]
+    assert not r0["node_local_again"]["built"] and not r1["node_local_again"]["built"]
+    for key in ("shared", "node_local", "node_local_again"):
+        assert torch.equal(r0[key]["tokens"], r1[key]["tokens"])
+        assert torch.equal(r0[key]["tokens"], r0["shared"]["tokens"])
+    # every cache file complete, no temporary or probe file left
+    assert r0["node_local"]["files"] == r1["node_local"]["files"] == r0["shared"]["files"]
+    assert len([n for n in r0["shared"]["files"] if n.endswith(".npy")]) == 6  # train, valid
+    for d in ("shared", "node0", "node1"):
+        assert [n for n in os.listdir(tmp_path / d) if n.startswith(".")] == []
+    assert r0["stamps"] == r1["stamps"] and len(r0["stamps"]) == 1
+    assert r0["bad"] == r1["bad"] and "bad.bin holds token id -1, outside" in r0["bad"]
+    assert r0["main"] == (2, f"error: {r0['bad']}\n") and r1["main"] == (2, "")

@@ -1,0 +1,268 @@
+"""The phase-1 loss seam (``TSTGPTModel``) and ``bag_embedding`` against megatron-core itself.
+
+- state-dict and ``sharded_state_dict`` keys equal a baseline ``GPTModel``'s (dense and MoE);
+- ``labels=[b, T, S]`` gives the per-slot CE of a float64 reference computed from the
+  model's own logits, and the same parameter gradients;
+- no logits-sized tensor is allocated beyond what the baseline (phase-2) step allocates;
+- ``bag_embedding`` at ``S = 1`` equals ``LanguageModelEmbedding.forward`` (TP=1 and TP=2,
+  with and without SP, learned/RoPE positions, fp32 residual, MuP where megatron-core has it).
+"""
+
+import dataclasses
+import zlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from tests.distributed.harness import run_distributed
+
+V, T, S, B = 96, 8, 4, 2
+
+
+def _config(*, experts=None, hidden=16, tp=1, hidden_dropout=0.0, **extra):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    moe = (
+        dict(num_moe_experts=experts, moe_router_topk=2, moe_ffn_hidden_size=16) if experts else {}
+    )
+    return TransformerConfig(
+        num_layers=2,
+        hidden_size=hidden,
+        num_attention_heads=2,
+        ffn_hidden_size=32,
+        normalization="RMSNorm",
+        add_bias_linear=False,
+        use_cpu_initialization=True,
+        hidden_dropout=hidden_dropout,
+        attention_dropout=0.0,
+        tensor_model_parallel_size=tp,
+        sequence_parallel=tp > 1,
+        calculate_per_token_loss=True,
+        **moe,
+        **extra,
+    )
+
+
+def _init(tp=1):
+    from tst_megatron.runtime import ParallelConfig, initialize_model_parallel, set_seed
+
+    initialize_model_parallel(ParallelConfig(tensor_model_parallel_size=tp))
+    set_seed(3)
+
+
+def _set_weights(model):
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+            base = 1.0 if "norm" in name else 0.0
+            param.copy_(base + 0.2 * torch.randn(param.shape, generator=g))
+
+
+def _keys_child(rank, world):
+    from megatron.core.models.gpt import GPTModel
+
+    from tst_megatron.training.gpt import BalancedTopKRouter, TSTGPTModel
+    from tst_megatron.training.model import gpt_block_spec
+
+    _init()
+    result = {}
+    for experts in (None, 4):
+        config = _config(experts=experts)
+        models = [
+            cls(
+                config=config,
+                transformer_layer_spec=gpt_block_spec(config),
+                vocab_size=V,
+                max_sequence_length=T,
+            )
+            for cls in (GPTModel, TSTGPTModel)
+        ]
+        result[experts] = [
+            (sorted(m.state_dict().keys()), sorted(m.sharded_state_dict().keys())) for m in models
+        ]
+        routers = [type(m) for m in models[1].modules() if "Router" in type(m).__name__]
+        result[f"routers{experts}"] = [r is BalancedTopKRouter for r in routers]
+    return result
+
+
+def test_state_dict_keys_equal_baseline_gpt_model():
+    (result,) = run_distributed(_keys_child, 1)
+    for experts in (None, 4):
+        (base_sd, base_sharded), (tst_sd, tst_sharded) = result[experts]
+        assert tst_sd == base_sd and tst_sharded == base_sharded
+        assert len(base_sd) > 10
+    assert result["routers4"] == [True, True] and result["routersNone"] == []
+
+
+def _batch():
+    g = torch.Generator().manual_seed(17)
+    tokens = torch.randint(0, V, (B, S * T + 1), generator=g)
+    upstream = torch.randn(B, T, S, generator=g, dtype=torch.float64) + 0.3
+    return tokens, upstream
+
+
+def _seam_child(rank, world):
+    from tst_megatron.superposition import align_bag_targets, bag_embedding, fold_bags
+    from tst_megatron.training import build_gpt_model
+
+    _init()
+    model = build_gpt_model(_config(experts=4), vocab_size=V, max_sequence_length=T)
+    _set_weights(model)
+    tokens, upstream = _batch()
+    targets, _ = align_bag_targets(tokens[:, 1:], torch.ones(B, S * T), S)
+    bags = fold_bags(tokens[:, :-1], S)
+    out = {}
+    # The seam: per-slot CE from the model's loss path.
+    ce = model(None, None, None, decoder_input=bag_embedding(model.embedding, bags), labels=targets)
+    ce.backward(upstream.float())
+    out["ce"] = ce.detach()
+    out["grads"] = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    # The same model's logits (labels=None), for the float64 reference.
+    logits = model(None, None, None, decoder_input=bag_embedding(model.embedding, bags))
+    out["logits"] = logits.detach()
+    ref_logits = logits.detach().double().requires_grad_(True)
+    ref = torch.stack(
+        [
+            F.cross_entropy(
+                ref_logits.reshape(-1, V), targets[..., k].reshape(-1), reduction="none"
+            )
+            for k in range(S)
+        ],
+        dim=-1,
+    ).view(B, T, S)
+    ref.backward(upstream)
+    logits.backward(ref_logits.grad.float())
+    out["ref_ce"] = ref.detach()
+    out["ref_grads"] = {
+        n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None
+    }
+    return out
+
+
+def test_seam_per_slot_ce_and_gradients_match_reference():
+    (r,) = run_distributed(_seam_child, 1)
+    assert r["ce"].shape == (B, T, S) and r["ce"].dtype == torch.float32
+    torch.testing.assert_close(r["ce"].double(), r["ref_ce"], rtol=1e-5, atol=1e-5)
+    assert r["grads"].keys() == r["ref_grads"].keys()
+    for name, grad in r["ref_grads"].items():
+        torch.testing.assert_close(r["grads"][name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+class _LargeTensors(TorchDispatchMode):
+    """Count the new buffers of at least ``numel`` elements that ops allocate (an output whose
+    storage is none of the op's inputs': in-place ops and views allocate nothing)."""
+
+    def __init__(self, numel):
+        super().__init__()
+        self.numel, self.count = numel, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {
+            t.untyped_storage().data_ptr()
+            for t in torch.utils._pytree.tree_leaves((args, kwargs))
+            if isinstance(t, torch.Tensor)
+        }
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor) and t.numel() >= self.numel:
+                self.count += t.untyped_storage().data_ptr() not in inputs
+        return out
+
+
+def _copies_child(rank, world):
+    from tst_megatron.superposition import align_bag_targets, bag_embedding, fold_bags
+    from tst_megatron.training import build_gpt_model
+
+    _init()
+    vocab = 2048  # logits [T, b, V] = 32768 elements, the largest tensors by far (h = 8)
+    model = build_gpt_model(_config(hidden=8), vocab_size=vocab, max_sequence_length=T)
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, vocab, (B, S * T + 1), generator=g)
+    counts = {}
+    # Phase 2 (the baseline): megatron-core's own loss path.
+    with _LargeTensors(T * B * vocab) as big:
+        x, y = tokens[:, :T], tokens[:, 1 : T + 1]
+        loss = model(x, torch.arange(T).expand(B, T), None, labels=y)
+        loss.sum().backward()
+    counts["phase2"] = big.count
+    with _LargeTensors(T * B * vocab) as big:
+        targets, _ = align_bag_targets(tokens[:, 1:], torch.ones(B, S * T), S)
+        x = bag_embedding(model.embedding, fold_bags(tokens[:, :-1], S))
+        ce = model(None, None, None, decoder_input=x, labels=targets)
+        ce.sum().backward()
+    counts["phase1"] = big.count
+    return counts
+
+
+def test_phase1_allocates_no_extra_logits_sized_tensor():
+    """Issue 12.1: the logits are scored where they are, sequence-first, in place."""
+    (counts,) = run_distributed(_copies_child, 1)
+    assert counts["phase2"] >= 1
+    assert counts["phase1"] <= counts["phase2"], counts
+
+
+def _embedding_child(rank, world, *, cases):
+    from megatron.core.models.common.embeddings.language_model_embedding import (
+        LanguageModelEmbedding,
+    )
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from tst_megatron.superposition import bag_embedding
+
+    _init(world)
+    fields = {f.name for f in dataclasses.fields(TransformerConfig)}
+    results = []
+    for case in cases:
+        extra = dict(case.get("extra", {}))
+        if not set(extra) <= fields:
+            results.append(None)  # this megatron-core has no such setting (e.g. MuP < 0.17)
+            continue
+        config = _config(tp=world, hidden=16, hidden_dropout=case.get("dropout", 0.0), **extra)
+        emb = LanguageModelEmbedding(
+            config, vocab_size=V, max_sequence_length=T, position_embedding_type=case["position"]
+        )
+        _set_weights(emb)
+        g = torch.Generator().manual_seed(5)
+        ids = torch.randint(0, V, (B, T), generator=g)
+        positions = torch.arange(T).expand(B, T)
+        outs = []
+        for fn in (
+            lambda: emb(ids, positions),
+            lambda: bag_embedding(emb, ids.unsqueeze(-1), positions),
+        ):
+            torch.manual_seed(11)  # the same dropout mask for both
+            from megatron.core import tensor_parallel
+
+            tensor_parallel.model_parallel_cuda_manual_seed(11)
+            emb.zero_grad()
+            out = fn()
+            out.backward(torch.linspace(-1, 2, out.numel()).view_as(out))
+            outs.append((out.detach(), emb.word_embeddings.weight.grad.clone()))
+        results.append(outs)
+    return results
+
+
+EMBEDDING_CASES = [
+    {"position": "rope"},
+    {"position": "learned_absolute"},
+    {"position": "learned_absolute", "extra": {"fp32_residual_connection": True}},
+    {"position": "rope", "dropout": 0.3},
+    {"position": "learned_absolute", "extra": {"use_mup": True, "mup_embedding_mult": 2.5}},
+]
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_bag_embedding_at_s1_equals_language_model_embedding(world):
+    ranks = run_distributed(_embedding_child, world, cases=EMBEDDING_CASES)
+    for results in ranks:
+        for case, outs in zip(EMBEDDING_CASES, results):
+            if outs is None:
+                assert "use_mup" in case.get("extra", {})
+                continue
+            (ref_out, ref_grad), (out, grad) = outs
+            assert out.shape == ref_out.shape and out.dtype == ref_out.dtype, case
+            torch.testing.assert_close(out, ref_out, rtol=1e-6, atol=1e-6, msg=str(case))
+            torch.testing.assert_close(grad, ref_grad, rtol=1e-6, atol=1e-6, msg=str(case))

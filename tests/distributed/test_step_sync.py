@@ -1,0 +1,119 @@
+"""Issue 12.2: no device-to-host read per micro-batch from the TST step.
+
+One phase-1 and one phase-2 training step of the trainer (an MoE model, 3 micro-batches)
+run under a ``TorchFunctionMode`` that records every host read of a tensor value
+(``.item()``, ``.tolist()``, ``bool()``, ``int()``, ``float()``, ``.numpy()``, and the
+data-dependent shapes ``nonzero``/``masked_select``/boolean indexing) with its call stack.
+On a GPU each of these waits for the stream.
+
+Allowed, because they are not the TST step's:
+- reads outside megatron-core's pipeline schedule: once per step (the optimizer's grad
+  norm and inf check, the trainer's logging reductions);
+- inside the schedule, megatron-core's own: the MoE token dispatcher's split sizes, the
+  RNG tracker's comparison of host RNG states, ``finalize_model_grads``'s token count,
+  the boolean-mask fill in its cross-entropy (phase 2, as in any baseline run).
+Not allowed: any read made by the TST step itself (``superposition/``,
+``training/forward.py``, ``training/gpt.py`` as the innermost project or megatron-core
+frame) or any other read inside the schedule.
+"""
+
+import os
+import traceback
+
+import torch
+
+from tests.distributed.harness import run_distributed
+
+ARGV = (
+    "--mock-data --vocab-size 128 --make-vocab-size-divisible-by 64 --num-layers 2 "
+    "--hidden-size 32 --num-attention-heads 4 --ffn-hidden-size 64 --seq-length 16 --swiglu "
+    "--disable-bias-linear --untie-embeddings-and-output-weights --micro-batch-size 2 "
+    "--global-batch-size 6 --train-iters 4 --tst-bag-size 4 --tst-phase1-iters 2 "
+    "--hidden-dropout 0 --attention-dropout 0 --device cpu --log-interval 1 "
+    "--num-experts 4 --moe-ffn-hidden-size 32 --moe-aux-loss-coeff 0.01 --moe-z-loss-coeff 0.001"
+).split()
+
+HOST_READS = {
+    "item",
+    "tolist",
+    "__bool__",
+    "__int__",
+    "__float__",
+    "__index__",
+    "numpy",
+    "nonzero",
+    "masked_select",
+    "is_nonzero",
+    "equal",
+}
+TST_STEP = ("tst_megatron/superposition/", "tst_megatron/training/forward.py", "training/gpt.py")
+MEGATRON_OWN = (
+    "megatron/core/transformer/moe/",
+    "megatron/core/tensor_parallel/random.py",
+    "megatron/core/distributed/finalize_model_grads.py",
+    "megatron/core/tensor_parallel/cross_entropy.py",  # the baseline's CE (boolean-mask fill)
+)
+
+
+def _child(rank, world):
+    from torch.overrides import TorchFunctionMode
+
+    from tst_megatron.training import trainer
+    from tst_megatron.training.config import parse_args
+
+    class HostReads(TorchFunctionMode):
+        def __init__(self):
+            super().__init__()
+            self.stacks = []
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            name = getattr(func, "__name__", "")
+            bool_index = (
+                name in ("__getitem__", "__setitem__")
+                and len(args) > 1
+                and isinstance(args[1], torch.Tensor)
+                and args[1].dtype == torch.bool
+            )
+            if name in HOST_READS or bool_index:
+                files = [
+                    (f.filename, f.name)
+                    for f in traceback.extract_stack()[:-1]
+                    if "site-packages/torch/" not in f.filename
+                ]
+                self.stacks.append((name, files))
+            return func(*args, **(kwargs or {}))
+
+    cfg = parse_args(ARGV)
+    run = trainer.setup(cfg)
+    result = {}
+    for first in (0, 2):
+        phase = run.schedule.phase_at(first)
+        trainer.train_step(run, phase, first)  # warm-up
+        with HostReads() as reads:
+            trainer.train_step(run, phase, first + 1)
+        result[phase.index] = reads.stacks
+    return result
+
+
+def _verdict(name, files):
+    """``None`` if the read is allowed, else a description. The read belongs to the innermost
+    frame of this project or of megatron-core (helpers like ``contextlib`` are skipped)."""
+    paths = [f.replace(os.sep, "/") for f, _ in files]
+    where = " < ".join(f"{os.path.basename(f)}:{fn}" for f, fn in reversed(files[-6:]))
+    owners = [p for p in paths if "tst_megatron/" in p or "megatron/core/" in p]
+    owner = owners[-1] if owners else ""
+    if any(mark in owner for mark in TST_STEP):
+        return f"TST step: {name} at {where}"
+    in_schedule = any(p.endswith("megatron/core/pipeline_parallel/schedules.py") for p in paths)
+    if in_schedule and not any(mark in owner for mark in MEGATRON_OWN):
+        return f"inside the schedule: {name} at {where}"
+    return None
+
+
+def test_no_host_reads_in_the_tst_step():
+    (result,) = run_distributed(_child, 1)
+    assert set(result) == {1, 2}
+    for phase, stacks in result.items():
+        assert stacks, "the recorder saw nothing (it must see the optimizer's reads)"
+        bad = sorted({v for name, files in stacks if (v := _verdict(name, files))})
+        assert not bad, f"phase {phase}:\n" + "\n".join(bad)

@@ -1,0 +1,231 @@
+"""The loss seam: a megatron-core ``GPTModel`` that also scores bags, and a router whose
+load-balancing gradient does not depend on the parallel layout.
+
+Neither class adds a parameter or a buffer: state dicts and ``sharded_state_dict`` keys are
+exactly those of a baseline ``GPTModel`` (tested), so checkpoints move freely between this
+project, Megatron-LM and the converters.
+
+Phase 1 scores the multi-hot cross-entropy where megatron-core scores its cross-entropy:
+in :meth:`GPTModel.compute_language_model_loss`, on the output layer's sequence-first
+logits ``[T, b, V/tp]``. ``GPTModel.forward(labels=None)`` would instead return a
+batch-first *copy* of the logits, whose gradient is then laid out again for the output
+layer's backward: one logits-sized buffer and two logits-sized copies per micro-batch.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import functools
+from typing import Optional
+
+import torch
+from megatron.core.models.gpt import GPTModel
+from megatron.core.transformer.moe.moe_layer import MoESubmodules
+from megatron.core.transformer.moe.router import TopKRouter
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+from tst_megatron.superposition import vocab_parallel_multi_target_cross_entropy
+
+
+class TSTGPTModel(GPTModel):
+    """A megatron-core ``GPTModel`` whose loss seam also takes ``[b, T, S]`` bag targets.
+
+    Construction is ``GPTModel``'s, with one change to the layer spec: MoE layers whose
+    router is megatron-core's ``TopKRouter`` get :class:`BalancedTopKRouter` (same
+    parameters, see there). ``forward(..., labels=...)``:
+
+    - ``labels`` ``[b, T]`` (phase 2): megatron-core's own loss path, unchanged (fused
+      cross-entropy included); returns ``[b, T]`` fp32 per-token CE.
+    - ``labels`` ``[b, T, S]`` (phase 1, global ids in ``[0, V)``): returns ``[b, T, S]`` fp32
+      per-slot CE ``logsumexp(z_j) - z_j[t_{j,k}]`` from
+      :func:`~tst_megatron.superposition.vocab_parallel_multi_target_cross_entropy`, computed
+      on the sequence-first logits ``[T, b, V/tp]`` in place (as megatron-core's CE does):
+      no copy of the logits is made. Ids are not checked (no host sync); data is checked
+      where it enters (``training/data.py``).
+    - ``labels=None``: batch-first logits ``[b, T, V/tp]``, as ``GPTModel``.
+
+    Under context parallelism ``T`` is this rank's share of the (latent) sequence.
+    Multi-token prediction (``mtp_num_layers``) is not supported with ``[b, T, S]`` labels.
+    """
+
+    def __init__(self, config, transformer_layer_spec, *args, **kwargs):
+        super().__init__(config, with_balanced_router(transformer_layer_spec), *args, **kwargs)
+
+    def compute_language_model_loss(self, labels: torch.Tensor, logits: torch.Tensor):
+        """Per-token CE for ``[b, T]`` labels (megatron-core), per-slot CE for ``[b, T, S]``.
+
+        Args:
+            labels: ``[b, T]`` or ``[b, T, S]`` integer global token ids.
+            logits: ``[T, b, V/tp]`` output-layer logits (vocab-parallel). With ``[b, T, S]``
+                labels they are overwritten by the softmax (they are not used afterwards).
+
+        Returns:
+            ``[b, T]`` or ``[b, T, S]`` float32 cross-entropy (nats).
+
+        Raises:
+            ValueError: ``labels`` is neither 2-D nor 3-D, or its leading shape does not
+                match the logits.
+        """
+        if labels.dim() == 2:
+            return super().compute_language_model_loss(labels, logits)
+        if labels.dim() != 3:
+            raise ValueError(f"labels must be [b, T] or [b, T, S], got {tuple(labels.shape)}")
+        targets = labels.transpose(0, 1).contiguous()  # [b, T, S] -> [T, b, S] (small)
+        per_slot = vocab_parallel_multi_target_cross_entropy(
+            logits, targets, tp_group=self.tp_group, inplace=True
+        )
+        return per_slot.transpose(0, 1).contiguous()  # [T, b, S] -> [b, T, S]
+
+
+# --- MoE load balancing independent of the layout --------------------------------------
+
+
+class BalancedTopKRouter(TopKRouter):
+    """megatron-core's ``TopKRouter`` whose aux/z-loss gradient does not depend on TP/SP/CP.
+
+    With ``calculate_per_token_loss`` (always on in this project) megatron-core attaches the
+    aux loss (and the z-loss) to the router scaled by the number of tokens the loss function
+    counts, so that the division of all gradients by the global token count in
+    ``finalize_model_grads`` leaves ``1 / (micro-batches * DP)`` on them. Up to 0.18 it uses
+    the router's *local* token count, which under sequence or context parallelism is
+    ``1/(TP*CP)`` of the tokens the loss function counts: the balancing gradient then shrinks
+    by ``TP*CP`` (0.5x at TP=2 + SP). megatron-core 0.19 multiplies by the TP x CP group size
+    itself. This router measures which behaviour the installed megatron-core has
+    (:func:`upstream_token_scaling`, once, on a stub; no version numbers) and multiplies its
+    own copy of ``moe_aux_loss_coeff`` / ``moe_z_loss_coeff`` by the missing factor. Both
+    losses are linear in their coefficient and the logged values are divided by it, so the
+    gradient becomes exactly the TP=1 one and the logged values do not change.
+
+    EP needs no correction: expert-parallel ranks are data-parallel for the router.
+    Same parameters, buffers and state-dict keys as ``TopKRouter``.
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        group = self.tp_cp_group
+        size = group.size() if group is not None else 1
+        if not self.calculate_per_token_loss or size == 1:
+            return
+        aux_scaled, z_scaled = upstream_token_scaling()
+        aux_factor = 1 if aux_scaled else size
+        z_factor = 1 if z_scaled else size
+        if aux_factor == 1 and z_factor == 1:
+            return
+        config = copy.copy(self.config)  # this router's own copy: the model's stays as built
+        aux = config.moe_aux_loss_coeff
+        if isinstance(aux, (list, tuple)):
+            config.moe_aux_loss_coeff = type(aux)(c * aux_factor for c in aux)
+        elif aux:
+            config.moe_aux_loss_coeff = aux * aux_factor
+        if config.moe_z_loss_coeff is not None:
+            config.moe_z_loss_coeff = config.moe_z_loss_coeff * z_factor
+        self.config = config
+
+
+class _SizeOnlyGroup:
+    """A process-group stand-in that only answers ``size()`` (for the probe below)."""
+
+    def __init__(self, size: int):
+        self._size = size
+
+    def size(self) -> int:
+        return self._size
+
+
+@functools.cache
+def upstream_token_scaling() -> tuple[bool, bool]:
+    """Whether megatron-core's per-token aux and z-loss scaling already count TP x CP.
+
+    Runs ``TopKRouter.attach_and_log_load_balancing_loss`` and ``TopKRouter.apply_z_loss``
+    once on a stub router (3 local tokens, a TP x CP group of size 2, per-token loss, no
+    logging) and reads the value they attach for backward: 3x the loss (local count only,
+    megatron-core <= 0.18) or 6x (0.19+).
+
+    Returns:
+        ``(aux_counts_tp_cp, z_counts_tp_cp)``.
+
+    Raises:
+        RuntimeError: the installed megatron-core attaches something else (unsupported).
+    """
+    probe = TopKRouter.__new__(TopKRouter)
+    torch.nn.Module.__init__(probe)
+    probe.config = _ProbeConfig()
+    probe.layer_number = None  # megatron-core skips logging for it
+    probe.is_mtp_layer = False
+    probe.calculate_per_token_loss = True
+    probe.tp_cp_group = _SizeOnlyGroup(2)
+    probe.tp_dp_cp_group = _SizeOnlyGroup(2)  # only passed on to the (skipped) logging
+    probe.training = True
+    tokens, results = 3, []
+    with torch.enable_grad():
+        aux = torch.tensor(1.0, requires_grad=True)
+        out = probe.attach_and_log_load_balancing_loss(
+            torch.zeros(tokens, 2, requires_grad=True),
+            1.0,
+            aux,
+            "probe",
+            None,
+            valid_token_count=tokens,
+        )
+        results.append(float(out.grad_fn.saved_tensors[0]) / 1.0)
+        logits = torch.zeros(tokens, 2, requires_grad=True)
+        out = probe.apply_z_loss(logits)
+        z_loss = float(torch.logsumexp(logits.detach(), -1).square().mean()) / 2  # coeff 1 / 2
+        results.append(float(out.grad_fn.saved_tensors[0]) / z_loss)
+    verdict = []
+    for name, value in zip(("aux", "z"), results):
+        if abs(value - tokens) < 1e-6:
+            verdict.append(False)
+        elif abs(value - 2 * tokens) < 1e-6:
+            verdict.append(True)
+        else:
+            raise RuntimeError(
+                f"unsupported megatron-core: its per-token MoE {name}-loss scaling attaches "
+                f"{value:g}x the loss for {tokens} local tokens (expected {tokens} or "
+                f"{2 * tokens})"
+            )
+    return verdict[0], verdict[1]
+
+
+@dataclasses.dataclass
+class _ProbeConfig:
+    num_layers: int = 1
+    mtp_num_layers: Optional[int] = None
+    mtp_use_repeated_layer: bool = False
+    moe_z_loss_coeff: float = 1.0
+
+
+def _submodules(spec):
+    """A spec's ``submodules``: a ``ModuleSpec``'s, or (megatron-core 0.19's MoE layers) a
+    ``functools.partial(Module, submodules=...)``'s."""
+    if isinstance(spec, functools.partial):
+        return spec.keywords.get("submodules")
+    return getattr(spec, "submodules", None)
+
+
+def with_balanced_router(spec):
+    """``spec`` with every MoE layer's ``TopKRouter`` replaced by :class:`BalancedTopKRouter`.
+
+    Accepts what ``GPTModel`` accepts as ``transformer_layer_spec``: a
+    ``TransformerBlockSubmodules`` or a layer ``ModuleSpec`` (whose MoE ``mlp`` is a
+    ``ModuleSpec`` or, from megatron-core 0.19, a ``functools.partial``); anything else is
+    returned as is, and so are routers other than ``TopKRouter``.
+    """
+    if isinstance(spec, TransformerBlockSubmodules):
+        return dataclasses.replace(
+            spec, layer_specs=[with_balanced_router(s) for s in spec.layer_specs]
+        )
+    if not isinstance(spec, ModuleSpec) or spec.submodules is None:
+        return spec
+    mlp = getattr(spec.submodules, "mlp", None)
+    moe = _submodules(mlp)
+    if not isinstance(moe, MoESubmodules) or moe.router is not TopKRouter:
+        return spec
+    moe = dataclasses.replace(moe, router=BalancedTopKRouter)
+    if isinstance(mlp, functools.partial):
+        mlp = functools.partial(mlp.func, *mlp.args, **{**mlp.keywords, "submodules": moe})
+    else:
+        mlp = dataclasses.replace(mlp, submodules=moe)
+    return dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, mlp=mlp))

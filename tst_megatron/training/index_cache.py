@@ -1,0 +1,259 @@
+"""Dataset index caches that each node can build and no reader sees half-written.
+
+megatron-core's ``GPTDataset`` and ``BlendedDataset`` cache their index arrays (``.npy``
+files named after a hash of the dataset's description) in ``--data-cache-path``. Upstream,
+only *global* rank 0 builds a missing cache, and it writes the files in place with
+``numpy.save``. So a node whose cache directory is its own (node-local disk) finds no file
+(``FileNotFoundError``), and a reader of a shared directory can map a file that is still
+being written, or was left truncated by a crash ("mmap length is greater than file size").
+
+Here, through megatron-core's own seams (the dataset classes and ``is_built_on_rank`` of
+``BlendedMegatronDatasetBuilder``; no patching):
+- :func:`is_cache_builder` finds out which ranks see one cache directory: global rank 0 builds
+  a shared cache; the local rank 0 of every node that does not see rank 0's files builds
+  its own.
+- :func:`build_splits` runs the builder twice: first on the cache builders (megatron-core's
+  barriers make everyone else wait), then on all the other ranks, which only read.
+- The dataset subclasses below compute a missing or damaged index with megatron-core's code
+  (in memory) and write each file to a temporary name, then rename it; a damaged file is
+  named in the message.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import logging
+import os
+import uuid
+from typing import Callable, Optional
+
+import numpy as np
+import torch.distributed as dist
+from megatron.core.datasets import blended_dataset, gpt_dataset
+from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+from megatron.core.datasets.gpt_dataset import GPTDatasetConfig
+
+from tst_megatron.data.files import atomic_path
+from tst_megatron.errors import ConfigError
+
+
+class _NoCacheNotice(logging.Filter):
+    """Drops megatron-core's warning that indexes computed with ``path_to_cache=""`` are not
+    saved: here they are, by :meth:`_AtomicIndexCache._build_or_load`."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "because path_to_cache is None" not in record.getMessage()
+
+
+for _module in (gpt_dataset, blended_dataset):
+    _module.logger.addFilter(_NoCacheNotice())
+
+
+def npy_problem(path: str) -> Optional[str]:
+    """Why the ``.npy`` file ``path`` cannot be mapped (a bad header, or a size that differs
+    from what its header says: a truncated or overwritten file), or None if it is sound.
+    Reads the header only."""
+    try:
+        with open(path, "rb") as f:
+            version = np.lib.format.read_magic(f)
+            if version == (1, 0):
+                shape, _, dtype = np.lib.format.read_array_header_1_0(f)
+            else:
+                shape, _, dtype = np.lib.format.read_array_header_2_0(f)
+            header = f.tell()
+    except (OSError, ValueError) as exc:
+        return f"is not a readable .npy file ({exc})"
+    if dtype.hasobject:
+        return None
+    expected = header + int(np.prod(shape)) * dtype.itemsize
+    size = os.path.getsize(path)
+    if size != expected:
+        return f"has {size} bytes but its header describes {expected} (truncated or corrupt)"
+    return None
+
+
+@dataclasses.dataclass
+class CachedGPTDatasetConfig(GPTDatasetConfig):
+    """megatron-core's ``GPTDatasetConfig`` plus who may write a missing index cache."""
+
+    build_missing_cache: bool = True
+    """True: compute a missing or damaged cache and write it (atomically). False: only
+    read; a missing file is an error (the ranks of :func:`build_splits`' second pass)."""
+
+
+class _AtomicIndexCache:
+    """Mixin over a megatron-core dataset class whose cache files are
+    ``<hash>-<class>-<split>-<affix>`` in :meth:`_cache_dir`."""
+
+    _affixes: tuple = ()
+    """The ``.npy`` files of the cache (besides ``description.txt``)."""
+
+    def _cache_dir(self) -> Optional[str]:
+        return self.config.path_to_cache
+
+    def _split_name(self) -> str:
+        raise NotImplementedError
+
+    def _cache_paths(self, directory: str) -> list[str]:
+        """``[description.txt, *arrays]`` as megatron-core names them."""
+        base = f"{self.unique_description_hash}-{type(self).__name__}-{self._split_name()}"
+        affixes = ("description.txt", *self._affixes)
+        return [os.path.join(directory, f"{base}-{a}") for a in affixes]
+
+    def _build_or_load(self, build: Callable[[], tuple]) -> tuple:
+        """``build()`` is megatron-core's method: it loads when every cache file is there,
+        else computes the arrays (and writes them only on global rank 0, in place)."""
+        directory = self._cache_dir()
+        if not directory:
+            return build()
+        description, *arrays = self._cache_paths(directory)
+        if all(map(os.path.isfile, [description, *arrays])):
+            damaged = [(p, why) for p in arrays if (why := npy_problem(p)) is not None]
+            if not damaged:
+                return build()  # megatron-core maps the files
+            path, why = damaged[0]
+            if not self.config.build_missing_cache:
+                raise ConfigError(
+                    f"dataset index cache {path} {why}; delete it (or the whole "
+                    "--data-cache-path directory) and restart to rebuild it"
+                )
+            print(f" warning: dataset index cache {path} {why}; rebuilding it", flush=True)
+        elif not self.config.build_missing_cache:
+            missing = next(p for p in [description, *arrays] if not os.path.isfile(p))
+            raise RuntimeError(f"dataset index cache {missing} was not built by this node")
+        original = self.config
+        self.config = copy.copy(original)
+        self.config.path_to_cache = ""  # megatron-core then computes in memory, writes nothing
+        try:
+            result = build()
+        finally:
+            self.config = original
+        os.makedirs(directory, exist_ok=True)
+        for path, array in zip(arrays, result):
+            with atomic_path(path) as tmp, open(tmp, "wb") as f:
+                np.save(f, array, allow_pickle=True)
+        with atomic_path(description) as tmp, open(tmp, "w") as f:
+            f.write(self.unique_description)  # last: megatron-core needs all files for a hit
+        return result
+
+
+# The subclasses keep megatron-core's class names on purpose: the names enter the cache
+# file names and the description hash, so caches stay interchangeable with Megatron-LM's.
+
+
+class GPTDataset(_AtomicIndexCache, gpt_dataset.GPTDataset):
+    """megatron-core's ``GPTDataset`` with node-local, atomically written index caches."""
+
+    _affixes = ("document_index.npy", "sample_index.npy", "shuffle_index.npy")
+
+    def _split_name(self) -> str:
+        return self.index_split.name
+
+    def _cache_dir(self) -> Optional[str]:
+        if self.config.path_to_cache is None and not self.config.mock:  # upstream's default
+            return os.path.join(self.dataset.path_prefix, "cache", f"{type(self).__name__}_indices")
+        return self.config.path_to_cache
+
+    def _build_document_sample_shuffle_indices(self):
+        return self._build_or_load(super()._build_document_sample_shuffle_indices)
+
+
+class MockGPTDataset(_AtomicIndexCache, gpt_dataset.MockGPTDataset):
+    """megatron-core's ``MockGPTDataset`` with the same cache handling as :class:`GPTDataset`."""
+
+    _affixes = GPTDataset._affixes
+    _split_name = GPTDataset._split_name
+    _cache_dir = GPTDataset._cache_dir
+
+    def _build_document_sample_shuffle_indices(self):
+        return self._build_or_load(super()._build_document_sample_shuffle_indices)
+
+
+class BlendedDataset(_AtomicIndexCache, blended_dataset.BlendedDataset):
+    """megatron-core's ``BlendedDataset`` with the same cache handling as :class:`GPTDataset`."""
+
+    _affixes = ("dataset_index.npy", "dataset_sample_index.npy")
+
+    def _split_name(self) -> str:
+        return self.split.name
+
+    def _build_indices(self):
+        return self._build_or_load(super()._build_indices)
+
+
+class _Builder(BlendedMegatronDatasetBuilder):
+    """megatron-core's builder, building blends with :class:`BlendedDataset`."""
+
+    @staticmethod
+    def build_generic_dataset(cls, is_built_on_rank, synchronize_ranks, *args):
+        if cls is blended_dataset.BlendedDataset:
+            cls = BlendedDataset
+        return BlendedMegatronDatasetBuilder.build_generic_dataset(
+            cls, is_built_on_rank, synchronize_ranks, *args
+        )
+
+
+def cache_dir_of(config, prefixes: Optional[list]) -> Optional[str]:
+    """The directory the index caches of ``config`` go to (the first prefix's default one
+    when ``--data-cache-path`` is not given), or None when nothing is cached (mock data)."""
+    if config.path_to_cache:
+        return config.path_to_cache
+    if config.mock or not prefixes:
+        return None
+    return os.path.join(prefixes[0], "cache", "GPTDataset_indices")
+
+
+def is_cache_builder(directory: str, local_rank: int) -> bool:
+    """Whether this rank builds the index caches of ``directory`` (call on every rank).
+
+    The local rank 0 of each node writes a marker file named after a token from rank 0 and
+    its global rank; every rank then looks for rank 0's marker. Rank 0 builds; so does the
+    local rank 0 of a node that does not see rank 0's marker (its directory is its own). A
+    shared directory whose marker shows up late (e.g. NFS attribute caching) only makes a
+    node build a copy of its own, which the atomic writes make harmless.
+
+    Raises:
+        ConfigError: the directory cannot be created or written.
+    """
+    rank = dist.get_rank()
+    box = [uuid.uuid4().hex if rank == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+
+    def marker(r: int) -> str:
+        return os.path.join(directory, f".probe-{box[0]}-{r}")
+
+    try:
+        if local_rank == 0:
+            os.makedirs(directory, exist_ok=True)
+            open(marker(rank), "w").close()
+    except OSError as exc:
+        raise ConfigError(f"--data-cache-path: cannot write to {directory} ({exc})") from None
+    dist.barrier()
+    sees_rank0 = os.path.exists(marker(0))
+    dist.barrier()
+    if local_rank == 0:
+        os.remove(marker(rank))
+    return rank == 0 or (local_rank == 0 and not sees_rank0)
+
+
+def build_splits(cls, sizes: list, config, *, local_rank: int, prefixes=None) -> list:
+    """``BlendedMegatronDatasetBuilder(cls, sizes, ..., config).build()`` with the caches
+    built by :func:`is_cache_builder` ranks first, then read by every other rank.
+
+    ``cls`` is megatron-core's ``GPTDataset`` or ``MockGPTDataset``; ``config`` a
+    :class:`CachedGPTDatasetConfig`; ``prefixes`` the dataset prefixes (for upstream's
+    default cache directory when ``config.path_to_cache`` is None). Must be called on every rank. Returns ``[train, valid, test]``.
+    """
+    cls = {gpt_dataset.GPTDataset: GPTDataset, gpt_dataset.MockGPTDataset: MockGPTDataset}[cls]
+    directory = cache_dir_of(config, prefixes)
+    if not (dist.is_available() and dist.is_initialized()) or directory is None:
+        return _Builder(cls, sizes, lambda: True, config).build()
+    builder = is_cache_builder(directory, local_rank)
+    first = copy.copy(config)
+    first.build_missing_cache = True
+    second = copy.copy(config)
+    second.build_missing_cache = False
+    built = _Builder(cls, sizes, lambda: builder, first).build()
+    read = _Builder(cls, sizes, lambda: not builder, second).build()
+    return built if builder else read
