@@ -78,3 +78,23 @@ def test_sbatch_template_parses():
     script = os.path.join(ROOT, "slurm", "tst_vs_baseline_gpu.sbatch")
     result = subprocess.run(["bash", "-n", script], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.parametrize("name", sorted(RECIPES))
+def test_recipe_passes_the_trainers_dry_run(name):
+    recipe = RECIPES[name]
+    flags = _arms(recipe)["tst"]
+    env = dict(
+        os.environ, WORLD_SIZE=str(recipe.nodes * recipe.gpus_per_node), PYTHONWARNINGS="ignore"
+    )
+    result = subprocess.run(
+        [sys.executable, "examples/pretrain_gpt_tst.py", "--dry-run", *flags],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=env,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    assert "no problems found" in result.stdout
+    assert f"{recipe.parameters()['total']:,}" in result.stdout  # same count as the trainer's
