@@ -22,16 +22,20 @@ import traceback
 
 import torch
 
+from tests.defaults import TEST_DEFAULTS
 from tests.distributed.harness import run_distributed
 
 ARGV = (
-    "--mock-data --vocab-size 128 --make-vocab-size-divisible-by 64 --num-layers 2 "
-    "--hidden-size 32 --num-attention-heads 4 --ffn-hidden-size 64 --seq-length 16 --swiglu "
-    "--disable-bias-linear --untie-embeddings-and-output-weights --micro-batch-size 2 "
-    "--global-batch-size 6 --train-iters 4 --tst-bag-size 4 --tst-phase1-iters 2 "
-    "--hidden-dropout 0 --attention-dropout 0 --device cpu --log-interval 1 "
-    "--num-experts 4 --moe-ffn-hidden-size 32 --moe-aux-loss-coeff 0.01 --moe-z-loss-coeff 0.001"
-).split()
+    TEST_DEFAULTS
+    + (
+        "--mock-data --vocab-size 128 --make-vocab-size-divisible-by 64 --num-layers 2 "
+        "--hidden-size 32 --num-attention-heads 4 --ffn-hidden-size 64 --seq-length 16 --swiglu "
+        "--disable-bias-linear --untie-embeddings-and-output-weights --micro-batch-size 2 "
+        "--global-batch-size 6 --train-iters 4 --tst-bag-size 4 --tst-phase1-iters 2 "
+        "--hidden-dropout 0 --attention-dropout 0 --device cpu --log-interval 1 "
+        "--num-experts 4 --moe-ffn-hidden-size 32 --moe-aux-loss-coeff 0.01 --moe-z-loss-coeff 0.001"
+    ).split()
+)
 
 HOST_READS = {
     "item",

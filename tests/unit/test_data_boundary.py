@@ -8,6 +8,7 @@ import pytest
 import torch
 from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
+from tests.defaults import TEST_DEFAULTS
 from tst_megatron.errors import ConfigError
 from tst_megatron.training import data as data_mod
 from tst_megatron.training.config import DataArgs, parse_args
@@ -260,12 +261,30 @@ def test_num_workers_is_accepted(tmp_path):
     from tst_megatron.training.config import validate
 
     cfg = parse_args(
-        ["--mock-data", "--vocab-size", "64", "--train-iters", "4", "--num-workers", "2"]
+        [
+            *TEST_DEFAULTS,
+            "--mock-data",
+            "--vocab-size",
+            "64",
+            "--train-iters",
+            "4",
+            "--num-workers",
+            "2",
+        ]
     )
     validate(cfg, 1, "cpu")
     assert cfg.data.num_workers == 2
     bad = parse_args(
-        ["--mock-data", "--vocab-size", "64", "--train-iters", "4", "--num-workers", "-1"]
+        [
+            *TEST_DEFAULTS,
+            "--mock-data",
+            "--vocab-size",
+            "64",
+            "--train-iters",
+            "4",
+            "--num-workers",
+            "-1",
+        ]
     )
     with pytest.raises(ConfigError, match="--num-workers must be >= 0"):
         validate(bad, 1, "cpu")
