@@ -13,6 +13,23 @@ is regenerated to link every report in that folder.
     .venv/bin/python benchmarks/tst_vs_baseline.py            # ~25 min on 2 cores
     .venv/bin/python benchmarks/tst_vs_baseline.py --smoke    # ~1 min, for CI
     .venv/bin/python benchmarks/tst_vs_baseline.py --grid     # S in {2,4,6,8} x r in {0.2,0.3,0.5}; hours
+
+**Horizons** (``--horizons 600,1500,3000,6000``, issue 16): the same comparison at several
+run lengths, each arm with its own complete WSD schedule (warmup N/20, decay over the last
+10%). At every length: the baseline at its best LR among ``--lrs`` (or the one given by
+``--baseline-lr STEPS=LR``), then the ``--arms`` (``S:mode``; the first one at every length,
+the others up to ``--extra-arms-max-steps``), all with r = ``--phase1-fraction`` and the
+baseline's LR. It writes ``tst_horizons.md`` (final validation loss, TST - baseline, passes
+over the training split per arm, where each arm crosses the baseline) and
+``tst_horizons.png`` ((TST - baseline) against steps). The default model is a 4-layer dense
+GPT (h = 128, ffn 512) on 2 processes (DP = 2), cheaper per step than the MoE, and the
+corpus is python-stdlib + python-site-packages capped at ``--corpus-max-bytes`` (40 MB,
+~13 M tokens), so a 6000-step S = 2 arm reads the training split less than once:
+
+    .venv/bin/python benchmarks/tst_vs_baseline.py --horizons 600,1500,3000,6000   # ~2 h, 2 cores
+
+``--preset smollm2-135m`` / ``smollm2-135m-small`` with ``--device cuda`` run the paper's
+smallest row on GPUs (``docs/gpu_recipe.md``; settings in ``benchmarks/recipes.py``).
 """
 
 from __future__ import annotations
@@ -37,15 +54,25 @@ PY = sys.executable
 TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
 
 
-def ensure_data(data_dir: str, vocab: int, max_documents) -> str:  # noqa: C901
+def ensure_data(  # noqa: C901
+    data_dir: str,
+    vocab: int,
+    max_documents,
+    *,
+    sources: tuple = ("python-stdlib",),
+    max_bytes=None,
+    name: str = "stdlib",
+) -> str:
     """Corpus -> tokenizer -> .bin/.idx with the project's tools, reusing what exists."""
-    corpus, tok = os.path.join(data_dir, "stdlib.jsonl"), os.path.join(data_dir, "tokenizer")
-    prefix = os.path.join(data_dir, "stdlib")
+    corpus, tok = os.path.join(data_dir, name + ".jsonl"), os.path.join(data_dir, "tokenizer")
+    prefix = os.path.join(data_dir, name)
     steps = [
         (
             corpus,
-            ["tools/build_corpus.py", "--source", "python-stdlib", "--output", corpus]
-            + (["--max-documents", str(max_documents)] if max_documents else []),
+            ["tools/build_corpus.py", "--output", corpus]
+            + [a for source in sources for a in ("--source", source)]
+            + (["--max-documents", str(max_documents)] if max_documents else [])
+            + (["--max-bytes", str(max_bytes)] if max_bytes else []),
         ),
         (
             tok + ".model",
@@ -88,7 +115,29 @@ def ensure_data(data_dir: str, vocab: int, max_documents) -> str:  # noqa: C901
 
 
 def model_flags(args, data_prefix: str) -> list[str]:
-    tok = os.path.join(args.data_dir, "tokenizer.model")
+    """The trainer flags shared by every arm (model, data, batch, schedule, evaluation)."""
+    if args.preset:
+        from recipes import RECIPES
+
+        return RECIPES[args.preset].flags(
+            data_path=data_prefix,
+            tokenizer_model=args.tokenizer_model,
+            tokenizer_type=args.tokenizer_type,
+            train_iters=args.train_iters,
+            data_cache_path=os.path.join(args.work_dir, "data-cache"),
+        )
+    tok = args.tokenizer_model or os.path.join(args.data_dir, "tokenizer.model")
+    if args.model == "dense" and not args.smoke:
+        return _common_flags(args, data_prefix, tok) + [
+            "--num-layers",
+            "4",
+            "--hidden-size",
+            "128",
+            "--ffn-hidden-size",
+            "512",
+            "--seq-length",
+            str(args.seq_length),
+        ]
     size = (
         [
             "--num-layers",
@@ -116,9 +165,25 @@ def model_flags(args, data_prefix: str) -> list[str]:
             str(args.seq_length),
         ]
     )
-    return size + [
+    moe = [
+        "--num-experts",
+        "8",
+        "--moe-router-topk",
+        "2",
+        "--moe-aux-loss-coeff",
+        "0.01",
+        "--expert-model-parallel-size",
+        "2",
+    ]
+    if args.model == "dense":  # smoke size without the MoE flags
+        size = size[:6] + size[8:]
+    return size + _common_flags(args, data_prefix, tok) + (moe if args.model == "moe" else [])
+
+
+def _common_flags(args, data_prefix: str, tok: str) -> list[str]:
+    return [
         "--device",
-        "cpu",
+        args.device,
         "--data-path",
         data_prefix,
         "--split",
@@ -136,14 +201,6 @@ def model_flags(args, data_prefix: str) -> list[str]:
         "--swiglu",
         "--disable-bias-linear",
         "--untie-embeddings-and-output-weights",
-        "--num-experts",
-        "8",
-        "--moe-router-topk",
-        "2",
-        "--moe-aux-loss-coeff",
-        "0.01",
-        "--expert-model-parallel-size",
-        "2",
         "--micro-batch-size",
         "4",
         "--global-batch-size",
@@ -181,45 +238,68 @@ def model_flags(args, data_prefix: str) -> list[str]:
     ]
 
 
-def run_arm(args, name: str, flags: list[str]) -> dict:
-    """Train one arm with torchrun (2 processes); return its curves and wall-clock time."""
+def launcher(args) -> list[str]:
+    """``torchrun`` and its options: ``--nproc-per-node`` processes on this node; with
+    ``--nnodes > 1`` this node's rank and the rendezvous address/port (the same on every
+    node, e.g. from Slurm; see ``docs/gpu_recipe.md``)."""
     from tst_megatron.runtime.distributed import free_port
 
-    port = free_port()
-    tb = os.path.join(args.work_dir, name, "tensorboard")
-    if os.path.isdir(tb):
-        import shutil
+    options = ["--nproc_per_node", str(args.nproc_per_node)]
+    if args.nnodes > 1:
+        options += [
+            "--nnodes",
+            str(args.nnodes),
+            "--node_rank",
+            str(args.node_rank),
+            "--master_addr",
+            args.master_addr,
+            "--master_port",
+            str(args.master_port),
+        ]
+    else:
+        options += ["--master_port", str(args.master_port or free_port())]
+    return options
 
-        shutil.rmtree(os.path.join(args.work_dir, name))
-    command = [
-        TORCHRUN,
-        "--nproc_per_node",
-        "2",
-        "--master_port",
-        str(port),
-        "examples/pretrain_gpt_tst.py",
-        *flags,
-        "--tensorboard-dir",
-        tb,
-    ]
+
+def run_arm(args, name: str, flags: list[str]) -> dict:
+    """Train one arm with torchrun; return its curves and wall-clock time (node 0), or None
+    on the other nodes. With ``--reuse``, an arm whose ``arm.json`` exists is read back."""
+    import json
+    import shutil
+
+    arm_dir = os.path.join(args.work_dir, name)
+    saved = os.path.join(arm_dir, "arm.json")
+    if args.reuse and os.path.exists(saved):
+        with open(saved) as f:
+            return json.load(f)
+    tb = os.path.join(arm_dir, "tensorboard")
+    if os.path.isdir(arm_dir) and args.node_rank == 0:
+        shutil.rmtree(arm_dir)
+    options = launcher(args)
+    command = [TORCHRUN, *options, "examples/pretrain_gpt_tst.py", *flags, "--tensorboard-dir", tb]
     env = dict(os.environ, PYTHONWARNINGS="ignore")
     start = time.perf_counter()
     result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
     wall = time.perf_counter() - start
     if result.returncode != 0:
         raise RuntimeError(f"arm {name} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
+    if args.node_rank != 0:
+        return None
     scalars = read_scalars(tb)
     phases = scalars.get("tst-phase", [])
     tokens = scalars.get("tst-phase vs tokens", [])
-    return {
+    arm = {
         "name": name,
         "wall_s": wall,
-        "command": shlex.join(["torchrun", "--nproc_per_node", "2", *command[5:]]),
+        "command": shlex.join(["torchrun", *options[:2], *command[1 + len(options) :]]),
         "valid": scalars["validation lm loss"],
         "switch": switch_iteration(phases),
-        "tokens": tokens[-1][0] if tokens else None,
+        "tokens": int(tokens[-1][0]) if tokens else None,
         "steps": phases[-1][0] if phases else None,
     }
+    with open(saved, "w") as f:
+        json.dump(arm, f)
+    return arm
 
 
 def first_step_reaching(curve, target: float):
@@ -239,12 +319,9 @@ def report(args, baselines: list[dict], best: dict, tst: dict) -> str:
     lines = [
         "# TST vs baseline at matched FLOPs",
         "",
-        f"Machine: {platform.machine()}, {os.cpu_count()} CPU cores, Python {platform.python_version()}, "
-        "2 gloo processes (EP=2), no GPU.",
+        machine_line(args),
         "",
-        f"Model/data: MoE GPT (8 experts top-2), T = {'32' if args.smoke else args.seq_length}, "
-        f"micro-batch 4, global batch 8, {args.train_iters} steps, WSD; python-stdlib corpus "
-        f"(SentencePiece {args.vocab_size}), 98/2 train/validation split. TST: S = {args.bag_size}, "
+        f"Model/data: {describe(args)}, {args.train_iters} steps. TST: S = {args.bag_size}, "
         f"r = {args.phase1_fraction}.",
         "",
         "## Learning rate (chosen for the baseline, used by both arms)",
@@ -266,9 +343,7 @@ def report(args, baselines: list[dict], best: dict, tst: dict) -> str:
         "",
         "![validation curves](tst_vs_baseline.png)",
         "",
-        "Commands (run by `benchmarks/tst_vs_baseline.py`"
-        + (" --smoke" if args.smoke else "")
-        + "):",
+        f"Commands (run by `{invocation()}`):",
         "",
         f"    baseline: {best['command']}",
         f"    TST:      {tst['command']}",
@@ -298,66 +373,411 @@ def plot(args, best: dict, tst: dict, path: str) -> None:
     save_figure(fig, ax, path)
 
 
-def main() -> int:
+def invocation() -> str:
+    """This script's command line as run (for the reports)."""
+    return shlex.join(["benchmarks/tst_vs_baseline.py", *sys.argv[1:]])
+
+
+def machine_line(args) -> str:
+    if args.device == "cuda":
+        import torch
+
+        gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "GPU"
+        return (
+            f"Machine: {args.nnodes} node(s) x {args.nproc_per_node} {gpu}, "
+            f"Python {platform.python_version()}."
+        )
+    return (
+        f"Machine: {platform.machine()}, {os.cpu_count()} CPU cores, Python "
+        f"{platform.python_version()}, {args.nproc_per_node} gloo processes, no GPU."
+    )
+
+
+def describe(args) -> str:
+    """The model and data of the arms, in words."""
+    if args.preset:
+        from recipes import RECIPES
+
+        r = RECIPES[args.preset]
+        return (
+            f"preset {r.name}: dense GPT {r.num_layers} layers, h = {r.hidden_size}, "
+            f"ffn {r.ffn_hidden_size}, {r.num_attention_heads} heads / {r.num_query_groups} KV "
+            f"groups, untied embeddings, T = {r.seq_length}, global batch {r.global_batch_size}, "
+            f"WSD with {r.lr_warmup_iters} warmup steps; data {args.data_path}"
+        )
+    model = (
+        "MoE GPT (4 layers, h = 128, 8 experts top-2, EP = 2)"
+        if args.model == "moe"
+        else "dense GPT (4 layers, h = 128, ffn 512, DP = 2)"
+    )
+    if args.smoke:
+        model = f"{args.model} GPT (smoke size: 2 layers, h = 64)"
+    seq = 32 if args.smoke else args.seq_length
+    return (
+        f"{model}, T = {seq}, micro-batch 4, global batch 8, WSD; {args.corpus_label} corpus "
+        f"(SentencePiece {args.vocab_size}), 98/2 train/validation split"
+    )
+
+
+def tst_flags(bag_size: int, fraction: float, mode: str) -> list[str]:
+    """The ``--tst-*`` flags of an arm; ``--tst-mode`` only for the non-default modes."""
+    flags = ["--tst-bag-size", str(bag_size), "--tst-phase1-fraction", str(fraction)]
+    return flags + (["--tst-mode", mode] if mode != "full" else [])
+
+
+def lr_flags(lr: float) -> list[str]:
+    return ["--lr", str(lr), "--min-lr", str(lr / 10)]
+
+
+def run_baselines(args, base_flags: list[str], lrs, prefix: str = "") -> tuple[list, dict]:
+    """The baseline at each LR of ``lrs``; returns ``(all, best)`` (lowest final validation)."""
+    baselines = []
+    for lr in lrs:
+        arm = run_arm(
+            args, f"{prefix}baseline-lr{lr:g}", base_flags + lr_flags(lr) + ["--tst-bag-size", "1"]
+        )
+        if arm is None:  # not node 0
+            arm = {"valid": [(0, 0.0)], "wall_s": 0.0}
+        arm["lr"] = lr
+        baselines.append(arm)
+        print(
+            f"{prefix}baseline LR {lr:g}: final validation loss {arm['valid'][-1][1]:.4f} "
+            f"({arm['wall_s']:.0f} s)",
+            flush=True,
+        )
+    return baselines, min(baselines, key=lambda b: b["valid"][-1][1])
+
+
+# --- horizons (issue 16) --------------------------------------------------------------------
+
+
+def train_split_tokens(prefix: str, split: str = "98,2,0") -> int:
+    """Tokens in the training split of the ``.bin/.idx`` dataset ``prefix``: the first
+    documents, as megatron-core's dataset builder splits them (``round(share x documents)``)."""
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    dataset = IndexedDataset(prefix)  # keep it alive: its arrays view its memory map
+    lengths = [int(n) for n in dataset.sequence_lengths]
+    del dataset
+    shares = [float(x) for x in split.split(",")]
+    n_train = int(round(shares[0] / sum(shares) * len(lengths)))
+    return sum(lengths[:n_train])
+
+
+def crossing(points: list) -> "tuple | None":
+    """Where ``(steps, TST - baseline)`` points first go from above 0 to at or below it:
+    ``(steps_before, steps_after, estimate)`` with the estimate linear in log(steps); None
+    when they never cross (the caller tells 'always below' from 'always above')."""
+    import math
+
+    for (n0, d0), (n1, d1) in zip(points, points[1:]):
+        if d0 > 0 >= d1:
+            x = math.log(n0) + (math.log(n1) - math.log(n0)) * d0 / (d0 - d1)
+            return n0, n1, round(math.exp(x))
+    return None
+
+
+def crossing_text(label: str, points: list) -> str:
+    if not points:
+        return f"- {label}: not run."
+    found = crossing(points)
+    if found:
+        n0, n1, estimate = found
+        return (
+            f"- {label}: crosses the baseline between {n0} and {n1} steps "
+            f"(about {estimate} by linear interpolation in log steps)."
+        )
+    if all(d <= 0 for _, d in points):
+        return f"- {label}: at or below the baseline at every length measured."
+    return (
+        f"- {label}: above the baseline at every length measured "
+        f"(last gap {points[-1][1]:+.4f} nats at {points[-1][0]} steps)."
+    )
+
+
+def parse_arms(text: str) -> list[tuple[int, str]]:
+    """``"2:full,4:full,2:input"`` -> ``[(2, "full"), (4, "full"), (2, "input")]``."""
+    arms = []
+    for item in text.split(","):
+        size, _, mode = item.partition(":")
+        if mode not in ("full", "input", "output"):
+            raise SystemExit(f"error: --arms item {item!r} must be S:full, S:input or S:output")
+        arms.append((int(size), mode))
+    return arms
+
+
+def arm_label(size: int, mode: str) -> str:
+    return f"S={size} {mode}"
+
+
+def run_horizons(args, prefix: str) -> None:
+    """Every length of ``--horizons``: the baseline at its best LR, then the arms; the report
+    is rewritten after each length, so an interrupted run keeps what it measured."""
+    arms = parse_arms(args.arms)
+    train_tokens = train_split_tokens(prefix, "99,1,0" if args.preset else "98,2,0")
+    rows = []
+    for steps in sorted(int(x) for x in args.horizons.split(",")):
+        args.train_iters = steps
+        args.eval_interval = max(1, steps // (4 if args.smoke else 12))
+        base_flags = model_flags(args, prefix)
+        lrs = [args.baseline_lr[steps]] if steps in args.baseline_lr else args.lrs_list
+        baselines, best = run_baselines(args, base_flags, lrs, prefix=f"h{steps}-")
+        row = {"steps": steps, "baselines": baselines, "best": best, "arms": {}}
+        for index, (size, mode) in enumerate(arms):
+            if index > 0 and steps > args.extra_arms_max_steps:
+                continue
+            arm = run_arm(
+                args,
+                f"h{steps}-s{size}-{mode}-r{args.phase1_fraction}",
+                base_flags + lr_flags(best["lr"]) + tst_flags(size, args.phase1_fraction, mode),
+            )
+            if arm is None:
+                continue
+            row["arms"][arm_label(size, mode)] = arm
+            print(
+                f"h{steps} {arm_label(size, mode)}: final validation loss "
+                f"{arm['valid'][-1][1]:.4f} ({arm['wall_s']:.0f} s)",
+                flush=True,
+            )
+        rows.append(row)
+        if args.node_rank == 0:
+            name = "tst_horizons" + ("_smoke" if args.smoke else "")
+            labels = [arm_label(s, m) for s, m in arms]
+            plot_horizons(rows, labels, os.path.join(args.output_dir, name + ".png"))
+            text = horizons_report(args, rows, labels, train_tokens, name)
+            write(os.path.join(args.output_dir, name + ".md"), text)
+            write_index(args.output_dir)
+            print(text, flush=True)
+
+
+def gaps(rows: list, label: str) -> list:
+    """``[(steps, TST - baseline final validation loss)]`` of one arm across the lengths."""
+    return [
+        (r["steps"], r["arms"][label]["valid"][-1][1] - r["best"]["valid"][-1][1])
+        for r in rows
+        if label in r["arms"]
+    ]
+
+
+def horizons_report(args, rows: list, labels: list, train_tokens: int, name: str) -> str:
+    header = "| steps | baseline LR | baseline final validation loss (passes) | " + " | ".join(
+        f"{label}: TST - baseline (passes)" for label in labels
+    )
+    lines = [
+        "# TST vs baseline across training horizons",
+        "",
+        machine_line(args),
+        "",
+        f"Model/data: {describe(args)}. Every arm has its own complete WSD schedule (warmup "
+        f"N/20, decay over the last 10 %); r = {args.phase1_fraction}; every TST arm uses the "
+        "baseline's best LR at that length. Training split: "
+        f"{train_tokens:,} tokens; a *pass* is the tokens an arm read divided by that "
+        "(more than 1: the data was repeated).",
+        "",
+        "Modes: `full` = bag-averaged input and MCE over the next bag; `input` = bag-averaged "
+        "input, next bag's first token as the target; `output` = ordinary token input, each "
+        "position scored with the MCE on the S tokens that follow it (reads what the baseline reads).",
+        "",
+        header + " |",
+        "|---|---|---|" + "---|" * len(labels),
+    ]
+    for r in rows:
+        base = r["best"]
+        cells = [
+            str(r["steps"]),
+            f"{base['lr']:g}",
+            f"{base['valid'][-1][1]:.4f} ({base['tokens'] / train_tokens:.3g})",
+        ]
+        for label in labels:
+            arm = r["arms"].get(label)
+            cells.append(
+                f"{arm['valid'][-1][1] - base['valid'][-1][1]:+.4f} "
+                f"({arm['tokens'] / train_tokens:.3g})"
+                if arm
+                else "not run"
+            )
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", "## Where the curves cross", ""]
+    lines += [crossing_text(label, gaps(rows, label)) for label in labels]
+    below = [
+        f"{label} at {steps} steps ({gap:+.4f})"
+        for label in labels
+        for steps, gap in gaps(rows, label)
+        if gap < 0
+    ]
+    lines += [
+        "",
+        "TST below the baseline at equal steps: " + ("; ".join(below) if below else "none") + ".",
+        "",
+        f"![TST - baseline against steps]({name}.png)",
+        "",
+        "## Learning rates tried for the baseline",
+        "",
+        "| steps | LR | final validation loss |",
+        "|---|---|---|",
+    ]
+    lines += [
+        f"| {r['steps']} | {b['lr']:g} | {b['valid'][-1][1]:.4f} |"
+        for r in rows
+        for b in r["baselines"]
+    ]
+    lines += ["", f"Command: `.venv/bin/python {invocation()}`; each arm's trainer command:", ""]
+    for r in rows:
+        lines.append(f"    {r['best']['command']}")
+        lines += [f"    {arm['command']}" for arm in r["arms"].values()]
+    return "\n".join(lines) + "\n"
+
+
+def plot_horizons(rows: list, labels: list, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5), dpi=120)
+    for label in labels:
+        points = gaps(rows, label)
+        if points:
+            ax.plot(*zip(*points), "o-", ms=4, label=label)
+    ax.axhline(0.0, color="gray", ls="--", lw=1, label="baseline")
+    ax.set_xscale("log")
+    ax.set_xlabel("training steps (each run its own WSD schedule; equal FLOPs per step)")
+    ax.set_ylabel("TST - baseline final validation loss (nats)")
+    save_figure(fig, ax, path)
+
+
+# --- entry point ----------------------------------------------------------------------------
+
+
+def parse(argv=None):
     p = argparse.ArgumentParser(description="TST vs baseline at matched FLOPs")
     p.add_argument("--smoke", action="store_true", help="tiny model and data, a few steps")
     p.add_argument("--grid", action="store_true", help="sweep S in {2,4,6,8} x r in {0.2,0.3,0.5}")
+    p.add_argument(
+        "--horizons",
+        default=None,
+        help="comma-separated run lengths, e.g. 600,1500,3000,6000: writes tst_horizons.md",
+    )
+    p.add_argument(
+        "--arms",
+        default="2:full,4:full,2:input,2:output",
+        help="horizon arms S:mode (mode full, input or output); the first runs at every length",
+    )
+    p.add_argument(
+        "--extra-arms-max-steps",
+        type=int,
+        default=3000,
+        help="the arms after the first run only at lengths up to this",
+    )
+    p.add_argument(
+        "--baseline-lr",
+        default="",
+        help="STEPS=LR,... : use this baseline LR at that length instead of trying --lrs",
+    )
+    p.add_argument(
+        "--model", choices=("moe", "dense"), default=None, help="default: moe; dense for --horizons"
+    )
+    p.add_argument("--preset", default=None, help="a GPU recipe of benchmarks/recipes.py")
     p.add_argument("--train-iters", type=int, default=None)
     p.add_argument("--seq-length", type=int, default=128)
-    p.add_argument("--bag-size", type=int, default=4)
-    p.add_argument("--phase1-fraction", type=float, default=0.3)
-    p.add_argument("--lrs", default="1e-3,2e-3,4e-3", help="learning rates tried for the baseline")
+    p.add_argument("--bag-size", type=int, default=None)
+    p.add_argument("--phase1-fraction", type=float, default=None)
+    p.add_argument("--lrs", default=None, help="learning rates tried for the baseline")
     p.add_argument("--vocab-size", type=int, default=None)
+    p.add_argument("--corpus-max-bytes", type=int, default=40_000_000, help="--horizons corpus cap")
+    p.add_argument("--data-path", default=None, help="an existing .bin/.idx prefix (GPU recipes)")
+    p.add_argument("--tokenizer-model", default=None, help="its tokenizer (with --data-path)")
+    p.add_argument("--tokenizer-type", default="SentencePieceTokenizer")
     p.add_argument("--data-dir", default=None)
     p.add_argument("--work-dir", default=None)
     p.add_argument("--output-dir", default=os.path.join(ROOT, "docs", "results"))
-    args = p.parse_args()
+    p.add_argument("--reuse", action="store_true", help="read back arms already finished")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--nproc-per-node", type=int, default=None, help="default: 2 on CPU, 8 on GPU")
+    p.add_argument("--nnodes", type=int, default=1)
+    p.add_argument("--node-rank", type=int, default=0)
+    p.add_argument("--master-addr", default="127.0.0.1")
+    p.add_argument("--master-port", type=int, default=None)
+    args = p.parse_args(argv)
+    if args.preset:
+        from recipes import RECIPES
+
+        if args.preset not in RECIPES:
+            p.error(f"--preset must be one of {', '.join(RECIPES)}")
+        if args.device != "cuda" or not args.data_path or not args.tokenizer_model:
+            p.error("--preset needs --device cuda, --data-path and --tokenizer-model")
+        recipe = RECIPES[args.preset]
+        args.bag_size = args.bag_size or recipe.bag_size
+        args.phase1_fraction = args.phase1_fraction or recipe.phase1_fraction
+        args.lrs = args.lrs or str(recipe.lr)
+        args.train_iters = args.train_iters or recipe.train_iters
+        args.nproc_per_node = args.nproc_per_node or recipe.gpus_per_node
+    if args.nnodes > 1 and (args.master_port is None or args.master_addr == "127.0.0.1"):
+        p.error("--nnodes > 1 needs --master-addr and --master-port (the same on every node)")
+    args.model = args.model or ("dense" if args.horizons else "moe")
+    args.bag_size = args.bag_size or 4
+    args.phase1_fraction = args.phase1_fraction or 0.3
+    args.lrs = args.lrs or "1e-3,2e-3,4e-3"
+    args.lrs_list = [float(x) for x in args.lrs.split(",")]
+    args.baseline_lr = {
+        int(k): float(v)
+        for k, v in (item.split("=") for item in args.baseline_lr.split(",") if item)
+    }
+    args.nproc_per_node = args.nproc_per_node or (8 if args.device == "cuda" else 2)
     args.train_iters = args.train_iters or (12 if args.smoke else 600)
     args.vocab_size = args.vocab_size or (512 if args.smoke else 4096)
     args.eval_interval = max(1, args.train_iters // (4 if args.smoke else 12))
     args.eval_iters = 1 if args.smoke else 4
-    kind = "smoke" if args.smoke else "full"
+    kind = ("smoke" if args.smoke else "full") + ("-horizons" if args.horizons else "")
     args.data_dir = args.data_dir or os.path.join(ROOT, "runs", "bench", f"data-{kind}")
-    args.work_dir = args.work_dir or os.path.join(ROOT, "runs", "bench", kind)
-    prefix = ensure_data(args.data_dir, args.vocab_size, 60 if args.smoke else None)
+    args.work_dir = args.work_dir or os.path.join(ROOT, "runs", "bench", args.preset or kind)
+    return args
+
+
+def prepare_data(args) -> str:
+    """The dataset prefix: ``--data-path`` as given, or the corpus built under ``--data-dir``."""
+    if args.data_path:
+        args.corpus_label = args.data_path
+        return args.data_path
+    if args.horizons and not args.smoke:
+        sources = ("python-stdlib", "python-site-packages")
+        args.corpus_label = (
+            f"python-stdlib + python-site-packages ({args.corpus_max_bytes / 1e6:g} MB)"
+        )
+        return ensure_data(
+            args.data_dir,
+            args.vocab_size,
+            None,
+            sources=sources,
+            max_bytes=args.corpus_max_bytes,
+            name="code",
+        )
+    args.corpus_label = "python-stdlib"
+    return ensure_data(args.data_dir, args.vocab_size, 60 if args.smoke else None)
+
+
+def main() -> int:
+    args = parse()
+    prefix = prepare_data(args)
+    os.makedirs(args.output_dir, exist_ok=True)
+    if args.horizons:
+        run_horizons(args, prefix)
+        return 0
     base_flags = model_flags(args, prefix)
-    baselines = []
-    for lr in (float(x) for x in args.lrs.split(",")):
-        arm = run_arm(
-            args,
-            f"baseline-lr{lr:g}",
-            base_flags + ["--lr", str(lr), "--min-lr", str(lr / 10), "--tst-bag-size", "1"],
-        )
-        arm["lr"] = lr
-        baselines.append(arm)
-        print(
-            f"baseline LR {lr:g}: final validation loss {arm['valid'][-1][1]:.4f} ({arm['wall_s']:.0f} s)"
-        )
-    best = min(baselines, key=lambda b: b["valid"][-1][1])
+    baselines, best = run_baselines(args, base_flags, args.lrs_list)
     grid = (
         [(s, r) for s in (2, 4, 6, 8) for r in (0.2, 0.3, 0.5)]
         if args.grid
         else [(args.bag_size, args.phase1_fraction)]
     )
-    os.makedirs(args.output_dir, exist_ok=True)
     grid_rows = []
     for s, r in grid:
         args.bag_size, args.phase1_fraction = s, r
         tst = run_arm(
-            args,
-            f"tst-s{s}-r{r}",
-            base_flags
-            + [
-                "--lr",
-                str(best["lr"]),
-                "--min-lr",
-                str(best["lr"] / 10),
-                "--tst-bag-size",
-                str(s),
-                "--tst-phase1-fraction",
-                str(r),
-            ],
+            args, f"tst-s{s}-r{r}", base_flags + lr_flags(best["lr"]) + tst_flags(s, r, "full")
         )
+        if tst is None:  # not node 0: the report is node 0's
+            continue
         print(
             f"TST S={s} r={r}: final validation loss {tst['valid'][-1][1]:.4f} ({tst['wall_s']:.0f} s)"
         )
@@ -367,12 +787,16 @@ def main() -> int:
             f"| {reach if reach else 'not reached'} | {tst['tokens']} |"
         )
         if not args.grid:
-            name = "tst_vs_baseline" + ("_smoke" if args.smoke else "")
+            name = (args.preset or "tst_vs_baseline").replace("-", "_") + (
+                "_smoke" if args.smoke else ""
+            )
+            if args.preset:
+                name = "tst_vs_baseline_" + name
             plot(args, best, tst, os.path.join(args.output_dir, name + ".png"))
             text = report(args, baselines, best, tst).replace("tst_vs_baseline.png", name + ".png")
             write(os.path.join(args.output_dir, name + ".md"), text)
             print(text)
-    if args.grid:
+    if args.grid and grid_rows:
         text = "\n".join(
             [
                 "# TST grid: bag size S x phase-1 fraction r",
@@ -395,7 +819,8 @@ def main() -> int:
         )
         write(os.path.join(args.output_dir, "tst_grid.md"), text)
         print(text)
-    write_index(args.output_dir)
+    if args.node_rank == 0:
+        write_index(args.output_dir)
     return 0
 
 

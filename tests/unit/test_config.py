@@ -161,6 +161,7 @@ FLAGS = [
     "--transformer-impl",
     "--tst-bag-size",
     "--tst-bag-weighting",
+    "--tst-mode",
     "--tst-phase1-fraction",
     "--tst-phase1-iters",
     "--untie-embeddings-and-output-weights",

@@ -60,7 +60,10 @@ def test_corpus_errors_write_nothing(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError, match="has no non-empty document"):
         build_corpus(str(tmp_path / "empty"), str(tmp_path / "out.jsonl"))
-    with pytest.raises(ValueError, match="is not python-stdlib, a directory or a .jsonl file"):
+    with pytest.raises(
+        ValueError,
+        match="is not python-stdlib, python-site-packages, system-docs, a directory or a .jsonl",
+    ):
         build_corpus(str(tmp_path / "missing"), str(tmp_path / "out.jsonl"))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["empty"]
 

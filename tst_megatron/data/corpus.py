@@ -6,16 +6,29 @@ Sources:
   directories) and its documentation
   topics (``pydoc_data.topics``): real text every Python installation ships, one document
   per file or topic, in sorted (deterministic) order.
+- ``python-site-packages``: the ``*.py`` files of the third-party packages installed for the
+  running Python (``sysconfig.get_paths()["purelib"]`` and ``["platlib"]``; in this project's
+  ``.venv`` that is torch, megatron-core, transformers, numpy...: about 180 MB of code),
+  without tests and caches, sorted. Its content depends on what is installed, so a corpus
+  built from it is reproducible only on the same environment: record its size.
+- ``system-docs``: the plain-text documentation a Debian/Ubuntu system ships under
+  ``/usr/share/doc`` (``*.txt``, ``*.md``, ``*.rst``, ``README``/``NEWS``/``copyright`` files
+  and gzip-compressed changelogs ``*.gz``), sorted (about 65 MB on the build machine).
 - a directory: every ``*.txt``, ``*.md``, ``*.rst`` and ``*.py`` file under it, sorted.
 - a ``.jsonl`` file: passed through (documents with a non-empty ``text``).
+
+Several sources are concatenated in the order given (:func:`build_corpus` takes a list), so
+longer training horizons get more real text offline, e.g. ``python-stdlib`` then
+``python-site-packages``, capped with ``max_bytes``.
 """
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import sysconfig
-from typing import Iterator, Optional
+from typing import Iterator, Optional, Sequence, Union
 
 from tqdm import tqdm
 
@@ -47,6 +60,58 @@ def python_stdlib_documents() -> Iterator[str]:
         yield topics[name]
 
 
+def _sorted_files(root: str, keep) -> list[str]:
+    """Files under ``root`` for which ``keep(name)`` is true, skipping test and cache dirs."""
+    paths = []
+    for directory, subdirs, files in os.walk(root):
+        subdirs[:] = sorted(d for d in subdirs if d not in _SKIPPED_DIRS)
+        paths += [os.path.join(directory, f) for f in files if keep(f)]
+    return sorted(paths)
+
+
+def python_site_packages_documents() -> Iterator[str]:
+    """The installed third-party packages' ``.py`` files (purelib, then platlib), sorted."""
+    roots = []
+    for key in ("purelib", "platlib"):
+        root = os.path.realpath(sysconfig.get_paths()[key])
+        if root not in roots and os.path.isdir(root):
+            roots.append(root)
+    for root in roots:
+        for path in _sorted_files(root, lambda f: f.endswith(".py")):
+            yield _read(path)
+
+
+_DOC_NAMES = ("README", "NEWS", "copyright", "AUTHORS", "THANKS", "TODO")
+
+
+def system_docs_documents(root: str = "/usr/share/doc") -> Iterator[str]:
+    """Plain-text files under ``root`` (default ``/usr/share/doc``), gzip ones decompressed.
+
+    Raises:
+        ValueError: ``root`` is not a directory.
+    """
+    if not os.path.isdir(root):
+        raise ValueError(f"corpus source system-docs needs {root}, which is not a directory")
+
+    def keep(name: str) -> bool:
+        base = name[:-3] if name.endswith(".gz") else name
+        return (
+            base.endswith((".txt", ".md", ".rst"))
+            or base.startswith(_DOC_NAMES)
+            or (name.endswith(".gz") and base.startswith(("changelog", "NEWS", "README")))
+        )
+
+    for path in _sorted_files(root, keep):
+        if path.endswith(".gz"):
+            try:
+                with gzip.open(path, "rt", encoding="utf-8", errors="replace") as f:
+                    yield f.read()
+            except (OSError, EOFError):  # a corrupt or non-gzip file: not text, skip it
+                continue
+        elif os.path.isfile(path):
+            yield _read(path)
+
+
 def directory_documents(root: str) -> Iterator[str]:
     """Each text file under ``root`` (sorted by path)."""
     paths = [
@@ -72,38 +137,73 @@ def jsonl_documents(path: str, key: str = "text") -> Iterator[str]:
                     ) from exc
 
 
+SOURCES = ("python-stdlib", "python-site-packages", "system-docs")
+"""The named sources (besides a directory or a ``.jsonl`` file)."""
+
+
 def documents(source: str) -> Iterator[str]:
-    """Documents of ``source`` (``python-stdlib``, a directory or a ``.jsonl`` file).
+    """Documents of ``source`` (one of :data:`SOURCES`, a directory or a ``.jsonl`` file).
 
     Raises:
         ValueError: the source does not exist or is of an unknown kind.
     """
     if source == "python-stdlib":
         return python_stdlib_documents()
+    if source == "python-site-packages":
+        return python_site_packages_documents()
+    if source == "system-docs":
+        return system_docs_documents()
     if os.path.isdir(source):
         return directory_documents(source)
     if os.path.isfile(source) and source.endswith(".jsonl"):
         return jsonl_documents(source)
-    raise ValueError(f"corpus source {source!r} is not python-stdlib, a directory or a .jsonl file")
+    raise ValueError(
+        f"corpus source {source!r} is not {', '.join(SOURCES)}, a directory or a .jsonl file"
+    )
 
 
-def build_corpus(source: str, output: str, *, max_documents: Optional[int] = None) -> dict:
+def _all_documents(sources: Sequence[str]) -> Iterator[str]:
+    for source in sources:
+        yield from documents(source)
+
+
+def build_corpus(
+    source: Union[str, Sequence[str]],
+    output: str,
+    *,
+    max_documents: Optional[int] = None,
+    max_bytes: Optional[int] = None,
+) -> dict:
     """Write the non-empty documents of ``source`` to the JSONL file ``output``.
+
+    Args:
+        source: one source (see :func:`documents`) or a list of them, read in that order.
+        output: the JSONL file to write (atomically: nothing is left on error).
+        max_documents: stop after this many documents (None: no limit).
+        max_bytes: stop after the document that brings the UTF-8 text to at least this many
+            bytes (None: no limit).
 
     Returns ``{"documents": n, "bytes": total UTF-8 bytes of text}``.
 
     Raises:
         ValueError: unknown source, or no non-empty document (nothing is written).
     """
+    sources = [source] if isinstance(source, str) else list(source)
+    for name in sources:  # fail on a bad name before reading the earlier sources
+        if name not in SOURCES and not os.path.exists(name):
+            documents(name)
     count = size = 0
     with atomic_path(output) as tmp, open(tmp, "w", encoding="utf-8") as out:
-        for text in tqdm(documents(source), desc=f"corpus {source}", unit=" docs"):
+        label = "+".join(os.path.basename(s.rstrip("/")) or s for s in sources)
+        for text in tqdm(_all_documents(sources), desc=f"corpus {label}", unit=" docs"):
             if not text.strip():
                 continue
             out.write(json.dumps({"text": text}, ensure_ascii=False) + "\n")
             count += 1
             size += len(text.encode("utf-8"))
             if max_documents is not None and count >= max_documents:
+                break
+            if max_bytes is not None and size >= max_bytes:
                 break
         out.flush()
         if count == 0:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable, Optional
 
-from tst_megatron.superposition.bags import BagWeighting
+from tst_megatron.superposition.bags import BagWeighting, TSTMode, mode_reads_bags
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,6 +33,11 @@ class TSTConfig:
     """Slot weights of the MCE loss: ``uniform`` or ``power`` (``--tst-bag-weighting``)."""
     save_at_switch: bool = True
     """Save a checkpoint at step N1 (disable with ``--no-tst-save-at-switch``)."""
+    mode: TSTMode = "full"
+    """Phase-1 superposition (``--tst-mode``; paper section 5.2): ``full`` = bag-averaged
+    input, MCE over the next bag (samples of S*T tokens); ``input`` = bag-averaged input,
+    target the next bag's first token (S*T tokens); ``output`` = ordinary token input, MCE
+    over the S tokens after each position (T tokens, as the baseline)."""
 
     def validate(self, train_iters: int) -> list[str]:
         """The problems of these settings, one line each naming the flag (empty: none).
@@ -53,7 +58,15 @@ class TSTConfig:
             )
         if self.phase1_fraction is not None and not 0.0 <= self.phase1_fraction <= 1.0:
             problems.append(f"--tst-phase1-fraction {self.phase1_fraction} must be in [0, 1]")
+        if self.mode != "full" and self.bag_size == 1:
+            problems.append(
+                f"--tst-mode {self.mode} needs --tst-bag-size > 1 (S = 1 has no phase 1)"
+            )
         return problems
+
+    def windows_per_sample(self) -> int:
+        """``T``-token windows in one phase-1 sample: ``S`` (``full``, ``input``), 1 (``output``)."""
+        return self.bag_size if mode_reads_bags(self.mode) else 1
 
     def phase1_steps(self, train_iters: int) -> int:
         """N1, the number of phase-1 optimizer steps out of ``train_iters``."""
@@ -78,7 +91,8 @@ class Phase:
     bag_size: int
     """S for this step (1 in phase 2)."""
     data_seq_length: int
-    """Tokens per sample read from the data: ``S * T`` in phase 1, ``T`` in phase 2."""
+    """Tokens per sample read from the data: ``S * T`` in phase 1 (``T`` with ``--tst-mode
+    output``), ``T`` in phase 2."""
     model_seq_length: int
     """Positions the transformer processes: always ``T``; the pipeline schedule's ``seq_length``."""
     first_iteration: int = 0
@@ -116,7 +130,8 @@ class Schedule:
     def plan(cls, tst: TSTConfig, *, seq_length: int, train_iters: int) -> "Schedule":
         """The schedule of ``tst`` for ``T = seq_length`` and ``N = train_iters`` (N1 computed here)."""
         n1, s, t = tst.phase1_steps(train_iters), tst.bag_size, seq_length
-        return cls(train_iters, Phase(1, s, s * t, t, 0), Phase(2, 1, t, t, n1))
+        data = tst.windows_per_sample() * t  # S*T, or T in output mode
+        return cls(train_iters, Phase(1, s, data, t, 0), Phase(2, 1, t, t, n1))
 
     @property
     def n1(self) -> int:

@@ -226,7 +226,7 @@ def _save_and_track(root: str, final: str, state: dict, tracker_value) -> str:
     return final
 
 
-_RUN_CHANGING = ("bag_size", "bag_weighting")
+_RUN_CHANGING = ("bag_size", "bag_weighting", "mode")
 
 
 def _optimizer_count(optimizer) -> int:

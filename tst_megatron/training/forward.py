@@ -37,12 +37,10 @@ import torch
 import torch.distributed as dist
 
 from tst_megatron.superposition import (
-    align_bag_targets,
     bag_embedding,
-    bag_weights,
-    fold_bags,
     multi_hot_cross_entropy,
 )
+from tst_megatron.superposition.bags import phase1_inputs, phase1_targets, phase1_weights
 
 
 def unwrap(model):
@@ -98,9 +96,9 @@ def split_for_context_parallel(batch: dict, cp_size: int, cp_rank: int) -> dict:
 
 
 @functools.lru_cache(maxsize=None)
-def _slot_weights(bag_size: int, weighting: str, device: torch.device) -> torch.Tensor:
-    """``bag_weights`` on ``device``, copied there once per run (not per micro-batch)."""
-    return bag_weights(bag_size, weighting).to(device)
+def _slot_weights(bag_size: int, weighting: str, mode: str, device: torch.device) -> torch.Tensor:
+    """``phase1_weights`` on ``device``, copied there once per run (not per micro-batch)."""
+    return phase1_weights(bag_size, weighting, mode).to(device)
 
 
 def _cp_split(batch: dict, cp_group: Optional[dist.ProcessGroup]) -> dict:
@@ -110,9 +108,17 @@ def _cp_split(batch: dict, cp_group: Optional[dist.ProcessGroup]) -> dict:
 
 
 def make_phase1_step(
-    *, bag_size: int, weighting: str, tp_group=None, cp_group: Optional[dist.ProcessGroup] = None
+    *,
+    bag_size: int,
+    weighting: str,
+    tp_group=None,
+    cp_group: Optional[dist.ProcessGroup] = None,
+    mode: str = "full",
 ):
-    """Forward step of the superposition phase for samples of ``S*T`` tokens.
+    """Forward step of the superposition phase in ``mode`` (``superposition.bags.TST_MODES``):
+    samples of ``S*T`` tokens (``full``, ``input``) or ``T`` tokens (``output``), inputs from
+    ``phase1_inputs`` (``[b, T, S]`` bags or ``[b, T, 1]``), targets ``[b, T, k]`` from
+    ``phase1_targets``, MCE weights from ``phase1_weights``.
 
     ``tp_group`` is accepted for compatibility and unused: the model's loss seam takes the
     output layer's own group. ``cp_group`` splits the latent sequence (whole bags).
@@ -122,14 +128,12 @@ def make_phase1_step(
         # Every stage reads the micro-batch (cheap); only the first embeds, only the last scores.
         batch = next(data_iterator)
         gpt = unwrap(model)
-        targets, mask = align_bag_targets(batch["labels"], batch["loss_mask"], bag_size)
-        local = _cp_split(
-            {"bags": fold_bags(batch["tokens"], bag_size), "targets": targets, "mask": mask},
-            cp_group,
-        )
+        targets, mask = phase1_targets(batch["labels"], batch["loss_mask"], bag_size, mode)
+        bags = phase1_inputs(batch["tokens"], bag_size, mode)  # [b, T, S] or [b, T, 1]
+        local = _cp_split({"bags": bags, "targets": targets, "mask": mask}, cp_group)
         x = bag_embedding(gpt.embedding, local["bags"]) if gpt.pre_process else None
         per_slot = model(None, None, None, decoder_input=x, labels=local["targets"])
-        weights = _slot_weights(bag_size, weighting, local["mask"].device)
+        weights = _slot_weights(bag_size, weighting, mode, local["mask"].device)
 
         def loss_func(ce):
             loss_sum, weight_sum = multi_hot_cross_entropy(ce, local["mask"], weights)

@@ -173,7 +173,8 @@ def build_data(cfg: RunConfig, tokenizer, layout: BatchLayout, n1: int):
     """The training stream (both phases) and the validation dataset, sized for the run."""
     t, c, tst, T = cfg.train, cfg.checkpoint, cfg.tst, cfg.model.seq_length
     gbs = layout.global_batch_size
-    windows = n1 * gbs * tst.bag_size + (t.train_iters - n1) * gbs + tst.bag_size  # whole blocks
+    per_sample = tst.windows_per_sample()  # S, or 1 in output mode
+    windows = n1 * gbs * per_sample + (t.train_iters - n1) * gbs + per_sample  # whole blocks
     evals = (t.train_iters // c.eval_interval + 1) if c.eval_interval else 1
     train, valid, _ = build_datasets(
         cfg.data,
@@ -191,7 +192,7 @@ def build_data(cfg: RunConfig, tokenizer, layout: BatchLayout, n1: int):
             )
     stream = TrainStream(
         train,
-        bag_size=tst.bag_size,
+        bag_size=per_sample,
         phase1_samples=n1 * gbs,
         seed=t.seed,
         num_workers=cfg.data.num_workers,
@@ -209,6 +210,7 @@ def build_phases(cfg: RunConfig, tokenizer, layout: BatchLayout) -> tuple[Schedu
     phase1_step = make_phase1_step(
         bag_size=cfg.tst.bag_size,
         weighting=cfg.tst.bag_weighting,
+        mode=cfg.tst.mode,
         tp_group=tp_group,
         cp_group=cp_group,
     )

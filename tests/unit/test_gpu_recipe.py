@@ -1,0 +1,100 @@
+"""The GPU recipes of the paper's smallest row (benchmarks/recipes.py, issue 16.3) are
+configurations the trainer accepts for CUDA, and their cost estimate is what the docs say."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+
+from recipes import RECIPES, estimate  # noqa: E402
+from tst_vs_baseline import lr_flags, parse, tst_flags  # noqa: E402
+
+from tst_megatron.training.config import parse_args, validate  # noqa: E402
+
+
+def _arms(recipe):
+    shared = recipe.flags(
+        data_path="/data/corpus_text_document",
+        tokenizer_model="/data/tok.model",
+        tokenizer_type="SentencePieceTokenizer",
+        data_cache_path="/tmp/cache",
+    )
+    base = shared + lr_flags(recipe.lr) + ["--tst-bag-size", "1"]
+    tst = shared + lr_flags(recipe.lr) + tst_flags(recipe.bag_size, recipe.phase1_fraction, "full")
+    return {"baseline": base, "tst": tst}
+
+
+@pytest.mark.parametrize("name", sorted(RECIPES))
+def test_recipe_validates_for_cuda(name):
+    recipe = RECIPES[name]
+    for arm, flags in _arms(recipe).items():
+        cfg = parse_args(flags)
+        validate(cfg, world_size=recipe.nodes * recipe.gpus_per_node, device_type="cuda")
+        assert cfg.train.lr == 2e-3 and cfg.train.lr_warmup_iters == recipe.lr_warmup_iters
+        assert cfg.model.untie_embeddings_and_output_weights
+        assert cfg.tst.bag_size == (1 if arm == "baseline" else 6)
+        if arm == "tst":
+            assert cfg.tst.phase1_steps(cfg.train.train_iters) == round(0.3 * recipe.train_iters)
+
+
+def test_paper_row_settings_and_cost():
+    big, small = RECIPES["smollm2-135m"], RECIPES["smollm2-135m-small"]
+    # SmolLM2-135M (tied) has 134,515,008 parameters (its Hugging Face card); untied adds V x h
+    assert big.parameters()["total"] - 49152 * 576 == 134_515_008
+    e = estimate(big)
+    assert e["tokens_per_step"] == 1024 * 2048 and big.train_iters == 20000
+    # 6N + 6LTh FLOPs/token, 2 arms, 30 % of 989 TFLOP/s, written out by hand
+    per_token = 6 * 134_515_008 + 6 * 30 * 2048 * 576
+    hours = per_token * 1024 * 2048 * 20000 * 2 / (0.3 * 989e12) / 3600
+    assert e["gpu_hours"] == pytest.approx(hours) and 70 < hours < 90
+    # the one-GPU variant: both arms under an hour even at 20 % MFU
+    assert estimate(small, mfu=0.2)["gpu_hours"] < 1.0 and small.gpus_per_node == 1
+
+
+def test_benchmark_accepts_presets_and_refuses_cpu():
+    args = parse(
+        [
+            "--preset",
+            "smollm2-135m-small",
+            "--device",
+            "cuda",
+            "--data-path",
+            "d",
+            "--tokenizer-model",
+            "t",
+        ]
+    )
+    assert (args.bag_size, args.phase1_fraction, args.lrs_list) == (6, 0.3, [2e-3])
+    assert args.nproc_per_node == 1 and args.train_iters == 2000
+    with pytest.raises(SystemExit):
+        parse(["--preset", "smollm2-135m", "--data-path", "d", "--tokenizer-model", "t"])
+
+
+def test_sbatch_template_parses():
+    script = os.path.join(ROOT, "slurm", "tst_vs_baseline_gpu.sbatch")
+    result = subprocess.run(["bash", "-n", script], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.parametrize("name", sorted(RECIPES))
+def test_recipe_passes_the_trainers_dry_run(name):
+    recipe = RECIPES[name]
+    flags = _arms(recipe)["tst"]
+    env = dict(
+        os.environ, WORLD_SIZE=str(recipe.nodes * recipe.gpus_per_node), PYTHONWARNINGS="ignore"
+    )
+    result = subprocess.run(
+        [sys.executable, "examples/pretrain_gpt_tst.py", "--dry-run", *flags],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=env,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    assert "no problems found" in result.stdout
+    assert f"{recipe.parameters()['total']:,}" in result.stdout  # same count as the trainer's

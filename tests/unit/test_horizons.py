@@ -1,0 +1,73 @@
+"""benchmarks/tst_vs_baseline.py --horizons (issue 16.2): the crossing arithmetic, and the
+whole script in --smoke mode, so the 2-hour measurement cannot rot."""
+
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+
+from tst_vs_baseline import crossing, crossing_text, parse_arms  # noqa: E402
+
+
+def test_crossing_is_linear_in_log_steps():
+    # the issue's S = 2 numbers plus a negative point: the sign changes between 3000 and 6000
+    points = [(600, 0.33), (1500, 0.11), (3000, 0.007), (6000, -0.02)]
+    n0, n1, estimate = crossing(points)
+    expected = math.exp(math.log(3000) + math.log(2) * 0.007 / 0.027)
+    assert (n0, n1, estimate) == (3000, 6000, round(expected))
+    assert crossing([(600, 0.3), (1500, 0.1)]) is None
+    assert "above the baseline at every length" in crossing_text("S=2 full", [(600, 0.3)])
+    assert "at or below the baseline at every length" in crossing_text("x", [(600, -0.1)])
+    assert "between 3000 and 6000 steps" in crossing_text("x", points)
+    assert parse_arms("2:full,4:output") == [(2, "full"), (4, "output")]
+    with pytest.raises(SystemExit):
+        parse_arms("2:both")
+
+
+@pytest.mark.slow
+def test_horizons_smoke(tmp_path):
+    out = tmp_path / "results"
+    result = subprocess.run(
+        [
+            sys.executable,
+            "benchmarks/tst_vs_baseline.py",
+            "--smoke",
+            "--horizons",
+            "4,8",
+            "--arms",
+            "2:full,2:output",
+            "--extra-arms-max-steps",
+            "4",
+            "--lrs",
+            "2e-3",
+            "--output-dir",
+            str(out),
+            "--work-dir",
+            str(tmp_path / "work"),
+            "--data-dir",
+            str(tmp_path / "data"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=ROOT,
+        env=dict(os.environ, PYTHONWARNINGS="ignore"),
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    report = (out / "tst_horizons_smoke.md").read_text()
+    table = report.split("## Where the curves cross")[0]
+    rows = [line.split("|")[1:-1] for line in table.splitlines() if line[:4] in ("| 4 ", "| 8 ")]
+    assert len(rows) == 2
+    short, long = rows
+    passes = [cell.strip().rsplit("(", 1)[1].rstrip(")") for cell in short[2:]]
+    base, full, output = (float(p) for p in passes)
+    assert full > base > 0 and output == base  # output-only reads what the baseline reads
+    assert long[4].strip() == "not run"  # extra arms only up to --extra-arms-max-steps
+    assert "## Where the curves cross" in report and "- S=2 output:" in report
+    assert (out / "tst_horizons_smoke.png").read_bytes()[:4] == b"\x89PNG"
+    assert "tst_horizons_smoke" in (tmp_path / "results.md").read_text()
