@@ -625,6 +625,17 @@ def test_dry_run_prints_the_resolved_run():
     assert "phase 1 = iterations [0, 3), 12,288 tokens" in out  # 3 x 8 x 4 x 128
 
 
+def test_dry_run_counts_the_tokens_output_mode_reads():
+    """--tst-mode output reads T-token samples in phase 1, as the baseline does."""
+    result = _dry(
+        GOOD
+        + ["--expert-model-parallel-size", "2", "--global-batch-size", "8", "--tst-mode", "output"],
+        env={"WORLD_SIZE": "2"},
+    )
+    assert result.returncode == 0, result.stderr
+    assert "mode output; phase 1 = iterations [0, 3), 3,072 tokens" in result.stdout  # 3 x 8 x 128
+
+
 def test_dry_run_reports_every_problem_and_exits_2():
     result = _dry(GOOD + ["--tst-bag-size", "0", "--tensor-model-parallel-size", "2"])
     assert result.returncode == 2

@@ -147,11 +147,11 @@ def describe(cfg: RunConfig, world_size: int) -> list[str]:
         f"parameters: {_human(counts.total)} total, {_human(counts.active)} active per token{note}"
     )
     n1 = tst.phase1_steps(t.train_iters)
-    tokens1 = n1 * t.global_batch_size * tst.bag_size * m.seq_length
+    tokens1 = n1 * t.global_batch_size * tst.windows_per_sample() * m.seq_length
     tokens2 = (t.train_iters - n1) * t.global_batch_size * m.seq_length
     given = f" (from --train-samples {t.train_samples})" if t.train_samples is not None else ""
     lines.append(
-        f"TST: bag size {tst.bag_size}; phase 1 = iterations [0, {n1}), {tokens1:,} tokens; "
+        f"TST: bag size {tst.bag_size}, mode {tst.mode}; phase 1 = iterations [0, {n1}), {tokens1:,} tokens; "
         f"phase 2 = [{n1}, {t.train_iters}), {tokens2:,} tokens; {t.train_iters} iterations"
         f"{given}"
     )
