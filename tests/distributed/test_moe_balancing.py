@@ -80,12 +80,12 @@ def _router_grads_child(rank, world):
         finalize_model_grads,
     )
     from megatron.core.pipeline_parallel import get_forward_backward_func
-    from megatron.core.transformer.moe import moe_utils
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     from tst_megatron.runtime import ParallelConfig, initialize_model_parallel, set_seed
     from tst_megatron.training import build_gpt_model
     from tst_megatron.training.forward import make_phase1_step, make_phase2_step
+    from tst_megatron.training.trainer import moe_logged_aux_loss
 
     initialize_model_parallel(ParallelConfig(tensor_model_parallel_size=world))
     tp_rank = ps.get_tensor_model_parallel_rank()
@@ -144,8 +144,11 @@ def _router_grads_child(rank, world):
                 forward_only=False,
             )
             grads = {n: p.main_grad.clone() for n, p in model.named_parameters()}
-            moe_utils.clear_aux_losses_tracker()
-            result[case, phase] = {"router": [g for n, g in grads.items() if "router" in n][0]}
+            logged = moe_logged_aux_loss(num_layers=1, num_microbatches=M)
+            result[case, phase] = {
+                "router": [g for n, g in grads.items() if "router" in n][0],
+                "logged": logged,
+            }
     return result
 
 
@@ -184,3 +187,14 @@ def test_balancing_gradient_per_position_equal_in_both_phases(layouts, case):
                 f"TP={tp} {case}: phase 1 / 2 = {ratio.item():.4f}"
             )
             torch.testing.assert_close(p1, p2, rtol=1e-5, atol=1e-9)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(CASES))
+def test_logged_balancing_loss_tp2_sp_equals_tp1(layouts, case):
+    """Issue 13.5, the logged value: ``moe aux loss`` at TP=2 + SP equals TP=1 on every rank
+    (megatron-core <= 0.18 logs the z-loss as each rank's mean over its half of the tokens)."""
+    ref = layouts[1][case, 2]["logged"]
+    assert ref > 0
+    for rank in layouts[2]:
+        assert rank[case, 2]["logged"] == pytest.approx(ref, rel=1e-5), case

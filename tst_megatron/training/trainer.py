@@ -309,15 +309,34 @@ def _reduce_report(reports: list, device: torch.device) -> Optional[float]:
 
 
 def _moe_aux_loss(cfg: RunConfig, num_microbatches: int) -> Optional[float]:
-    tracker = moe_utils.get_moe_layer_wise_logging_tracker()
-    if not cfg.moe.num_experts or not tracker:
+    if not cfg.moe.num_experts or not moe_utils.get_moe_layer_wise_logging_tracker():
         return None
+    return moe_logged_aux_loss(num_layers=cfg.model.num_layers, num_microbatches=num_microbatches)
+
+
+def moe_logged_aux_loss(*, num_layers: int, num_microbatches: int) -> float:
+    """The step's MoE balancing losses as logged (``moe aux loss``): the sum over megatron-core's
+    tracker entries (aux loss, z-loss, ...) averaged over layers and micro-batches, then the
+    tracker is cleared. Collective over the whole world (PP via megatron-core, TP x CP here).
+
+    megatron-core <= 0.18 records the z-loss as each rank's mean over its own sequence-parallel
+    tokens; the mean over the TP x CP group is the mean over the whole sequence, as at TP = 1.
+    Entries that are already equal across the group (the aux loss, and every entry on 0.19,
+    which averages there itself) are unchanged by it. One host read (``.item()``).
+    """
+    tracker = moe_utils.get_moe_layer_wise_logging_tracker()
     moe_utils.reduce_aux_losses_tracker_across_ranks()
-    value = 0.0
+    group = ps.get_tensor_and_context_parallel_group()
+    size = dist.get_world_size(group)
+    total = 0.0
     for entry in tracker.values():
-        value += entry["values"].sum().item() / (cfg.model.num_layers * num_microbatches)
+        values = entry["values"].detach().clone()
+        if size > 1:
+            dist.all_reduce(values, group=group)
+            values /= size
+        total += values.sum().item() / (num_layers * num_microbatches)
     moe_utils.clear_aux_losses_tracker()
-    return value
+    return total
 
 
 def read_batches(run: Run, phase: Phase, data_step: int) -> list:
