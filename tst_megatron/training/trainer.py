@@ -360,7 +360,13 @@ def run_schedule(run: Run, phase: Phase, batches: list, *, forward_only: bool) -
 
 
 def train_step(run: Run, phase: Phase, iteration: int) -> dict:
-    """One optimizer step of ``phase`` at 0-based ``iteration``; returns the step's metrics."""
+    """One optimizer step of ``phase`` at 0-based ``iteration``; returns the step's metrics.
+
+    Host reads: none per micro-batch. Once per step, after the optimizer step: the step's
+    loss (one ``.tolist()``: the history, Megatron-LM's NaN check and the log line), the MoE
+    balancing loss (one ``.item()``, MoE only), and megatron-core's own grad-norm and
+    skipped-step reads inside ``optimizer.step()``.
+    """
     batches = read_batches(run, phase, phase.data_step(iteration))
     start = time.perf_counter()  # the step itself, without reading samples
     for chunk in run.model:
