@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.defaults import TEST_DEFAULTS
 from tests.distributed.harness import run_distributed
 from tests.unit.test_data_boundary import VOCAB, random_documents, write_dataset
 
@@ -56,6 +57,7 @@ def _child(rank, world, *, prefix, bad_prefix, root):
     from tst_megatron.training.trainer import main
 
     argv = [
+        *TEST_DEFAULTS,
         *("--device", "cpu", "--data-path", bad_prefix, "--data-cache-path", shared),
         *("--vocab-size", str(VOCAB), "--tensor-model-parallel-size", "2", "--seq-length", "16"),
         *("--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4"),

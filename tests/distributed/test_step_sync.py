@@ -56,6 +56,9 @@ MEGATRON_OWN = (
     "megatron/core/tensor_parallel/random.py",
     "megatron/core/distributed/finalize_model_grads.py",
     "megatron/core/tensor_parallel/cross_entropy.py",  # the baseline's CE (boolean-mask fill)
+    # Megatron-LM's NaN/Inf check of the gradients (--check-for-nan-in-loss-and-grad, on by
+    # default), once per step in finalize_model_grads: megatron-core's rerun state machine.
+    "megatron/core/rerun_state_machine.py",
 )
 
 

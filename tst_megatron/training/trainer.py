@@ -364,8 +364,9 @@ def train_step(run: Run, phase: Phase, iteration: int) -> dict:
 
     Host reads: none per micro-batch. Once per step, after the optimizer step: the step's
     loss (one ``.tolist()``: the history, Megatron-LM's NaN check and the log line), the MoE
-    balancing loss (one ``.item()``, MoE only), and megatron-core's own grad-norm and
-    skipped-step reads inside ``optimizer.step()``.
+    balancing loss (one ``.item()``, MoE only), megatron-core's own grad-norm and
+    skipped-step reads inside ``optimizer.step()``, and its NaN/Inf check of the gradients in
+    ``finalize_model_grads`` (``--check-for-nan-in-loss-and-grad``, on by default).
     """
     batches = read_batches(run, phase, phase.data_step(iteration))
     start = time.perf_counter()  # the step itself, without reading samples
@@ -646,7 +647,9 @@ def train(cfg: RunConfig) -> dict:
             exiting=exit_reason is not None,
         ):
             save(run, iteration, tokens_seen)
-    if exit_reason != "finished":
+    if exit_reason == "signal":  # the Slurm template's preemption path reads this line
+        print_rank0(f" exiting on SIGTERM after iteration {iteration}")
+    elif exit_reason != "finished":
         print_rank0(f" exiting after iteration {iteration} ({exit_reason})")
     run.history["exit"] = exit_reason
     if run.writer is not None:
