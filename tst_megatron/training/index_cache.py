@@ -93,6 +93,8 @@ class _AtomicIndexCache:
         return self.config.path_to_cache
 
     def _split_name(self) -> str:
+        """The split part of megatron-core's cache file names; each dataset subclass below
+        defines it (the mixin is never used alone)."""
         raise NotImplementedError
 
     def _cache_paths(self, directory: str) -> list[str]:
