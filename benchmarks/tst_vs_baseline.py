@@ -84,7 +84,10 @@ def ensure_data(  # noqa: C901
                 tok,
                 "--vocab-size",
                 str(vocab),
-            ],
+            ]
+            # site-packages has more distinct characters than 4096 pieces: the rarest are
+            # spelled with SentencePiece's byte fallback
+            + (["--character-coverage", "0.9995"] if "python-site-packages" in sources else []),
         ),
         (
             prefix + "_text_document.idx",

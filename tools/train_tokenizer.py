@@ -18,6 +18,12 @@ def main() -> int:
     p.add_argument("--model-prefix", required=True, help="writes PREFIX.model and PREFIX.vocab")
     p.add_argument("--vocab-size", type=int, default=4096)
     p.add_argument("--model-type", default="bpe", choices=("bpe", "unigram"))
+    p.add_argument(
+        "--character-coverage",
+        type=float,
+        default=1.0,
+        help="SentencePiece's share of characters with their own piece (rest: bytes)",
+    )
     args = p.parse_args()
     try:
         path = train_tokenizer(
@@ -25,6 +31,7 @@ def main() -> int:
             args.model_prefix,
             vocab_size=args.vocab_size,
             model_type=args.model_type,
+            character_coverage=args.character_coverage,
         )
     except (ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)

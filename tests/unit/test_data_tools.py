@@ -77,6 +77,20 @@ def test_tokenizer_round_trip_and_special_ids(tiny):
         assert sp.decode(sp.encode(text)) == text  # byte fallback: nothing is lost
 
 
+def test_character_coverage_spells_rare_characters_as_bytes(tmp_path):
+    # 50 distinct CJK characters, each once, beside 216k characters of code: 260 byte and
+    # special pieces + ~20 common + 50 rare characters do not fit in 300 pieces at full
+    # coverage; at 0.9995 the rare ones (0.02 % of the text) go to the byte fallback
+    rare = "".join(chr(0x4E00 + i) for i in range(50))
+    texts = ["def f(x):\n    return x + 1\n" * 8000, rare]
+    with pytest.raises(ValueError, match="SentencePiece training failed"):
+        train_tokenizer(texts, str(tmp_path / "full"), vocab_size=300)
+    model = train_tokenizer(texts, str(tmp_path / "cov"), vocab_size=300, character_coverage=0.9995)
+    sp = spm.SentencePieceProcessor(model_file=model)
+    assert sp.decode(sp.encode(rare)) == rare
+    assert "<0xE4>" in sp.id_to_piece(sp.encode(rare[:1]))
+
+
 def test_preprocess_gives_the_exact_ids(tiny):
     d, model, prefix = tiny
     sp = spm.SentencePieceProcessor(model_file=model)

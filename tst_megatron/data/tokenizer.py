@@ -25,8 +25,14 @@ def train_tokenizer(
     model_type: str = "bpe",
     max_sentences: int = 2_000_000,
     seed_sentences: int = 1_000_000,
+    character_coverage: float = 1.0,
 ) -> str:
     """Train on ``texts`` (one document each; lines are SentencePiece "sentences").
+
+    ``character_coverage`` is SentencePiece's option of the same name: the share of the
+    text's characters that get pieces of their own; with byte fallback the rest are spelled
+    as bytes. Lower it (e.g. 0.9995) when the text has more distinct characters than
+    ``vocab_size`` allows.
 
     Returns the path of the ``.model`` file (``model_prefix + ".model"``; a ``.vocab`` file
     is written beside it).
@@ -50,7 +56,7 @@ def train_tokenizer(
             vocab_size=vocab_size,
             model_type=model_type,
             byte_fallback=True,
-            character_coverage=1.0,
+            character_coverage=character_coverage,
             input_sentence_size=max_sentences,
             shuffle_input_sentence=True,
             seed_sentencepiece_size=seed_sentences,
