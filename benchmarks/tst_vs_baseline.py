@@ -17,7 +17,8 @@ is regenerated to link every report in that folder.
 **Horizons** (``--horizons 600,1500,3000,6000``, issue 16): the same comparison at several
 run lengths, each arm with its own complete WSD schedule (warmup N/20, decay over the last
 10%). At every length: the baseline at its best LR among ``--lrs`` (or the one given by
-``--baseline-lr STEPS=LR``), then the ``--arms`` (``S:mode``; the first one at every length,
+``--baseline-lr STEPS=LR``; above ``--lr-sweep-max-steps``, the previous length's best LR and
+half of it), then the ``--arms`` (``S:mode``; the first one at every length,
 the others up to ``--extra-arms-max-steps``), all with r = ``--phase1-fraction`` and the
 baseline's LR. It writes ``tst_horizons.md`` (final validation loss, TST - baseline, passes
 over the training split per arm, where each arm crosses the baseline) and
@@ -26,7 +27,8 @@ GPT (h = 128, ffn 512) on 2 processes (DP = 2), cheaper per step than the MoE, a
 corpus is python-stdlib + python-site-packages capped at ``--corpus-max-bytes`` (40 MB,
 ~13 M tokens), so a 6000-step S = 2 arm reads the training split less than once:
 
-    .venv/bin/python benchmarks/tst_vs_baseline.py --horizons 600,1500,3000,6000   # ~2 h, 2 cores
+    .venv/bin/python benchmarks/tst_vs_baseline.py --horizons 600,1500,3000,6000 \
+        --lr-sweep-max-steps 1500                               # ~2 h on 2 free cores
 
 ``--preset smollm2-135m`` / ``smollm2-135m-small`` with ``--device cuda`` run the paper's
 smallest row on GPUs (``docs/gpu_recipe.md``; settings in ``benchmarks/recipes.py``).
@@ -518,13 +520,15 @@ def run_horizons(args, prefix: str) -> None:
     is rewritten after each length, so an interrupted run keeps what it measured."""
     arms = parse_arms(args.arms)
     train_tokens = train_split_tokens(prefix, "99,1,0" if args.preset else "98,2,0")
-    rows = []
+    rows, previous_best = [], None
     for steps in sorted(int(x) for x in args.horizons.split(",")):
         args.train_iters = steps
         args.eval_interval = max(1, steps // (4 if args.smoke else 12))
         base_flags = model_flags(args, prefix)
-        lrs = [args.baseline_lr[steps]] if steps in args.baseline_lr else args.lrs_list
-        baselines, best = run_baselines(args, base_flags, lrs, prefix=f"h{steps}-")
+        baselines, best = run_baselines(
+            args, base_flags, horizon_lrs(args, steps, previous_best), prefix=f"h{steps}-"
+        )
+        previous_best = best["lr"]
         row = {"steps": steps, "baselines": baselines, "best": best, "arms": {}}
         for index, (size, mode) in enumerate(arms):
             if index > 0 and steps > args.extra_arms_max_steps:
@@ -551,6 +555,18 @@ def run_horizons(args, prefix: str) -> None:
             write(os.path.join(args.output_dir, name + ".md"), text)
             write_index(args.output_dir)
             print(text, flush=True)
+
+
+def horizon_lrs(args, steps: int, previous_best) -> list:
+    """The baseline LRs tried at one length: ``--baseline-lr`` if it names this length; else
+    every ``--lrs`` up to ``--lr-sweep-max-steps``; beyond it, to fit the budget, the previous
+    length's best LR and half of it (the best LR does not grow with the horizon at a fixed
+    batch, so the sweep follows it downwards)."""
+    if steps in args.baseline_lr:
+        return [args.baseline_lr[steps]]
+    if args.lr_sweep_max_steps is None or steps <= args.lr_sweep_max_steps or not previous_best:
+        return args.lrs_list
+    return [previous_best, previous_best / 2]
 
 
 def gaps(rows: list, label: str) -> list:
@@ -676,6 +692,12 @@ def parse(argv=None):
         "--baseline-lr",
         default="",
         help="STEPS=LR,... : use this baseline LR at that length instead of trying --lrs",
+    )
+    p.add_argument(
+        "--lr-sweep-max-steps",
+        type=int,
+        default=None,
+        help="--horizons: above this length try only the previous best LR and half of it",
     )
     p.add_argument(
         "--model", choices=("moe", "dense"), default=None, help="default: moe; dense for --horizons"

@@ -11,7 +11,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
-from tst_vs_baseline import crossing, crossing_text, parse_arms  # noqa: E402
+from tst_vs_baseline import crossing, crossing_text, horizon_lrs, parse, parse_arms  # noqa: E402
 
 
 def test_crossing_is_linear_in_log_steps():
@@ -27,6 +27,18 @@ def test_crossing_is_linear_in_log_steps():
     assert parse_arms("2:full,4:output") == [(2, "full"), (4, "output")]
     with pytest.raises(SystemExit):
         parse_arms("2:both")
+
+
+def test_lr_sweep_follows_the_best_lr_downwards_beyond_its_limit():
+    args = parse(
+        ["--horizons", "600,3000", "--lrs", "1e-3,2e-3,4e-3", "--lr-sweep-max-steps", "1500"]
+    )
+    assert horizon_lrs(args, 600, None) == [1e-3, 2e-3, 4e-3]
+    assert horizon_lrs(args, 1500, 2e-3) == [1e-3, 2e-3, 4e-3]
+    assert horizon_lrs(args, 3000, 2e-3) == [2e-3, 1e-3]
+    args = parse(["--horizons", "600,3000", "--baseline-lr", "3000=5e-4"])
+    assert horizon_lrs(args, 3000, 2e-3) == [5e-4]  # --baseline-lr wins
+    assert horizon_lrs(args, 6000, 2e-3) == [1e-3, 2e-3, 4e-3]  # no limit: the whole sweep
 
 
 @pytest.mark.slow
