@@ -660,6 +660,9 @@ def plot_horizons(rows: list, labels: list, path: str) -> None:
             ax.plot(*zip(*points), "o-", ms=4, label=label)
     ax.axhline(0.0, color="gray", ls="--", lw=1, label="baseline")
     ax.set_xscale("log")
+    steps = [r["steps"] for r in rows]
+    ax.set_xticks(steps, [str(n) for n in steps])
+    ax.minorticks_off()
     ax.set_xlabel("training steps (each run its own WSD schedule; equal FLOPs per step)")
     ax.set_ylabel("TST - baseline final validation loss (nats)")
     save_figure(fig, ax, path)
