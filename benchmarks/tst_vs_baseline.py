@@ -18,9 +18,9 @@ is regenerated to link every report in that folder.
 run lengths, each arm with its own complete WSD schedule (warmup N/20, decay over the last
 10%). At every length: the baseline at its best LR among ``--lrs`` (or the one given by
 ``--baseline-lr STEPS=LR``; above ``--lr-sweep-max-steps``, the previous length's best LR and
-half of it), then the ``--arms`` (``S:mode``; the first one at every length,
-the others up to ``--extra-arms-max-steps``), all with r = ``--phase1-fraction`` and the
-baseline's LR. It writes ``tst_horizons.md`` (final validation loss, TST - baseline, passes
+half of it), then the ``--arms`` (``S:mode``; the first ``--arms-at-every-length`` (1) at
+every length, the others up to ``--extra-arms-max-steps``), all with r =
+``--phase1-fraction`` and the baseline's LR. It writes ``tst_horizons.md`` (final validation loss, TST - baseline, passes
 over the training split per arm, where each arm crosses the baseline) and
 ``tst_horizons.png`` ((TST - baseline) against steps). The default model is a 4-layer dense
 GPT (h = 128, ffn 512) on 2 processes (DP = 2), cheaper per step than the MoE, and the
@@ -531,7 +531,7 @@ def run_horizons(args, prefix: str) -> None:
         previous_best = best["lr"]
         row = {"steps": steps, "baselines": baselines, "best": best, "arms": {}}
         for index, (size, mode) in enumerate(arms):
-            if index > 0 and steps > args.extra_arms_max_steps:
+            if index >= args.arms_at_every_length and steps > args.extra_arms_max_steps:
                 continue
             arm = run_arm(
                 args,
@@ -684,6 +684,12 @@ def parse(argv=None):
         "--arms",
         default="2:full,4:full,2:input,2:output",
         help="horizon arms S:mode (mode full, input or output); the first runs at every length",
+    )
+    p.add_argument(
+        "--arms-at-every-length",
+        type=int,
+        default=1,
+        help="how many of the first --arms run at every length",
     )
     p.add_argument(
         "--extra-arms-max-steps",
