@@ -569,6 +569,12 @@ def horizon_lrs(args, steps: int, previous_best) -> list:
     return [previous_best, previous_best / 2]
 
 
+def arm_lr(arm: dict) -> float:
+    """The ``--lr`` of an arm's trainer command."""
+    words = shlex.split(arm["command"])
+    return float(words[len(words) - 1 - words[::-1].index("--lr") + 1])
+
+
 def gaps(rows: list, label: str) -> list:
     """``[(steps, TST - baseline final validation loss)]`` of one arm across the lengths."""
     return [
@@ -579,6 +585,12 @@ def gaps(rows: list, label: str) -> list:
 
 
 def horizons_report(args, rows: list, labels: list, train_tokens: int, name: str) -> str:
+    if args.preset:
+        from recipes import RECIPES
+
+        gbs, seq = RECIPES[args.preset].global_batch_size, RECIPES[args.preset].seq_length
+    else:
+        gbs, seq = 8, 32 if args.smoke else args.seq_length
     header = "| steps | baseline LR | baseline final validation loss (passes) | " + " | ".join(
         f"{label}: TST - baseline (passes)" for label in labels
     )
@@ -592,6 +604,12 @@ def horizons_report(args, rows: list, labels: list, train_tokens: int, name: str
         "baseline's best LR at that length. Training split: "
         f"{train_tokens:,} tokens; a *pass* is the tokens an arm read divided by that "
         "(more than 1: the data was repeated).",
+        "",
+        f"Validation: next-token loss on {args.eval_iters} x {gbs} x {seq} = "
+        f"{args.eval_iters * gbs * seq:,} held-out tokens per evaluation, every "
+        "N/12 steps. Evaluation round k reads the same samples in every arm, so the final "
+        "losses of the arms of one length are scored on the same tokens (TST's extra "
+        "evaluation at the switch repeats an earlier round). One seed (1234) per arm.",
         "",
         "Modes: `full` = bag-averaged input and MCE over the next bag; `input` = bag-averaged "
         "input, next bag's first token as the target; `output` = ordinary token input, each "
@@ -616,6 +634,15 @@ def horizons_report(args, rows: list, labels: list, train_tokens: int, name: str
                 else "not run"
             )
         lines.append("| " + " | ".join(cells) + " |")
+    for r in rows:  # arms read back by --reuse may predate a better baseline LR
+        lrs = {arm_lr(arm) for arm in r["arms"].values()} - {r["best"]["lr"]}
+        if lrs:
+            lines += [
+                "",
+                f"At {r['steps']} steps the TST arms ran at LR "
+                f"{', '.join(f'{lr:g}' for lr in sorted(lrs))}, not at the baseline's best "
+                f"({r['best']['lr']:g}): the gaps above are against the better baseline.",
+            ]
     lines += ["", "## Where the curves cross", ""]
     lines += [crossing_text(label, gaps(rows, label)) for label in labels]
     below = [

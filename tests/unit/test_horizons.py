@@ -11,7 +11,14 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
-from tst_vs_baseline import crossing, crossing_text, horizon_lrs, parse, parse_arms  # noqa: E402
+from tst_vs_baseline import (  # noqa: E402
+    arm_lr,
+    crossing,
+    crossing_text,
+    horizon_lrs,
+    parse,
+    parse_arms,
+)
 
 
 def test_crossing_is_linear_in_log_steps():
@@ -39,6 +46,9 @@ def test_lr_sweep_follows_the_best_lr_downwards_beyond_its_limit():
     args = parse(["--horizons", "600,3000", "--baseline-lr", "3000=5e-4"])
     assert horizon_lrs(args, 3000, 2e-3) == [5e-4]  # --baseline-lr wins
     assert horizon_lrs(args, 6000, 2e-3) == [1e-3, 2e-3, 4e-3]  # no limit: the whole sweep
+    assert (
+        arm_lr({"command": "torchrun x.py --lr-decay-style WSD --lr 0.002 --min-lr 2e-4"}) == 2e-3
+    )
 
 
 @pytest.mark.slow
