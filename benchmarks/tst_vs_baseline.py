@@ -233,7 +233,7 @@ def _common_flags(args, data_prefix: str, tok: str) -> list[str]:
         "--attention-dropout",
         "0",
         "--seed",
-        "1234",
+        str(args.seed),
         "--eval-interval",
         str(args.eval_interval),
         "--eval-iters",
@@ -526,7 +526,10 @@ def run_horizons(args, prefix: str) -> None:
         args.eval_interval = max(1, steps // (4 if args.smoke else 12))
         base_flags = model_flags(args, prefix)
         baselines, best = run_baselines(
-            args, base_flags, horizon_lrs(args, steps, previous_best), prefix=f"h{steps}-"
+            args,
+            base_flags,
+            horizon_lrs(args, steps, previous_best),
+            prefix=f"h{steps}-{seed_tag(args)}",
         )
         previous_best = best["lr"]
         row = {"steps": steps, "baselines": baselines, "best": best, "arms": {}}
@@ -535,7 +538,7 @@ def run_horizons(args, prefix: str) -> None:
                 continue
             arm = run_arm(
                 args,
-                f"h{steps}-s{size}-{mode}-r{args.phase1_fraction}",
+                f"h{steps}-{seed_tag(args)}s{size}-{mode}-r{args.phase1_fraction}",
                 base_flags + lr_flags(best["lr"]) + tst_flags(size, args.phase1_fraction, mode),
             )
             if arm is None:
@@ -548,13 +551,21 @@ def run_horizons(args, prefix: str) -> None:
             )
         rows.append(row)
         if args.node_rank == 0:
-            name = "tst_horizons" + ("_smoke" if args.smoke else "")
+            name = "tst_horizons" + ("_smoke" if args.smoke else "") + seed_tag(args, "_")
             labels = [arm_label(s, m) for s, m in arms]
             plot_horizons(rows, labels, os.path.join(args.output_dir, name + ".png"))
             text = horizons_report(args, rows, labels, train_tokens, name)
             write(os.path.join(args.output_dir, name + ".md"), text)
             write_index(args.output_dir)
             print(text, flush=True)
+
+
+def seed_tag(args, sep: str = "-") -> str:
+    """``""`` for the default seed 1234; else ``seed<N>`` + sep, to name another seed's arms
+    and report apart (a replicate of the measurement)."""
+    if args.seed == 1234:
+        return ""
+    return f"{sep}seed{args.seed}" if sep == "_" else f"seed{args.seed}{sep}"
 
 
 def horizon_lrs(args, steps: int, previous_best) -> list:
@@ -609,7 +620,7 @@ def horizons_report(args, rows: list, labels: list, train_tokens: int, name: str
         f"{args.eval_iters * gbs * seq:,} held-out tokens per evaluation, every "
         "N/12 steps. Evaluation round k reads the same samples in every arm, so the final "
         "losses of the arms of one length are scored on the same tokens (TST's extra "
-        "evaluation at the switch repeats an earlier round). One seed (1234) per arm.",
+        f"evaluation at the switch repeats an earlier round). One seed ({args.seed}) per arm.",
         "",
         "Modes: `full` = bag-averaged input and MCE over the next bag; `input` = bag-averaged "
         "input, next bag's first token as the target; `output` = ordinary token input, each "
@@ -740,6 +751,9 @@ def parse(argv=None):
     )
     p.add_argument("--preset", default=None, help="a GPU recipe of benchmarks/recipes.py")
     p.add_argument("--train-iters", type=int, default=None)
+    p.add_argument(
+        "--seed", type=int, default=1234, help="every arm's --seed (another: a replicate)"
+    )
     p.add_argument("--seq-length", type=int, default=128)
     p.add_argument("--bag-size", type=int, default=None)
     p.add_argument("--phase1-fraction", type=float, default=None)

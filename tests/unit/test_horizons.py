@@ -18,6 +18,7 @@ from tst_vs_baseline import (  # noqa: E402
     horizon_lrs,
     parse,
     parse_arms,
+    seed_tag,
 )
 
 
@@ -46,6 +47,8 @@ def test_lr_sweep_follows_the_best_lr_downwards_beyond_its_limit():
     args = parse(["--horizons", "600,3000", "--baseline-lr", "3000=5e-4"])
     assert horizon_lrs(args, 3000, 2e-3) == [5e-4]  # --baseline-lr wins
     assert horizon_lrs(args, 6000, 2e-3) == [1e-3, 2e-3, 4e-3]  # no limit: the whole sweep
+    assert seed_tag(args) == "" and seed_tag(parse(["--seed", "7"])) == "seed7-"
+    assert seed_tag(parse(["--seed", "7"]), "_") == "_seed7"  # a replicate's report name
     assert (
         arm_lr({"command": "torchrun x.py --lr-decay-style WSD --lr 0.002 --min-lr 2e-4"}) == 2e-3
     )
