@@ -20,15 +20,18 @@ run lengths, each arm with its own complete WSD schedule (warmup N/20, decay ove
 ``--baseline-lr STEPS=LR``; above ``--lr-sweep-max-steps``, the previous length's best LR and
 half of it), then the ``--arms`` (``S:mode``; the first ``--arms-at-every-length`` (1) at
 every length, the others up to ``--extra-arms-max-steps``), all with r =
-``--phase1-fraction`` and the baseline's LR. It writes ``tst_horizons.md`` (final validation loss, TST - baseline, passes
-over the training split per arm, where each arm crosses the baseline) and
-``tst_horizons.png`` ((TST - baseline) against steps). The default model is a 4-layer dense
-GPT (h = 128, ffn 512) on 2 processes (DP = 2), cheaper per step than the MoE, and the
-corpus is python-stdlib + python-site-packages capped at ``--corpus-max-bytes`` (40 MB,
-~13 M tokens), so a 6000-step S = 2 arm reads the training split less than once:
+``--phase1-fraction`` and the baseline's LR. It writes ``tst_horizons.md`` (final validation
+loss, TST - baseline, passes over the training split per arm, where each arm crosses the
+baseline) and ``tst_horizons.png`` ((TST - baseline) against steps); ``--seed N`` writes a
+replicate, ``tst_horizons_seedN``. The default model is a 4-layer dense GPT (h = 128, ffn
+512) on 2 processes (DP = 2), cheaper per step than the MoE, and the corpus is python-stdlib
++ python-site-packages capped at ``--corpus-max-bytes`` (40 MB, ~13 M tokens), so a
+6000-step S = 2 arm reads the training split less than once. The committed report
+(``docs/results/tst_horizons.md``, ~2 h on 2 free cores):
 
     .venv/bin/python benchmarks/tst_vs_baseline.py --horizons 600,1500,3000,6000 \
-        --lr-sweep-max-steps 1500                               # ~2 h on 2 free cores
+        --lr-sweep-max-steps 1500 --arms 2:full,2:output,2:input,4:full \
+        --arms-at-every-length 2 --extra-arms-max-steps 1500
 
 ``--preset smollm2-135m`` / ``smollm2-135m-small`` with ``--device cuda`` run the paper's
 smallest row on GPUs (``docs/gpu_recipe.md``; settings in ``benchmarks/recipes.py``).
@@ -561,11 +564,11 @@ def run_horizons(args, prefix: str) -> None:
 
 
 def seed_tag(args, sep: str = "-") -> str:
-    """``""`` for the default seed 1234; else ``seed<N>`` + sep, to name another seed's arms
-    and report apart (a replicate of the measurement)."""
+    """Names another seed's arms (``seed<N>-``) and report (``_seed<N>``, with sep ``"_"``)
+    apart from the default seed 1234's, which get ``""``: a replicate of the measurement."""
     if args.seed == 1234:
         return ""
-    return f"{sep}seed{args.seed}" if sep == "_" else f"seed{args.seed}{sep}"
+    return f"_seed{args.seed}" if sep == "_" else f"seed{args.seed}-"
 
 
 def horizon_lrs(args, steps: int, previous_best) -> list:
@@ -618,7 +621,7 @@ def horizons_report(args, rows: list, labels: list, train_tokens: int, name: str
         "",
         f"Validation: next-token loss on {args.eval_iters} x {gbs} x {seq} = "
         f"{args.eval_iters * gbs * seq:,} held-out tokens per evaluation, every "
-        "N/12 steps. Evaluation round k reads the same samples in every arm, so the final "
+        f"N/{4 if args.smoke else 12} steps. Evaluation round k reads the same samples in every arm, so the final "
         "losses of the arms of one length are scored on the same tokens (TST's extra "
         f"evaluation at the switch repeats an earlier round). One seed ({args.seed}) per arm.",
         "",
@@ -721,7 +724,7 @@ def parse(argv=None):
     p.add_argument(
         "--arms",
         default="2:full,4:full,2:input,2:output",
-        help="horizon arms S:mode (mode full, input or output); the first runs at every length",
+        help="horizon arms S:mode (mode full, input or output), in report order",
     )
     p.add_argument(
         "--arms-at-every-length",
