@@ -401,6 +401,16 @@ def machine_line(args) -> str:
     )
 
 
+def batch_shape(args) -> tuple[int, int]:
+    """``(global batch, T)`` of the arms: the preset's, or the CPU model's 8 x T (T = 32 in
+    --smoke)."""
+    if args.preset:
+        from recipes import RECIPES
+
+        return RECIPES[args.preset].global_batch_size, RECIPES[args.preset].seq_length
+    return 8, 32 if args.smoke else args.seq_length
+
+
 def describe(args) -> str:
     """The model and data of the arms, in words."""
     if args.preset:
@@ -420,9 +430,9 @@ def describe(args) -> str:
     )
     if args.smoke:
         model = f"{args.model} GPT (smoke size: 2 layers, h = 64)"
-    seq = 32 if args.smoke else args.seq_length
+    gbs, seq = batch_shape(args)
     return (
-        f"{model}, T = {seq}, micro-batch 4, global batch 8, WSD; {args.corpus_label} corpus "
+        f"{model}, T = {seq}, micro-batch 4, global batch {gbs}, WSD; {args.corpus_label} corpus "
         f"(SentencePiece {args.vocab_size}), 98/2 train/validation split"
     )
 
@@ -599,12 +609,7 @@ def gaps(rows: list, label: str) -> list:
 
 
 def horizons_report(args, rows: list, labels: list, train_tokens: int, name: str) -> str:
-    if args.preset:
-        from recipes import RECIPES
-
-        gbs, seq = RECIPES[args.preset].global_batch_size, RECIPES[args.preset].seq_length
-    else:
-        gbs, seq = 8, 32 if args.smoke else args.seq_length
+    gbs, seq = batch_shape(args)
     header = "| steps | baseline LR | baseline final validation loss (passes) | " + " | ".join(
         f"{label}: TST - baseline (passes)" for label in labels
     )
