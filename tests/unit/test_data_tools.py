@@ -146,7 +146,8 @@ def _stream(tiny, bag, phase1_samples, seq_length=16):
 def test_phase1_and_phase2_cover_the_same_token_stream(tiny):
     bag, n1 = 4, 30
     train, stream = _stream(tiny, bag, n1)
-    windows = [train[int(j)] for j in stream.order]  # stream order
+    ((_, order),) = stream.parts
+    windows = [train[int(j)] for j in order]  # stream order
     # consecutive windows continue each other: the stream is contiguous
     for a, b in zip(windows[:50], windows[1:51]):
         assert a["labels"][-1] == b["tokens"][0]
@@ -156,13 +157,13 @@ def test_phase1_and_phase2_cover_the_same_token_stream(tiny):
         assert sample["tokens"].shape == (bag * 16,)
         assert torch.equal(sample["tokens"][1:], sample["labels"][:-1])  # S*T+1 contiguous tokens
         block = int(stream.blocks[i])
-        expected = torch.cat([windows[block * bag + k]["tokens"] for k in range(bag)])
+        expected = torch.cat([windows[block + k]["tokens"] for k in range(bag)])
         assert torch.equal(sample["tokens"], expected)
-        used += range(block * bag, block * bag + bag)
+        used += range(block, block + bag)
     phase2 = []
     for i in range(40):
         sample = stream.phase2_sample(i)
-        j = int(stream.blocks[n1 + i // bag]) * bag + i % bag
+        j = int(stream.phase2[i])
         assert torch.equal(sample["tokens"], windows[j]["tokens"])
         phase2.append(j)
     assert not set(used) & set(phase2), "phase 2 reread text phase 1 consumed"

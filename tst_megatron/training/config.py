@@ -710,6 +710,9 @@ class CheckpointArgs:
     """Validate every n steps (next-token loss, both phases)."""
     eval_iters: int = 100
     """Validation micro-batch rounds per evaluation; 0 = no validation."""
+    full_validation: bool = False
+    """Each validation reads the whole validation split (its samples in global batches, the
+    tail short of one dropped) instead of ``--eval-iters`` steps, the same samples every time."""
     exit_signal_handler: bool = False
     """On SIGTERM: finish the step, save, exit 0."""
 

@@ -1,19 +1,20 @@
 """Data for both TST phases from one megatron-core dataset.
 
-The training data is one ``GPTDataset`` (or ``MockGPTDataset``) of ``T``-token samples built
-by ``BlendedMegatronDatasetBuilder``. Read in *stream order* (its shuffle undone), its
-samples are consecutive windows of the packed token stream: window ``j`` holds tokens
-``[j*T, (j+1)*T]``. :class:`TrainStream` groups the windows into blocks of ``S``
-consecutive windows and shuffles the blocks once (seeded):
-- phase-1 sample ``i`` is block ``perm[i]``: ``S`` windows concatenated, exactly ``S*T + 1``
+The training data is one ``GPTDataset`` (or ``MockGPTDataset``, or a blend of them) of
+``T``-token samples built by ``BlendedMegatronDatasetBuilder``. Read in *stream order* (its
+shuffle undone), its samples are consecutive windows of the packed token stream: window
+``j`` holds tokens ``[j*T, (j+1)*T]``. :class:`TrainStream` groups the windows into blocks of
+``S`` consecutive windows and shuffles the blocks once (seeded):
+- phase-1 sample ``i`` is block ``blocks[i]``: ``S`` windows concatenated, exactly ``S*T + 1``
   contiguous tokens (``docs/design.md``, "Phase 1 data");
-- phase 2 reads the windows of the blocks phase 1 did not use, ``perm[n1:]``, in order, so
-  it continues through the data instead of rereading what phase 1 consumed (``docs/design.md``, "The schedule").
+- phase 2 reads the windows phase 1 did not use, in a second seeded shuffle, so it continues
+  through the data instead of rereading what phase 1 consumed, and its micro-batches hold
+  independent windows (``docs/design.md``, "The schedule").
+A blend has one stream per dataset (:func:`stream_parts`); a block never straddles two.
 The data position is a pure function of the iteration: micro-batch ``m`` of phase-local
 step ``k`` on data-parallel rank ``r`` holds samples ``(k*M + m)*b*DP + r*b + [0, b)``
 (megatron-core's pretraining sampler order). Validation reads its own split in the
-dataset's order. A blend of several ``--data-path`` prefixes has no single stream; its
-samples are then taken in the blend's order.
+dataset's own (shuffled) sample order, so its batches hold independent windows too.
 
 The data boundary: token ids are checked once, where data enters (:func:`check_data_files`
 at start-up, remembered in a stamp; :func:`check_mock_data`), so no training step reads
@@ -387,62 +388,107 @@ def build_datasets(data, tokenizer, *, seq_length: int, samples: tuple[int, int,
     return build_splits(cls, list(samples), config, local_rank=local_rank, prefixes=prefixes)
 
 
+def stream_parts(dataset) -> list[tuple[object, np.ndarray]]:
+    """The training data as contiguous token streams: ``[(component, order)]`` where window
+    ``j`` of a component's stream is ``component[order[j]]``.
+
+    A ``GPTDataset`` is one stream: its samples with megatron-core's sample shuffle undone
+    (``argsort(shuffle_index)``), consecutive ``T``-token windows of the packed token
+    stream. A blend (megatron-core's ``BlendedDataset``) has one stream per dataset, each
+    the first ``n_d`` windows of that dataset's stream, ``n_d`` being the samples the blend
+    draws from it (so the blend's weights hold); taking the blend's own order instead would
+    put unrelated windows side by side.
+    """
+    dataset[0]  # megatron-core loads a blend's indices lazily
+    if hasattr(dataset, "datasets") and hasattr(dataset, "dataset_index"):  # a blend
+        counts = np.bincount(dataset.dataset_index, minlength=len(dataset.datasets))
+        return [(d, _stream_order(d)[:n]) for d, n in zip(dataset.datasets, counts) if n]
+    return [(dataset, _stream_order(dataset))]
+
+
+def _stream_order(dataset) -> np.ndarray:
+    dataset[0]  # megatron-core loads its shuffle index lazily
+    shuffle = getattr(dataset, "shuffle_index", None)
+    return np.argsort(shuffle) if shuffle is not None else np.arange(len(dataset))
+
+
 class TrainStream:
     """Phase-1 and phase-2 training samples from one dataset of ``T``-token windows.
 
+    The windows, in stream order (:func:`stream_parts`), are grouped into blocks of ``S``
+    consecutive windows of one stream, and the blocks are shuffled once (seeded):
+    - phase-1 sample ``i`` is block ``blocks[i]``: ``S`` windows concatenated, exactly
+      ``S*T + 1`` contiguous tokens (``docs/design.md``, "Phase 1 data");
+    - phase 2 reads every window that no phase-1 sample uses, each once, in a second seeded
+      shuffle (``phase2``): it continues through the data instead of rereading what phase 1
+      consumed, and its micro-batches hold independent windows, as a baseline's do (served
+      in block order, the ``S`` windows of a block would share a micro-batch: a correlated
+      batch; ``docs/design.md``, "The schedule").
+    Both orders depend only on the data, ``S``, the phase-1 sample count and ``seed``, so
+    they are the same on every rank, in DataLoader workers and after a resume.
+
     Args:
         dataset: a megatron-core ``GPTDataset`` of ``T``-token samples (or a blend).
-        bag_size: ``S``.
+        bag_size: ``S`` (windows per phase-1 sample).
         phase1_samples: samples phase 1 consumes in the whole run (``N1 * global batch``).
-        seed: seeds the block permutation.
+        seed: seeds both shuffles.
         num_workers: DataLoader worker processes that read samples ahead (``--num-workers``;
             0 = read in this process when a step needs them).
 
     Raises:
-        ConfigError: fewer windows than one block per phase-1 sample.
+        ConfigError: fewer blocks of ``S`` windows than phase-1 samples.
     """
 
     def __init__(
         self, dataset, *, bag_size: int, phase1_samples: int, seed: int, num_workers: int = 0
     ):
-        self.dataset, self.bag_size, self.phase1_samples = dataset, bag_size, phase1_samples
+        self.bag_size, self.phase1_samples = bag_size, phase1_samples
         self.num_workers = num_workers
         self._reader: Optional[tuple[int, BatchReader]] = None  # (phase, its reader)
-        dataset[0]  # megatron-core may load its indices lazily
-        shuffle = getattr(dataset, "shuffle_index", None)
-        # window j in stream order is dataset[order[j]]
-        self.order = np.argsort(shuffle) if shuffle is not None else np.arange(len(dataset))
-        blocks = len(dataset) // bag_size
-        if blocks < phase1_samples:
+        self.parts = stream_parts(dataset)
+        sizes = np.array([len(order) for _, order in self.parts])
+        self.offsets = np.concatenate([[0], np.cumsum(sizes)])  # global window g -> part
+        # first global window of every block (blocks do not straddle two streams)
+        starts = np.concatenate(
+            [off + np.arange(n // bag_size) * bag_size for off, n in zip(self.offsets, sizes)]
+        )
+        if len(starts) < phase1_samples:
             raise ConfigError(
-                f"the data gives {blocks} phase-1 samples of {bag_size} windows but phase 1 needs "
-                f"{phase1_samples}; add data or lower --tst-phase1-iters/--train-iters"
+                f"the data gives {len(starts)} phase-1 samples of {bag_size} windows but phase "
+                f"1 needs {phase1_samples}; add data or lower --tst-phase1-iters/--train-iters"
             )
-        self.blocks = np.random.RandomState(seed).permutation(blocks)
+        self.blocks = starts[np.random.RandomState(seed).permutation(len(starts))]
+        unused = np.ones(int(self.offsets[-1]), dtype=bool)
+        for k in range(bag_size):
+            unused[self.blocks[:phase1_samples] + k] = False
+        self.phase2 = np.flatnonzero(unused)
+        np.random.default_rng([seed, 2]).shuffle(self.phase2)
 
-    def _window(self, j: int) -> dict:
-        return self.dataset[int(self.order[j])]
+    def window(self, g: int) -> dict:
+        """Global window ``g``: window ``g - offsets[p]`` of stream ``p``."""
+        p = int(np.searchsorted(self.offsets, g, side="right")) - 1
+        dataset, order = self.parts[p]
+        return dataset[int(order[g - self.offsets[p]])]
 
     def phase1_sample(self, i: int) -> dict:
         """``S*T``-token sample ``i`` of phase 1 (``tokens``, ``labels``, ``loss_mask`` ``[S*T]``)."""
         if i >= self.phase1_samples:
             raise IndexError(f"phase-1 sample {i} is past the {self.phase1_samples} planned")
-        first = int(self.blocks[i]) * self.bag_size
-        windows = [self._window(first + k) for k in range(self.bag_size)]
+        first = int(self.blocks[i])
+        windows = [self.window(first + k) for k in range(self.bag_size)]
         return {
             key: torch.cat([w[key] for w in windows]) for key in ("tokens", "labels", "loss_mask")
         }
 
     def phase2_sample(self, i: int) -> dict:
-        """``T``-token sample ``i`` of phase 2: the windows of the blocks phase 1 left."""
-        block_slot, k = divmod(i, self.bag_size)
-        block_slot += self.phase1_samples
-        if block_slot >= len(self.blocks):
+        """``T``-token sample ``i`` of phase 2: the ``i``-th of the windows phase 1 left, in
+        their shuffled order."""
+        if i >= len(self.phase2):
             raise IndexError(
-                f"the data has {len(self.blocks) * self.bag_size} windows; phase-2 sample {i} is "
+                f"phase 1 left {len(self.phase2)} windows of the data; phase-2 sample {i} is "
                 "past them"
             )
-        return self._window(int(self.blocks[block_slot]) * self.bag_size + k)
+        return self.window(int(self.phase2[i]))
 
     def batches(
         self, phase: int, step: int, layout: BatchLayout, *, device: torch.device

@@ -63,6 +63,7 @@ from tst_megatron.training.data import (
     build_tokenizer,
     check_data_files,
     check_mock_data,
+    data_prefixes,
     read_step,
 )
 from tst_megatron.training.forward import make_phase1_step, make_phase2_step
@@ -87,6 +88,9 @@ class Run:
     """The two training phases, each bound to its data and forward step."""
     validation: Phase
     """Next-token steps over the validation dataset (in both phases)."""
+    eval_steps: int
+    """Validation steps per evaluation: ``--eval-iters``, or the whole split's global
+    batches with ``--full-validation`` (then every evaluation reads the same ones)."""
     writer: Optional[object]
     args: dict
     """The checkpoint ``args`` entry (:func:`.checkpointing.checkpoint_args`)."""
@@ -174,16 +178,22 @@ def build_data(cfg: RunConfig, tokenizer, layout: BatchLayout, n1: int):
     t, c, tst, T = cfg.train, cfg.checkpoint, cfg.tst, cfg.model.seq_length
     gbs = layout.global_batch_size
     per_sample = tst.windows_per_sample()  # S, or 1 in output mode
-    windows = n1 * gbs * per_sample + (t.train_iters - n1) * gbs + per_sample  # whole blocks
+    # whole blocks; a blend's blocks stay within one dataset, so each may leave a partial one
+    streams = 1 if cfg.data.mock_data else len(data_prefixes(cfg.data.data_path))
+    windows = n1 * gbs * per_sample + (t.train_iters - n1) * gbs + per_sample * streams
     evals = (t.train_iters // c.eval_interval + 1) if c.eval_interval else 1
+    # --full-validation: one epoch of the split (megatron-core builds whole epochs)
+    valid_samples = 1 if c.full_validation else c.eval_iters * gbs * evals
     train, valid, _ = build_datasets(
         cfg.data,
         tokenizer,
         seq_length=T,
-        samples=(windows, c.eval_iters * gbs * evals, 0),
+        samples=(windows, valid_samples, 0),
         seed=t.seed,
     )
-    checks = [("training", train)] + ([("validation", valid)] if c.eval_iters else [])
+    checks = [("training", train)] + (
+        [("validation", valid)] if c.eval_iters or c.full_validation else []
+    )
     for name, dataset in checks:
         if dataset is None or len(dataset) == 0:
             raise ConfigError(
@@ -200,8 +210,15 @@ def build_data(cfg: RunConfig, tokenizer, layout: BatchLayout, n1: int):
     return stream, valid
 
 
-def build_phases(cfg: RunConfig, tokenizer, layout: BatchLayout) -> tuple[Schedule, Phase]:
-    """The schedule with each phase bound to its samples and forward step, and validation."""
+def build_phases(cfg: RunConfig, tokenizer, layout: BatchLayout) -> tuple[Schedule, Phase, int]:
+    """The schedule with each phase bound to its samples and forward step, validation, and
+    the validation steps per evaluation (``--eval-iters``, or with ``--full-validation`` the
+    whole split in global batches).
+
+    Raises:
+        ConfigError: ``--full-validation`` with a validation split smaller than one global
+            batch.
+    """
     schedule = Schedule.plan(
         cfg.tst, seq_length=cfg.model.seq_length, train_iters=cfg.train.train_iters
     )
@@ -221,7 +238,16 @@ def build_phases(cfg: RunConfig, tokenizer, layout: BatchLayout) -> tuple[Schedu
     validation = dataclasses.replace(schedule.phase2, first_iteration=0).bind(
         valid.__getitem__, phase2_step
     )
-    return schedule, validation
+    eval_steps = cfg.checkpoint.eval_iters
+    if cfg.checkpoint.full_validation:
+        eval_steps = len(valid) // layout.global_batch_size
+        if eval_steps == 0:
+            raise ConfigError(
+                f"--full-validation: the validation split has {len(valid)} samples of "
+                f"{cfg.model.seq_length} tokens, fewer than one global batch "
+                f"({layout.global_batch_size}); give it a larger --split share"
+            )
+    return schedule, validation, eval_steps
 
 
 def setup(cfg: RunConfig) -> Run:
@@ -274,7 +300,7 @@ def setup(cfg: RunConfig) -> Run:
         ps.get_data_parallel_rank(),
         gbs // (cfg.train.micro_batch_size * dp),
     )
-    schedule, validation = build_phases(cfg, tokenizer, layout)
+    schedule, validation, eval_steps = build_phases(cfg, tokenizer, layout)
     writer = None
     if cfg.checkpoint.tensorboard_dir and dist.get_rank() == dist.get_world_size() - 1:
         from torch.utils.tensorboard import SummaryWriter
@@ -284,7 +310,17 @@ def setup(cfg: RunConfig) -> Run:
         cfg, vocab_size=cfg.model.vocab_size or tokenizer.vocab_size, padded_vocab_size=vocab
     )
     return Run(
-        cfg, info.device, chunks, optimizer, scheduler, layout, schedule, validation, writer, args
+        cfg,
+        info.device,
+        chunks,
+        optimizer,
+        scheduler,
+        layout,
+        schedule,
+        validation,
+        eval_steps,
+        writer,
+        args,
     )
 
 
@@ -401,9 +437,12 @@ def train_step(run: Run, phase: Phase, iteration: int) -> dict:
 
 
 def evaluate(run: Run, eval_round: int) -> Optional[float]:
-    """Next-token validation loss of round ``eval_round`` (in either phase); None when no
-    token was scored."""
-    phase, k = run.validation, run.cfg.checkpoint.eval_iters
+    """Next-token validation loss of round ``eval_round`` (in either phase: round ``k`` reads
+    validation steps ``[k*K, (k+1)*K)``, ``K`` = ``--eval-iters``; with ``--full-validation``
+    every round reads the whole split); None when no token was scored."""
+    phase, k = run.validation, run.eval_steps
+    if run.cfg.checkpoint.full_validation:
+        eval_round = 0  # the whole split, every time
     for chunk in run.model:
         chunk.eval()
     reports = []
@@ -626,7 +665,7 @@ def train(cfg: RunConfig) -> dict:
         if t.manual_gc and t.manual_gc_interval and iteration % t.manual_gc_interval == 0:
             gc.collect()
         if should_eval(
-            iteration, eval_interval=c.eval_interval, eval_iters=c.eval_iters, at_switch=at_switch
+            iteration, eval_interval=c.eval_interval, eval_iters=run.eval_steps, at_switch=at_switch
         ):
             loss = evaluate(run, iteration // c.eval_interval)
             log_validation(run, iteration, loss, tokens_seen)
