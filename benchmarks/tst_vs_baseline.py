@@ -56,6 +56,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from measure import write, write_index  # noqa: E402
 
 PY = sys.executable
+EVAL_ROUNDS = 6
+"""--horizons: evaluations per run (every N/6 steps), each on the whole validation split."""
 TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
 
 
@@ -243,7 +245,7 @@ def _common_flags(args, data_prefix: str, tok: str) -> list[str]:
         str(args.eval_iters),
         "--log-interval",
         str(args.eval_interval),
-    ]
+    ] + (["--full-validation"] if args.horizons else [])
 
 
 def launcher(args) -> list[str]:
@@ -469,17 +471,18 @@ def run_baselines(args, base_flags: list[str], lrs, prefix: str = "") -> tuple[l
 # --- horizons (issue 16) --------------------------------------------------------------------
 
 
-def train_split_tokens(prefix: str, split: str = "98,2,0") -> int:
-    """Tokens in the training split of the ``.bin/.idx`` dataset ``prefix``: the first
-    documents, as megatron-core's dataset builder splits them (``round(share x documents)``)."""
+def split_tokens(prefix: str, split: str = "98,2,0", index: int = 0) -> int:
+    """Tokens in split ``index`` (0 training, 1 validation) of the ``.bin/.idx`` dataset
+    ``prefix``, as megatron-core's dataset builder splits its documents (``round(bookend x
+    documents)``)."""
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
     dataset = IndexedDataset(prefix)  # keep it alive: its arrays view its memory map
     lengths = [int(n) for n in dataset.sequence_lengths]
     del dataset
     shares = [float(x) for x in split.split(",")]
-    n_train = int(round(shares[0] / sum(shares) * len(lengths)))
-    return sum(lengths[:n_train])
+    bookends = [round(sum(shares[:i]) / sum(shares) * len(lengths)) for i in range(len(shares) + 1)]
+    return sum(lengths[bookends[index] : bookends[index + 1]])
 
 
 def crossing(points: list) -> "tuple | None":
@@ -532,11 +535,12 @@ def run_horizons(args, prefix: str) -> None:
     """Every length of ``--horizons``: the baseline at its best LR, then the arms; the report
     is rewritten after each length, so an interrupted run keeps what it measured."""
     arms = parse_arms(args.arms)
-    train_tokens = train_split_tokens(prefix, "99,1,0" if args.preset else "98,2,0")
+    split = "99,1,0" if args.preset else "98,2,0"
+    train_tokens, args.valid_tokens = (split_tokens(prefix, split, i) for i in (0, 1))
     rows, previous_best = [], None
     for steps in sorted(int(x) for x in args.horizons.split(",")):
         args.train_iters = steps
-        args.eval_interval = max(1, steps // (4 if args.smoke else 12))
+        args.eval_interval = max(1, steps // (4 if args.smoke else EVAL_ROUNDS))
         base_flags = model_flags(args, prefix)
         baselines, best = run_baselines(
             args,
@@ -624,11 +628,11 @@ def horizons_report(args, rows: list, labels: list, train_tokens: int, name: str
         f"{train_tokens:,} tokens; a *pass* is the tokens an arm read divided by that "
         "(more than 1: the data was repeated).",
         "",
-        f"Validation: next-token loss on {args.eval_iters} x {gbs} x {seq} = "
-        f"{args.eval_iters * gbs * seq:,} held-out tokens per evaluation, every "
-        f"N/{4 if args.smoke else 12} steps. Evaluation round k reads the same samples in every arm, so the final "
-        "losses of the arms of one length are scored on the same tokens (TST's extra "
-        f"evaluation at the switch repeats an earlier round). One seed ({args.seed}) per arm.",
+        "Validation: next-token loss on the whole validation split (`--full-validation`: "
+        f"{args.valid_tokens:,} held-out tokens, scored in global batches of {gbs} x {seq}) "
+        f"at every evaluation, every N/{4 if args.smoke else EVAL_ROUNDS} steps and at the "
+        "switch, so every arm and every round is scored on the same tokens and the gaps are "
+        f"paired. Seed {args.seed}.",
         "",
         "Modes: `full` = bag-averaged input and MCE over the next bag; `input` = bag-averaged "
         "input, next bag's first token as the target; `output` = ordinary token input, each "
