@@ -549,23 +549,21 @@ def run_horizons(args, prefix: str) -> None:
             prefix=f"h{steps}-{seed_tag(args)}",
         )
         previous_best = best["lr"]
-        row = {"steps": steps, "baselines": baselines, "best": best, "arms": {}}
-        for index, (size, mode) in enumerate(arms):
-            if index >= args.arms_at_every_length and steps > args.extra_arms_max_steps:
+        row = {"steps": steps, "baselines": baselines, "best": best, "replicates": []}
+        row["arms"] = run_horizon_arms(args, arms, steps, base_flags, best["lr"])
+        first_seed = args.seed
+        for seed in args.seeds_list if steps >= args.seeds_min_steps else []:
+            if seed == first_seed:
                 continue
-            arm = run_arm(
-                args,
-                f"h{steps}-{seed_tag(args)}s{size}-{mode}-r{args.phase1_fraction}",
-                base_flags + lr_flags(best["lr"]) + tst_flags(size, args.phase1_fraction, mode),
+            args.seed = seed  # a replicate: the same arms at another --seed, the same LR
+            flags = model_flags(args, prefix)
+            (base,), _ = run_baselines(
+                args, flags, [best["lr"]], prefix=f"h{steps}-{seed_tag(args)}"
             )
-            if arm is None:
-                continue
-            row["arms"][arm_label(size, mode)] = arm
-            print(
-                f"h{steps} {arm_label(size, mode)}: final validation loss "
-                f"{arm['valid'][-1][1]:.4f} ({arm['wall_s']:.0f} s)",
-                flush=True,
-            )
+            replicate = {"seed": seed, "best": base}
+            replicate["arms"] = run_horizon_arms(args, arms, steps, flags, best["lr"])
+            row["replicates"].append(replicate)
+            args.seed = first_seed
         rows.append(row)
         if args.node_rank == 0:
             name = "tst_horizons" + ("_smoke" if args.smoke else "") + seed_tag(args, "_")
@@ -575,6 +573,28 @@ def run_horizons(args, prefix: str) -> None:
             write(os.path.join(args.output_dir, name + ".md"), text)
             write_index(args.output_dir)
             print(text, flush=True)
+
+
+def run_horizon_arms(args, arms: list, steps: int, base_flags: list, lr: float) -> dict:
+    """The TST arms of one length at ``args.seed``: ``{label: arm}`` (node 0)."""
+    done = {}
+    for index, (size, mode) in enumerate(arms):
+        if index >= args.arms_at_every_length and steps > args.extra_arms_max_steps:
+            continue
+        arm = run_arm(
+            args,
+            f"h{steps}-{seed_tag(args)}s{size}-{mode}-r{args.phase1_fraction}",
+            base_flags + lr_flags(lr) + tst_flags(size, args.phase1_fraction, mode),
+        )
+        if arm is None:
+            continue
+        done[arm_label(size, mode)] = arm
+        print(
+            f"h{steps} seed {args.seed} {arm_label(size, mode)}: final validation loss "
+            f"{arm['valid'][-1][1]:.4f} ({arm['wall_s']:.0f} s)",
+            flush=True,
+        )
+    return done
 
 
 def seed_tag(args, sep: str = "-") -> str:
@@ -603,13 +623,30 @@ def arm_lr(arm: dict) -> float:
     return float(words[len(words) - 1 - words[::-1].index("--lr") + 1])
 
 
-def gaps(rows: list, label: str) -> list:
-    """``[(steps, TST - baseline final validation loss)]`` of one arm across the lengths."""
+def seed_gaps(row: dict, label: str) -> list:
+    """TST - baseline final validation loss of one arm at one length, one value per seed:
+    each seed's arm against the same seed's baseline (paired)."""
+    runs = [row] + row.get("replicates", [])
     return [
-        (r["steps"], r["arms"][label]["valid"][-1][1] - r["best"]["valid"][-1][1])
-        for r in rows
+        r["arms"][label]["valid"][-1][1] - r["best"]["valid"][-1][1]
+        for r in runs
         if label in r["arms"]
     ]
+
+
+def gaps(rows: list, label: str) -> list:
+    """``[(steps, mean TST - baseline final validation loss over the seeds)]`` of one arm
+    across the lengths."""
+    return [(r["steps"], sum(g) / len(g)) for r in rows if (g := seed_gaps(r, label))]
+
+
+def gap_cell(values: list) -> str:
+    """``+0.0123`` for one seed; ``+0.0123 [-0.0040, +0.0301] (3 seeds)``: mean, then the
+    smallest and largest seed's gap."""
+    mean = sum(values) / len(values)
+    if len(values) == 1:
+        return f"{mean:+.4f}"
+    return f"{mean:+.4f} [{min(values):+.4f}, {max(values):+.4f}] ({len(values)} seeds)"
 
 
 def horizons_report(args, rows: list, labels: list, train_tokens: int, name: str) -> str:
@@ -632,7 +669,15 @@ def horizons_report(args, rows: list, labels: list, train_tokens: int, name: str
         f"{args.valid_tokens:,} held-out tokens, scored in global batches of {gbs} x {seq}) "
         f"at every evaluation, every N/{4 if args.smoke else EVAL_ROUNDS} steps and at the "
         "switch, so every arm and every round is scored on the same tokens and the gaps are "
-        f"paired. Seed {args.seed}.",
+        f"paired. Seed {args.seed}"
+        + (
+            f"; at {args.seeds_min_steps} steps and more also seeds "
+            f"{', '.join(str(x) for x in args.seeds_list if x != args.seed)}, each arm against "
+            "the baseline of its own seed (at the first seed's best LR); a cell gives the mean "
+            "gap and, in brackets, the smallest and largest seed's gap (the plot's error bars)."
+            if len(args.seeds_list) > 1
+            else "."
+        ),
         "",
         "Modes: `full` = bag-averaged input and MCE over the next bag; `input` = bag-averaged "
         "input, next bag's first token as the target; `output` = ordinary token input, each "
@@ -651,8 +696,7 @@ def horizons_report(args, rows: list, labels: list, train_tokens: int, name: str
         for label in labels:
             arm = r["arms"].get(label)
             cells.append(
-                f"{arm['valid'][-1][1] - base['valid'][-1][1]:+.4f} "
-                f"({arm['tokens'] / train_tokens:.3g})"
+                f"{gap_cell(seed_gaps(r, label))} ({arm['tokens'] / train_tokens:.3g})"
                 if arm
                 else "not run"
             )
@@ -707,7 +751,10 @@ def plot_horizons(rows: list, labels: list, path: str) -> None:
     for label in labels:
         points = gaps(rows, label)
         if points:
-            ax.plot(*zip(*points), "o-", ms=4, label=label)
+            spread = [seed_gaps(r, label) for r in rows if seed_gaps(r, label)]
+            low = [mean - min(g) for (_, mean), g in zip(points, spread)]
+            high = [max(g) - mean for (_, mean), g in zip(points, spread)]
+            ax.errorbar(*zip(*points), yerr=[low, high], fmt="o-", ms=4, capsize=3, label=label)
     ax.axhline(0.0, color="gray", ls="--", lw=1, label="baseline")
     ax.set_xscale("log")
     steps = [r["steps"] for r in rows]
@@ -766,6 +813,13 @@ def parse(argv=None):
     p.add_argument(
         "--seed", type=int, default=1234, help="every arm's --seed (another: a replicate)"
     )
+    p.add_argument(
+        "--seeds",
+        default="",
+        help="--horizons: more seeds, e.g. 1234,1235,1236: at lengths >= --seeds-min-steps the "
+        "baseline (at the first seed's best LR) and the arms run at each; gaps are paired by seed",
+    )
+    p.add_argument("--seeds-min-steps", type=int, default=3000)
     p.add_argument("--seq-length", type=int, default=128)
     p.add_argument("--bag-size", type=int, default=None)
     p.add_argument("--phase1-fraction", type=float, default=None)
@@ -806,6 +860,7 @@ def parse(argv=None):
     args.phase1_fraction = args.phase1_fraction or 0.3
     args.lrs = args.lrs or "1e-3,2e-3,4e-3"
     args.lrs_list = [float(x) for x in args.lrs.split(",")]
+    args.seeds_list = [int(x) for x in args.seeds.split(",") if x]
     args.baseline_lr = {
         int(k): float(v)
         for k, v in (item.split("=") for item in args.baseline_lr.split(",") if item)

@@ -15,9 +15,12 @@ from tst_vs_baseline import (  # noqa: E402
     arm_lr,
     crossing,
     crossing_text,
+    gap_cell,
+    gaps,
     horizon_lrs,
     parse,
     parse_arms,
+    seed_gaps,
     seed_tag,
 )
 
@@ -54,6 +57,26 @@ def test_lr_sweep_follows_the_best_lr_downwards_beyond_its_limit():
     )
 
 
+def test_seed_gaps_are_paired_by_seed():
+    def arm(loss):
+        return {"valid": [(10, 9.0), (100, loss)]}
+
+    row = {
+        "steps": 100,
+        "best": arm(3.0),
+        "arms": {"S=2 full": arm(3.1)},
+        "replicates": [
+            {"seed": 2, "best": arm(3.5), "arms": {"S=2 full": arm(3.4)}},
+            {"seed": 3, "best": arm(2.9), "arms": {}},  # an arm not run at this seed
+        ],
+    }
+    got = seed_gaps(row, "S=2 full")  # each seed's arm minus the same seed's baseline
+    assert got == pytest.approx([0.1, -0.1])
+    assert gaps([row], "S=2 full") == [(100, pytest.approx(0.0))]
+    assert gap_cell(got) == "+0.0000 [-0.1000, +0.1000] (2 seeds)"
+    assert gap_cell([0.05]) == "+0.0500"
+
+
 @pytest.mark.slow
 def test_horizons_smoke(tmp_path):
     out = tmp_path / "results"
@@ -68,6 +91,10 @@ def test_horizons_smoke(tmp_path):
             "2:full,2:output",
             "--extra-arms-max-steps",
             "4",
+            "--seeds",
+            "1234,1235",
+            "--seeds-min-steps",
+            "8",
             "--lrs",
             "2e-3",
             "--output-dir",
@@ -93,6 +120,7 @@ def test_horizons_smoke(tmp_path):
     base, full, output = (float(p) for p in passes)
     assert full > base > 0 and output == base  # output-only reads what the baseline reads
     assert long[4].strip() == "not run"  # extra arms only up to --extra-arms-max-steps
+    assert "(2 seeds)" in long[3] and "seeds" not in short[3]  # the replicate at 8 steps only
     assert "## Where the curves cross" in report and "- S=2 output:" in report
     assert (out / "tst_horizons_smoke.png").read_bytes()[:4] == b"\x89PNG"
     assert "tst_horizons_smoke" in (tmp_path / "results.md").read_text()
