@@ -293,6 +293,66 @@ def test_bad_settings_give_a_line_naming_the_flag(extra, world, device, message)
     assert any(message in line for line in lines), lines
 
 
+# --- issue 21: expert biases need expert TP 1; SP splits each CP rank's positions --------
+
+BIAS_ETP = (
+    "MoE with biases (no --disable-bias-linear) needs --expert-tensor-parallel-size 1, got {} "
+    "(unset: --tensor-model-parallel-size); add --disable-bias-linear or "
+    "--expert-tensor-parallel-size 1"
+)
+
+
+@pytest.mark.parametrize(
+    "extra,etp",
+    [
+        (["--tensor-model-parallel-size", "2", "--sequence-parallel"], 2),  # expert TP = TP
+        (["--expert-tensor-parallel-size", "2"], 2),
+    ],
+)
+def test_moe_biases_at_expert_tp_above_1_are_refused_by_the_dry_run(extra, etp):
+    """megatron-core's TransformerConfig asserts "Bias in Moe is only supported when ETP==1"
+    after set-up, on every rank; the dry run must say it first, with every other problem."""
+    result = _dry(GOOD + extra + ["--tst-bag-size", "0"], env={"WORLD_SIZE": "2"})
+    assert result.returncode == 2
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert f"error: {BIAS_ETP.format(etp)}" in errors, result.stderr
+    assert any("--tst-bag-size must be an integer >= 1" in line for line in errors), errors
+    validate(parse_args(GOOD + extra + ["--disable-bias-linear"]), 2, "cpu")
+    if "--expert-tensor-parallel-size" not in extra:
+        validate(parse_args(GOOD + extra + ["--expert-tensor-parallel-size", "1"]), 2, "cpu")
+
+
+CP_TP = [
+    *GOOD,
+    "--disable-bias-linear",
+    "--transformer-impl",
+    "transformer_engine",
+    "--tensor-model-parallel-size",
+    "4",
+    "--context-parallel-size",
+    "2",
+    "--sequence-parallel",
+]
+
+
+@pytest.mark.parametrize("seq,ok", [(12, False), (20, False), (16, True), (24, True)])
+def test_sequence_parallel_splits_each_context_parallel_ranks_positions(seq, ok):
+    """A CP rank holds --seq-length / CP positions (2 x CP zig-zag chunks), which SP splits
+    over TP: --seq-length 12 passes both "/ (2 x CP)" and "/ TP" but leaves 6 positions per
+    CP rank for 4 TP ranks. The latent length is --seq-length in both TST phases."""
+    result = _dry(CP_TP + ["--seq-length", str(seq)], env={"WORLD_SIZE": "8"})
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    if ok:
+        assert result.returncode == 0, result.stderr
+        return
+    assert result.returncode == 2
+    assert errors == [
+        f"error: --seq-length {seq} is not divisible by --context-parallel-size 2 x "
+        "--tensor-model-parallel-size 4 under --sequence-parallel (each CP rank's "
+        f"--seq-length / 2 = {seq // 2} positions are split over the TP ranks)"
+    ], result.stderr
+
+
 def test_programmatic_config_is_validated_too():
     import dataclasses
 
@@ -642,7 +702,8 @@ def test_dry_run_reports_every_problem_and_exits_2():
     result = _dry(GOOD + ["--tst-bag-size", "0", "--tensor-model-parallel-size", "2"])
     assert result.returncode == 2
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 3, result.stderr  # world size, bag size, MoE + TP without SP
+    # world size, bag size, MoE + TP without SP, MoE biases at expert-TP (= TP) 2
+    assert len(errors) == 4, result.stderr
     # Under torchrun only rank 0 prints: other ranks are silent with the same exit status.
     quiet = _dry(GOOD + ["--tst-bag-size", "0"], env={"RANK": "1", "WORLD_SIZE": "2"})
     assert quiet.returncode == 2 and "error" not in quiet.stderr and not quiet.stdout

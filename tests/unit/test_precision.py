@@ -138,6 +138,40 @@ def test_fp8_gemm_widths(extra, name, value):
     _check(extra, world)  # the same shapes without FP8 are fine
 
 
+def test_fp8_reports_every_bad_shape_at_once():
+    """Every FP8 shape problem is its own line, with the other problems of the launch."""
+    with pytest.raises(ConfigError) as info:
+        _check(
+            FP8
+            + [
+                "--seq-length",
+                "24",
+                "--micro-batch-size",
+                "1",
+                "--hidden-size",
+                "200",  # kv = 200 / 4 heads = 50
+                "--num-experts",
+                "4",
+                "--moe-ffn-hidden-size",
+                "100",
+                "--lr-warmup-iters",
+                "10",
+            ]
+        )
+    lines = str(info.value).splitlines()
+    expected = [
+        "tokens per rank, --seq-length x --micro-batch-size / (--context-parallel-size) = 24",
+        "--hidden-size (200) must be a multiple of 16",
+        "the attention width per TP rank (200) must be a multiple of 16",
+        "the query-key-value width per TP rank (600) must be a multiple of 16",
+        "--moe-ffn-hidden-size per expert-TP rank (100) must be a multiple of 16",
+        "--lr-warmup-iters 10 must be in [0, --train-iters 10)",
+    ]
+    for want in expected:
+        assert sum(want in line for line in lines) == 1, (want, lines)
+    assert len(lines) == len(expected), lines
+
+
 def test_fp8_width_of_all_moe_layers_ignores_the_dense_width():
     # every layer is MoE: --ffn-hidden-size shapes nothing, so it is not checked
     _check(

@@ -259,7 +259,7 @@ def load_checkpoint(
 
     The model always loads into any TP/PP/EP/DP layout (``torch_dist`` reshards). The
     optimizer state does too, except between layouts whose megatron-core optimizer is split
-    differently (expert parallelism on vs off gives a separate expert optimizer); such a
+    differently (EP > 1 or expert-TP != TP gives a separate expert optimizer); such a
     load stops with a message suggesting ``--no-load-optim``.
 
     Raises:
@@ -295,8 +295,9 @@ def load_checkpoint(
     if load_optim and saved_count != _optimizer_count(optimizer):
         raise ConfigError(
             f"checkpoint {path} holds {saved_count} optimizer(s) but this layout builds "
-            f"{_optimizer_count(optimizer)} (expert parallelism on one side only); resume with "
-            "the same --expert-model-parallel-size or pass --no-load-optim"
+            f"{_optimizer_count(optimizer)} (experts in an optimizer of their own, EP > 1 or "
+            "expert-TP != TP, on one side only); resume with the same "
+            "--expert-model-parallel-size and --expert-tensor-parallel-size or pass --no-load-optim"
         )
     sharded = _model_sharded(model_chunks)
     request = dict(sharded)

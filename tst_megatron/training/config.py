@@ -26,7 +26,7 @@ from typing import Literal, Optional, Sequence
 from tst_megatron.errors import ConfigError
 from tst_megatron.runtime.distributed import ParallelConfig
 from tst_megatron.superposition.schedule import TSTConfig
-from tst_megatron.training.precision import check_fp8_shapes
+from tst_megatron.training.precision import fp8_shape_problems
 
 # Megatron-LM flags this trainer refuses, each with its one-line reason. They are parsed
 # (so a launch script gets every problem at once) and reported by :func:`validate`.
@@ -967,10 +967,19 @@ def _cross_problems(cfg: RunConfig, world_size: int, device_type: str) -> list[s
             f"--tensor-model-parallel-size {tp}"
         )
     sp = t.sequence_parallel and tp > 1  # Megatron-LM switches SP off at TP = 1
-    if sp and m.seq_length and m.seq_length % tp:
+    if sp and m.seq_length and cp == 1 and m.seq_length % tp:
         problems.append(
             f"--seq-length {m.seq_length} is not divisible by --tensor-model-parallel-size {tp} "
             "under --sequence-parallel"
+        )
+    elif sp and m.seq_length and not m.seq_length % cp and (m.seq_length // cp) % tp:
+        # A CP rank holds --seq-length / CP positions (2 x CP zig-zag chunks), which SP then
+        # scatters over TP (megatron-core's _split_along_first_dim needs a multiple). The model
+        # sequence is --seq-length in both TST phases (phase 1: T latent positions).
+        problems.append(
+            f"--seq-length {m.seq_length} is not divisible by --context-parallel-size {cp} x "
+            f"--tensor-model-parallel-size {tp} under --sequence-parallel (each CP rank's "
+            f"--seq-length / {cp} = {m.seq_length // cp} positions are split over the TP ranks)"
         )
     if moe.num_experts and tp > 1 and not sp:
         problems.append("MoE with --tensor-model-parallel-size > 1 needs --sequence-parallel")
@@ -982,6 +991,15 @@ def _cross_problems(cfg: RunConfig, world_size: int, device_type: str) -> list[s
         problems.append(
             "--moe-shared-expert-intermediate-size needs --disable-bias-linear (megatron-core's "
             "shared expert has no biases)"
+        )
+    etp = p.expert_tensor_parallel_size or tp
+    if moe.num_experts and not m.disable_bias_linear and etp > 1:
+        # megatron-core's TransformerConfig asserts "Bias in Moe is only supported when
+        # ETP==1" after set-up, on every rank.
+        problems.append(
+            "MoE with biases (no --disable-bias-linear) needs --expert-tensor-parallel-size 1, "
+            f"got {etp} (unset: --tensor-model-parallel-size); add --disable-bias-linear or "
+            "--expert-tensor-parallel-size 1"
         )
     ep = p.expert_model_parallel_size
     if moe.num_experts and moe.num_experts % ep:
@@ -1075,10 +1093,7 @@ def problems(cfg: RunConfig, world_size: int, device_type: str = "cuda") -> list
     required = (m.num_layers, m.hidden_size, m.num_attention_heads, m.seq_length)
     if all(required) and t.micro_batch_size and (t.train_iters or t.train_samples):
         found += _cross_problems(cfg, world_size, device_type)
-        try:
-            check_fp8_shapes(cfg)
-        except ConfigError as exc:
-            found.append(str(exc))
+        found += fp8_shape_problems(cfg)
     seen = set()
     return [p for p in found if not (p in seen or seen.add(p))]
 

@@ -18,6 +18,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 from megatron.core.tensor_parallel import RowParallelLinear
 from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.moe.moe_layer import BaseMoELayer
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -206,7 +207,7 @@ def build_gpt_model(
     Raises:
         ConfigError / ImportError: see :func:`gpt_block_spec`.
     """
-    return TSTGPTModel(  # a GPTModel with the bag loss in its loss seam (see training/gpt.py)
+    model = TSTGPTModel(  # a GPTModel with the bag loss in its loss seam (see training/gpt.py)
         config=config,
         transformer_layer_spec=gpt_block_spec(
             config, transformer_impl=transformer_impl, vp_stage=vp_stage
@@ -223,6 +224,42 @@ def build_gpt_model(
         seq_len_interpolation_factor=seq_len_interpolation_factor,
         vp_stage=vp_stage,
     )
+    tag_expert_grad_reduction(model, config)
+    return model
+
+
+def tag_expert_grad_reduction(model, config: TransformerConfig) -> None:
+    """Tag every expert parameter of ``model`` with the group its gradient is summed over.
+
+    An expert's gradient is the sum over the ranks that run it on some tokens: its expert
+    data-parallel group whenever EP > 1 or expert TP differs from TP (megatron-core's DDP
+    and optimizer take ``allreduce=False`` for that group; ``True`` means the DP group).
+    megatron-core 0.19 tags so (``use_expert_pgs`` in ``tensor_parallel/layers.py``);
+    0.16.1 tags ``allreduce=True`` whenever EP = 1, so at expert TP 1 < TP each TP rank kept
+    the gradient of its own ``T/tp`` positions (the replicas drifted), and at expert TP > TP
+    the DP sum added different shards. Both releases also tag the experts' second-layer bias
+    ``sequence_parallel`` (a ``RowParallelLinear`` bias), which ``finalize_model_grads`` sums
+    over TP on top: twice the gradient at EP 1, another expert's gradient added at EP > 1.
+    Such a parameter is whole on each rank of its expert-DP group, which already holds
+    every contribution, so the TP sum is dropped. Expert TP = TP with EP 1 keeps
+    megatron-core's tags (the DP group; biases there need TP = expert TP = 1, no SP).
+
+    Args:
+        model: a freshly built ``GPTModel`` stage, before DDP wraps it (DDP and the optimizer
+            read the tags when they are built). Changed in place; shared experts are dense
+            layers and keep their tags.
+        config: its ``TransformerConfig`` (``expert_model_parallel_size``,
+            ``expert_tensor_parallel_size``, ``tensor_model_parallel_size``).
+    """
+    etp = config.expert_tensor_parallel_size or config.tensor_model_parallel_size
+    if config.expert_model_parallel_size == 1 and etp == config.tensor_model_parallel_size:
+        return
+    for module in model.modules():
+        if isinstance(module, BaseMoELayer) and module.experts is not None:
+            for param in module.experts.parameters():
+                param.allreduce = False
+                if getattr(param, "sequence_parallel", False):
+                    param.sequence_parallel = False
 
 
 def build_model(cfg, config: TransformerConfig, *, vocab_size: int, vp_stage: Optional[int] = None):

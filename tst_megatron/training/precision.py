@@ -24,8 +24,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from tst_megatron.errors import ConfigError
-
 
 def fp8_alignment(recipe: str) -> int:
     """The multiple every FP8 GEMM dimension must be: 32 for ``mxfp8``, else 16."""
@@ -41,21 +39,23 @@ def _field(cfg, name: str) -> Any:
     raise KeyError(name)
 
 
-def check_fp8_shapes(cfg) -> None:
-    """With ``--fp8-format`` set, raise if a GEMM dimension of this layout is not a multiple of
-    :func:`fp8_alignment` (the module docstring lists them). Reads only; no-op without FP8.
+def fp8_shape_problems(cfg) -> list[str]:
+    """With ``--fp8-format`` set, every GEMM dimension of this layout that is not a multiple
+    of :func:`fp8_alignment` (the module docstring lists them), one line each naming the
+    dimension, its value and the flag to change. Reads only; empty without FP8.
 
     Args:
         cfg: the run's ``RunConfig`` (Megatron-LM field names).
 
-    Raises:
-        ConfigError: one line naming the dimension, its value, and the flags to change.
+    Returns:
+        The problems, in the order: tokens per rank, then the widths; empty when none.
     """
     if not _field(cfg, "fp8_format"):
-        return
+        return []
     recipe = _field(cfg, "fp8_recipe")
     align = fp8_alignment(recipe)
     why = f"with --fp8-format{' and --fp8-recipe mxfp8' if align == 32 else ''}"
+    problems = []
     T, b = _field(cfg, "seq_length"), _field(cfg, "micro_batch_size")
     tp, cp = _field(cfg, "tensor_model_parallel_size"), _field(cfg, "context_parallel_size")
     sp = _field(cfg, "sequence_parallel")
@@ -63,7 +63,7 @@ def check_fp8_shapes(cfg) -> None:
     if sp:
         tokens, split = tokens // tp, "--tensor-model-parallel-size x --context-parallel-size"
     if tokens % align:
-        raise ConfigError(
+        problems.append(
             f"{why}, the tokens per rank, --seq-length x --micro-batch-size / ({split}) = "
             f"{tokens} (in both TST phases), must be a multiple of {align}; change --seq-length "
             "or --micro-batch-size"
@@ -101,6 +101,5 @@ def check_fp8_shapes(cfg) -> None:
             )
     for name, value, fix in widths:
         if value % align:
-            raise ConfigError(
-                f"{why}, {name} ({value}) must be a multiple of {align}; change {fix}"
-            )
+            problems.append(f"{why}, {name} ({value}) must be a multiple of {align}; change {fix}")
+    return problems
