@@ -5,7 +5,11 @@
   model's own logits, and the same parameter gradients;
 - no logits-sized tensor is allocated beyond what the baseline (phase-2) step allocates;
 - ``bag_embedding`` at ``S = 1`` equals ``LanguageModelEmbedding.forward`` (TP=1 and TP=2,
-  with and without SP, learned/RoPE positions, fp32 residual, MuP where megatron-core has it).
+  with and without SP, learned/RoPE positions, fp32 residual, MuP where megatron-core has it);
+- phase 2 (``labels=[b, T]``) with nan/inf logits at masked positions: the loss and every
+  parameter gradient equal a float64 reference over the unmasked positions (TP=1 and TP=2;
+  the fused cross-entropy against its own clean run, exactly);
+- logits that are not this rank's vocabulary shard (gathered at TP=2) are refused.
 """
 
 import dataclasses
@@ -266,3 +270,152 @@ def test_bag_embedding_at_s1_equals_language_model_embedding(world):
             assert out.shape == ref_out.shape and out.dtype == ref_out.dtype, case
             torch.testing.assert_close(out, ref_out, rtol=1e-6, atol=1e-6, msg=str(case))
             torch.testing.assert_close(grad, ref_grad, rtol=1e-6, atol=1e-6, msg=str(case))
+
+
+# --- phase 2: masked positions with non-finite logits (issue 21.4) ------------------------
+
+
+def _phase2_batch():
+    g = torch.Generator().manual_seed(23)
+    loss_mask = torch.ones(B, T)
+    loss_mask[0, 2:5] = 0
+    loss_mask[1, 0] = 0
+    loss_mask[1, 7] = 0
+    return {
+        "tokens": torch.randint(0, V, (B, T), generator=g),
+        "position_ids": torch.arange(T).expand(B, T),
+        "attention_mask": None,
+        "labels": torch.randint(0, V, (B, T), generator=g),
+        "loss_mask": loss_mask,
+    }
+
+
+def _poison(rank, scored):
+    """A forward hook on the output layer: nan / +inf / -inf logits at the masked positions,
+    on rank 0's vocabulary shard only (the TP reductions spread them to every rank)."""
+
+    def hook(module, inputs, output):
+        logits, bias = output  # [T, b, V/tp]
+        if rank != 0:
+            return output
+        bad = torch.full_like(logits, float("nan"))
+        bad[:, 1] = float("inf")  # nan rows in sample 0, +inf rows in sample 1
+        bad[0, 1, :3] = -float("inf")
+        # Added, not selected: the logits' gradient passes through unchanged (torch.where
+        # would itself zero the masked rows' gradient on the way back).
+        return logits + torch.where(~scored.T.unsqueeze(-1), bad, 0.0), bias
+
+    return hook
+
+
+def _phase2_grads(model, batch, upstream, hook=None):
+    """Loss, scored-token count and parameter gradients of one phase-2 forward step, and
+    the validation loss (the same step without backward)."""
+    from tst_megatron.training.forward import make_phase2_step
+
+    handle = model.output_layer.register_forward_hook(hook) if hook else None
+    step = make_phase2_step()
+    model.zero_grad()
+    per_token, loss_func = step(iter([batch]), model)
+    loss, num_tokens, _ = loss_func(per_token)
+    (loss * upstream).backward()
+    with torch.no_grad():
+        per_token, loss_func = step(iter([batch]), model)
+        valid_loss = loss_func(per_token)[0]
+    if handle:
+        handle.remove()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    return dict(loss=loss.detach(), num_tokens=int(num_tokens), valid_loss=valid_loss, grads=grads)
+
+
+def _masked_child(rank, world):
+    """Phase-2 loss and gradients with non-finite logits at the masked positions, against a
+    float64 cross-entropy over the unmasked positions of the clean logits; at TP=1 also
+    megatron-core's fused cross-entropy against its own run on the clean logits."""
+    from tst_megatron.training import build_gpt_model
+
+    _init(world)
+    model = build_gpt_model(_config(experts=4, tp=world), vocab_size=V, max_sequence_length=T)
+    _set_weights(model)
+    batch = _phase2_batch()
+    scored = batch["loss_mask"] > 0
+    upstream = 0.37 + torch.rand((), generator=torch.Generator().manual_seed(4))  # non-unit
+
+    # Reference: the clean model's full-vocabulary logits (megatron-core's differentiable
+    # gather), CE in float64 over the scored positions only.
+    logits = model(batch["tokens"], batch["position_ids"], None, runtime_gather_output=True)
+    ref = F.cross_entropy(
+        logits.double().reshape(-1, V), batch["labels"].reshape(-1), reduction="none"
+    ).view(B, T)
+    ref_loss = ref[scored].sum()
+    (ref_loss * upstream).backward()
+    out = {"ref_loss": ref_loss.detach()}
+    out["ref_grads"] = {n: p.grad.clone() for n, p in model.named_parameters()}
+    out.update(_phase2_grads(model, batch, upstream, _poison(rank, scored)))
+    if world == 1:  # the fused kernel (its gradient is bf16, so compared with its own run)
+        fused = build_gpt_model(
+            _config(experts=4, cross_entropy_loss_fusion=True), vocab_size=V, max_sequence_length=T
+        )
+        fused.load_state_dict(model.state_dict())
+        out["fused_clean"] = _phase2_grads(fused, batch, upstream)
+        out["fused"] = _phase2_grads(fused, batch, upstream, _poison(rank, scored))
+    return out
+
+
+def _check_masked(r):
+    assert r["num_tokens"] == B * T - 5
+    for key in ("loss", "valid_loss"):
+        torch.testing.assert_close(r[key].double(), r["ref_loss"], rtol=1e-5, atol=1e-5)
+    bad = sorted(n for n, g in r["grads"].items() if not g.isfinite().all())
+    assert not bad, f"{len(bad)} of {len(r['grads'])} parameter gradients are not finite: {bad}"
+    for name, grad in r["ref_grads"].items():
+        torch.testing.assert_close(r["grads"][name], grad, rtol=1e-4, atol=1e-6, msg=name)
+    if "fused" in r:
+        clean, fused = r["fused_clean"], r["fused"]
+        torch.testing.assert_close(fused["loss"], clean["loss"], rtol=0, atol=0)
+        for name, grad in clean["grads"].items():  # masked rows add exactly nothing
+            torch.testing.assert_close(fused["grads"][name], grad, rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_phase2_masked_nonfinite_logits_give_finite_loss_and_reference_gradients(world):
+    """Issue 21.4: masked positions contribute exactly zero to the loss and the gradients."""
+    for r in run_distributed(_masked_child, world):
+        _check_masked(r)
+
+
+# --- gathered logits are not a shard (issue 21.6) ---------------------------------------
+
+
+def _gathered_child(rank, world):
+    from tst_megatron.training import build_gpt_model
+
+    _init(world)
+    model = build_gpt_model(_config(tp=world), vocab_size=V, max_sequence_length=T)
+    batch = _phase2_batch()
+    errors = []
+    targets = batch["labels"].unsqueeze(-1).expand(B, T, 2)  # phase-1 [b, T, S] labels
+    for labels in (batch["labels"], targets):
+        try:
+            model(batch["tokens"], batch["position_ids"], None, labels=labels,
+                  runtime_gather_output=True)  # fmt: skip
+            errors.append(None)
+        except ValueError as exc:
+            errors.append(str(exc))
+    # The seam itself, with logits one entry too wide.
+    try:
+        model.compute_language_model_loss(batch["labels"], torch.zeros(T, B, V // world + 1))
+        errors.append(None)
+    except ValueError as exc:
+        errors.append(str(exc))
+    return errors
+
+
+def test_gathered_logits_are_refused_by_the_seam():
+    """Issue 21.6: full-vocabulary logits at TP=2 scored as a shard read log 2 too high."""
+    for errors in run_distributed(_gathered_child, 2):
+        for error in errors:
+            assert error is not None and "\n" not in error
+            assert "padded vocabulary 96 / TP 2 = 48" in error, error
+        assert errors[0].startswith("logits have 96 vocabulary entries per rank")
+        assert errors[2].startswith("logits have 49 vocabulary entries per rank")

@@ -173,6 +173,11 @@ def test_missing_extra_and_unplaced_tensors_are_listed():
             ["--position-embedding-type", "learned_absolute"],
             "--position-embedding-type learned_absolute",
         ),
+        (["--rotary-percent", "0.5"], "--rotary-percent 0.5: .* rotate every channel"),
+        (
+            ["--rotary-seq-len-interpolation-factor", "2"],
+            "--rotary-seq-len-interpolation-factor 2: .* without RoPE scaling",
+        ),
     ],
 )
 def test_settings_without_a_target_are_named(extra, message):

@@ -67,6 +67,15 @@ def target_architecture(args: dict) -> Architecture:
         raise ValueError(
             f"--position-embedding-type {m['position_embedding_type']}: {targets} use RoPE"
         )
+    if m.get("rotary_percent", 1.0) != 1.0:
+        raise ValueError(
+            f"--rotary-percent {m['rotary_percent']}: {targets} rotate every channel of a head"
+        )
+    if m.get("rotary_seq_len_interpolation_factor") not in (None, 1):
+        raise ValueError(
+            f"--rotary-seq-len-interpolation-factor {m['rotary_seq_len_interpolation_factor']}: "
+            f"{targets} are exported without RoPE scaling"
+        )
     if not m["swiglu"]:
         raise ValueError(f"the MLPs are not SwiGLU (no --swiglu): {targets} use SwiGLU")
     if not m["disable_bias_linear"]:

@@ -789,10 +789,16 @@ def _unwrap(hint):
     return args[0] if typing.get_origin(hint) is typing.Union and len(args) == 1 else hint
 
 
+@functools.lru_cache(maxsize=None)
+def _type_hints(cls) -> dict:
+    """``typing.get_type_hints(cls)``, evaluated once per class (it parses every annotation)."""
+    return typing.get_type_hints(cls)
+
+
 def field_choices(cls, name: str) -> Optional[tuple]:
     """The values field ``name`` of dataclass ``cls`` may take (its ``Literal[...]``), or
     None when it is not a choice."""
-    hint = _unwrap(typing.get_type_hints(cls)[name])
+    hint = _unwrap(_type_hints(cls)[name])
     return typing.get_args(hint) if typing.get_origin(hint) is Literal else None
 
 
@@ -837,7 +843,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.set_defaults(refused=())
     for group_name, (cls, prefix) in _GROUPS.items():
         group = parser.add_argument_group(group_name)
-        hints = typing.get_type_hints(cls)
+        hints = _type_hints(cls)
         docs = field_docs(cls)
         for field in dataclasses.fields(cls):
             kind = _unwrap(hints[field.name])
@@ -859,8 +865,8 @@ def build_parser() -> argparse.ArgumentParser:
                 kind = field.metadata["parse"]
             elif choices:
                 kind = type(choices[0])
-            elif typing.get_origin(kind) is list:
-                kind = str
+            elif kind is list or typing.get_origin(kind) is list:
+                kind = str  # one word per item (nargs)
             group.add_argument(
                 flag or _flag(field.name, prefix=prefix),
                 dest=dest,
@@ -895,12 +901,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> RunConfig:
         if key == "refused":
             continue
         group, field = key.split(".", 1)
-        if isinstance(value, list):  # --data-path 0.7 A 0.3 B (nargs="*")
-            value = " ".join(value) or None
+        if isinstance(value, list) and _unwrap(_type_hints(_GROUPS[group][0])[field]) is not list:
+            value = " ".join(value) or None  # --data-path 0.7 A 0.3 B: one text, as Megatron-LM
         values[group][field] = value
-    data = values["data"]
-    if isinstance(data["data_path"], list):  # Megatron-LM's nargs: 'w1 p1 w2 p2' or 'p'
-        data["data_path"] = " ".join(data["data_path"])
     refused = tuple(namespace.refused) + tuple(u for u in unknown if u.startswith("-"))
     return RunConfig(
         **{name: cls(**values[name]) for name, (cls, _) in _GROUPS.items()}, refused=refused
@@ -980,6 +983,10 @@ def _cross_problems(cfg: RunConfig, world_size: int, device_type: str) -> list[s
             f"--seq-length {m.seq_length} is not divisible by --context-parallel-size {cp} x "
             f"--tensor-model-parallel-size {tp} under --sequence-parallel (each CP rank's "
             f"--seq-length / {cp} = {m.seq_length // cp} positions are split over the TP ranks)"
+        )
+    if moe.moe_layer_recompute and t.recompute_granularity == "full":
+        problems.append(  # megatron-core's TransformerConfig raises ValueError at build time
+            "--moe-layer-recompute recomputes selectively; drop it or --recompute-granularity full"
         )
     if moe.num_experts and tp > 1 and not sp:
         problems.append("MoE with --tensor-model-parallel-size > 1 needs --sequence-parallel")
@@ -1123,21 +1130,25 @@ def resolve(cfg: RunConfig, world_size: int, device_type: str = "cuda") -> RunCo
       iterations of that length;
     - ``--ffn-hidden-size`` (:meth:`ModelArgs.ffn_size`);
     - ``--sequence-parallel`` off when TP = 1;
-    - ``--recompute-granularity selective`` from ``--recompute-activations``, and ``moe``
-      added to ``--recompute-modules`` by ``--moe-layer-recompute``;
+    - ``--recompute-granularity selective`` from ``--recompute-activations`` or
+      ``--moe-layer-recompute``, which also adds ``moe`` to ``--recompute-modules`` (as
+      megatron-core's ``TransformerConfig`` does);
     - ``--transformer-impl local`` on a CPU run.
     """
     t, m, moe = cfg.train, cfg.model, cfg.moe
     gbs = global_batch_size(cfg, world_size)
+    granularity = "selective" if t.recompute_activations else t.recompute_granularity
     modules = list(t.recompute_modules) if t.recompute_modules is not None else None
     if moe.moe_layer_recompute:
-        modules = (modules or ["core_attn"]) + ["moe"]
+        granularity = granularity or "selective"
+        modules = modules or ["core_attn"]  # megatron-core's default
+        modules += [] if "moe" in modules else ["moe"]
     train = dataclasses.replace(
         t,
         global_batch_size=gbs,
         train_iters=t.train_iters or t.train_samples // gbs,
         sequence_parallel=t.sequence_parallel and cfg.parallel.tensor_model_parallel_size > 1,
-        recompute_granularity="selective" if t.recompute_activations else t.recompute_granularity,
+        recompute_granularity=granularity,
         recompute_modules=modules,
         transformer_impl="local" if device_type == "cpu" else t.transformer_impl,
     )

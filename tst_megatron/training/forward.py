@@ -24,8 +24,12 @@ returned is ``MCE_mb * n_mb``. Two consequences:
   weigh it about ``1/S`` as much in phase 1).
 
 Masked positions and slots are excluded by selection (``torch.where``), never by
-multiplication, so an ``inf``/``nan`` there cannot reach the loss or any gradient.
-Nothing here reads a device value on the host.
+multiplication, so an ``inf``/``nan`` there cannot reach the loss. Their gradient is zero,
+and the model's loss seam turns a zero gradient into exactly zero on the logits' rows (the
+cross-entropy's backward alone would give ``nan * 0 = nan``): phase 1 in
+``vocab_parallel_multi_target_cross_entropy``, phase 2 and validation around megatron-core's
+cross-entropy (:class:`~tst_megatron.training.gpt.TSTGPTModel`), so no gradient is
+non-finite either. Nothing here reads a device value on the host.
 """
 
 from __future__ import annotations

@@ -36,8 +36,10 @@ class TSTGPTModel(GPTModel):
     router is megatron-core's ``TopKRouter`` get :class:`BalancedTopKRouter` (same
     parameters, see there). ``forward(..., labels=...)``:
 
-    - ``labels`` ``[b, T]`` (phase 2): megatron-core's own loss path, unchanged (fused
-      cross-entropy included); returns ``[b, T]`` fp32 per-token CE.
+    - ``labels`` ``[b, T]`` (phase 2 and validation): megatron-core's own cross-entropy
+      (fused or not, as configured) inside :class:`_ScoredRowsOnly`, so that a position
+      whose loss gets no gradient (a masked one) passes exactly zero to the logits, even
+      where they are ``inf``/``nan``; returns ``[b, T]`` fp32 per-token CE.
     - ``labels`` ``[b, T, S]`` (phase 1, global ids in ``[0, V)``): returns ``[b, T, S]`` fp32
       per-slot CE ``logsumexp(z_j) - z_j[t_{j,k}]`` from
       :func:`~tst_megatron.superposition.vocab_parallel_multi_target_cross_entropy`, computed
@@ -48,6 +50,8 @@ class TSTGPTModel(GPTModel):
 
     Under context parallelism ``T`` is this rank's share of the (latent) sequence.
     Multi-token prediction (``mtp_num_layers``) is not supported with ``[b, T, S]`` labels.
+    The logits must be this rank's vocabulary shard: gathered logits
+    (``runtime_gather_output=True``, or ``parallel_output=False`` at TP > 1) are refused.
     """
 
     def __init__(self, config, transformer_layer_spec, *args, **kwargs):
@@ -66,10 +70,23 @@ class TSTGPTModel(GPTModel):
 
         Raises:
             ValueError: ``labels`` is neither 2-D nor 3-D, or its leading shape does not
-                match the logits.
+                match the logits, or the logits' last dimension is not this rank's share
+                of the padded vocabulary (``vocab_size / TP``): scoring gathered logits as a
+                shard would add ``log TP`` to every CE.
         """
+        tp = self.tp_group.size() if self.tp_group is not None else 1
+        if logits.shape[-1] * tp != self.vocab_size:
+            raise ValueError(
+                f"logits have {logits.shape[-1]} vocabulary entries per rank but the loss "
+                f"scores this rank's shard, padded vocabulary {self.vocab_size} / TP {tp} = "
+                f"{self.vocab_size // tp}: do not gather them (runtime_gather_output=True or "
+                "parallel_output=False)"
+            )
         if labels.dim() == 2:
-            return super().compute_language_model_loss(labels, logits)
+            cross_entropy = super().compute_language_model_loss
+            if not (torch.is_grad_enabled() and logits.requires_grad):  # no backward
+                return cross_entropy(labels, logits)
+            return _ScoredRowsOnly.apply(logits, labels, cross_entropy)
         if labels.dim() != 3:
             raise ValueError(f"labels must be [b, T] or [b, T, S], got {tuple(labels.shape)}")
         targets = labels.transpose(0, 1).contiguous()  # [b, T, S] -> [T, b, S] (small)
@@ -77,6 +94,46 @@ class TSTGPTModel(GPTModel):
             logits, targets, tp_group=self.tp_group, inplace=True
         )
         return per_slot.transpose(0, 1).contiguous()  # [T, b, S] -> [b, T, S]
+
+
+# --- phase 2: no gradient from unscored positions ---------------------------------------
+
+
+class _ScoredRowsOnly(torch.autograd.Function):
+    """megatron-core's cross-entropy, with exactly zero gradient on unscored rows.
+
+    megatron-core's cross-entropy backward (``tensor_parallel/cross_entropy.py`` and the
+    fused ``fusions/fused_cross_entropy.py``) is ``(softmax - onehot) * g``: at a masked
+    position ``g = 0``, but where the logits are inf/nan the softmax is nan and
+    ``nan * 0 = nan``, which then reaches every parameter. Selecting the loss in the loss
+    function cannot help (its gradient is already 0). Which cross-entropy runs inside is
+    not this function's concern, so the same holds for Transformer Engine's.
+
+    Forward runs ``cross_entropy(labels, logits)`` (megatron-core's, as configured) on a
+    detached alias of the ``[T, b, V/tp]`` logits and returns its ``[b, T]`` fp32 loss.
+    Backward runs that cross-entropy's own backward (``torch.autograd.grad``), then sets the
+    rows whose upstream gradient is zero to exactly zero, in place: one ``[b, T]`` compare
+    and one logits-sized pass, no copy, no collective, no host sync. Phase 1's
+    cross-entropy does the same inside its own backward.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, labels, cross_entropy):
+        with torch.enable_grad():
+            inner = logits.detach().requires_grad_()  # same storage: no copy
+            per_token = cross_entropy(labels, inner)  # [b, T]
+        ctx.inner, ctx.per_token = inner, per_token
+        return per_token.detach()
+
+    @staticmethod
+    def backward(ctx, grad):
+        inner, per_token = ctx.inner, ctx.per_token
+        del ctx.inner, ctx.per_token
+        (grad_logits,) = torch.autograd.grad(per_token, inner, grad)  # [T, b, V/tp]
+        unscored = (grad == 0).transpose(0, 1).unsqueeze(-1)  # [b, T] -> [T, b, 1]
+        if grad_logits.is_contiguous():  # the cross-entropy's own buffer
+            return grad_logits.masked_fill_(unscored, 0.0), None, None
+        return grad_logits.masked_fill(unscored, 0.0), None, None
 
 
 # --- MoE load balancing independent of the layout --------------------------------------

@@ -268,7 +268,10 @@ def build_model(cfg, config: TransformerConfig, *, vocab_size: int, vp_stage: Op
     The one place that turns a :class:`~tst_megatron.training.config.RunConfig` into a model:
     the trainer calls it per virtual pipeline stage, the checkpoint converter in a 1-process
     world. Whether the stage holds the embedding / output layer comes from megatron-core's
-    parallel state (initialised before the call).
+    parallel state (initialised before the call). The ``GPTModel`` arguments are those
+    Megatron-LM's GPT builder passes (``megatron/training/models/gpt.py``, megatron-core
+    0.19): ``--max-position-embeddings``, ``--position-embedding-type``, ``--rotary-base``,
+    ``--rotary-percent``, ``--rotary-seq-len-interpolation-factor`` and tied embeddings.
 
     Args:
         cfg: the run configuration (``cfg.model`` and ``cfg.train.transformer_impl`` are read).
@@ -286,6 +289,8 @@ def build_model(cfg, config: TransformerConfig, *, vocab_size: int, vp_stage: Op
         max_sequence_length=m.max_position_embeddings or m.seq_length,
         position_embedding_type=m.position_embedding_type,
         rotary_base=m.rotary_base,
+        rotary_percent=m.rotary_percent,
+        seq_len_interpolation_factor=m.rotary_seq_len_interpolation_factor,
         share_embeddings_and_output_weights=not m.untie_embeddings_and_output_weights,
         transformer_impl=cfg.train.transformer_impl,
         pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
@@ -322,6 +327,7 @@ def transformer_config(cfg, *, use_cpu_initialization: bool) -> TransformerConfi
         gated_linear_unit=m.swiglu,
         activation_func=torch.nn.functional.silu if m.swiglu else torch.nn.functional.gelu,
         add_bias_linear=not m.disable_bias_linear,
+        add_qkv_bias=not m.disable_bias_linear,  # Megatron-LM's validate_args keeps them equal
         qk_layernorm=m.qk_layernorm,
         init_method_std=m.init_method_std,
         hidden_dropout=m.hidden_dropout,
@@ -351,6 +357,7 @@ def transformer_config(cfg, *, use_cpu_initialization: bool) -> TransformerConfi
         moe_router_dtype=moe.moe_router_dtype,
         moe_token_dispatcher_type=moe.moe_token_dispatcher_type,
         moe_grouped_gemm=moe.moe_grouped_gemm,
+        moe_layer_recompute=moe.moe_layer_recompute,
         moe_layer_freq=moe.moe_layer_freq
         if isinstance(moe.moe_layer_freq, int)
         else moe_layer_pattern(moe.moe_layer_freq, m.num_layers),
