@@ -29,8 +29,8 @@ with a TST phase 1 is refused for now (the switch sample is ``N1 * global batch`
 
 Device: Megatron-LM has no ``--device`` flag; this launcher adds ``--device {auto,cuda,cpu}``
 (``auto``: CUDA when ``torch.cuda.is_available()``, else the CPU). A CPU run enables
-:func:`tst_megatron.runtime.cpu.enable` with ``training=True`` and appends the flags a CPU run
-needs (:data:`CPU_FLAGS`).
+:func:`tst_megatron.runtime.cpu.enable` with ``training=True``, appends the flags a CPU run
+needs (:data:`CPU_FLAGS`) and sets ``CUDA_DEVICE_MAX_CONNECTIONS=1`` when unset.
 """
 
 from __future__ import annotations
@@ -210,13 +210,19 @@ def model_provider(
 
     The ``TransformerConfig`` comes from ``core_transformer_config_from_args`` and the GPT
     settings from ``gpt_config_from_args`` (``megatron.training.argument_utils``); the layer
-    spec is ``--spec`` when given, else ``megatron.training.models.gpt.default_layer_spec``
-    (local spec with ``--transformer-impl local``, Transformer Engine's otherwise, MoE block
-    specs with ``--num-experts``); the MTP block spec is Megatron-LM's ``mtp_block_spec``. The
+    spec is ``--spec`` when given; with ``--transformer-impl local`` megatron-core's local
+    block spec with the project's sequence-parallel norms and expert fc2
+    (:func:`~tst_megatron.training.model.gpt_block_spec`); else Megatron-LM's
+    ``megatron.training.models.gpt.default_layer_spec`` (Transformer Engine's spec, MoE block
+    specs, experimental attention variants). The MTP block spec is Megatron-LM's
+    ``mtp_block_spec``. The
     ``GPTModel`` arguments are those of ``GPTModelBuilder.build_model`` (0.19).
     """
     from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.enums import AttnBackend
+    from megatron.core.transformer.heterogeneous.heterogeneous_config import (
+        HeterogeneousTransformerConfig,
+    )
     from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.training import get_args
     from megatron.training.argument_utils import gpt_config_from_args
@@ -224,11 +230,21 @@ def model_provider(
 
     from tst_megatron.runtime import cpu
     from tst_megatron.training.gpt import TSTGPTModel
+    from tst_megatron.training.model import gpt_block_spec
 
     args = get_args()
     cfg = gpt_config_from_args(args, config=config)
     spec = cfg.transformer_layer_spec
-    if spec is None:
+    plain_local = (
+        cfg.transformer.transformer_impl == "local"
+        and cfg.transformer.experimental_attention_variant is None
+        and not isinstance(cfg.transformer, HeterogeneousTransformerConfig)
+    )
+    if spec is None and plain_local:
+        # megatron-core's local block spec with the project's norms (TP + SP without TE or
+        # Apex) and expert fc2 (MoE with biases): tst_megatron.training.model.gpt_block_spec
+        spec = gpt_block_spec(cfg.transformer, transformer_impl="local", vp_stage=vp_stage)
+    elif spec is None:
         spec = default_layer_spec(cfg, vp_stage)
     elif not isinstance(spec, ModuleSpec) and callable(spec):
         spec = spec(cfg, vp_stage=vp_stage)
@@ -469,6 +485,9 @@ def parse(argv: Sequence[str]):
         from tst_megatron.runtime import cpu
 
         cpu.enable(training=True)
+        # validate_args asks for it with TP or CP > 1 on GPUs before Blackwell (the stand-in's
+        # compute capability is 0.0); a CPU has no CUDA connections to limit.
+        os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     saved = sys.argv
     sys.argv = [saved[0] if saved else "pretrain_gpt_tst_mlm.py", *argv]
     try:
