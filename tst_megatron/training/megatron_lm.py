@@ -405,6 +405,7 @@ class TSTForwardStep:
 
     def __init__(self):
         self._steps = None
+        self._announced = -1  # the last phase announced on rank 0
 
     def _build(self, args):
         from megatron.core import mpu
@@ -423,9 +424,24 @@ class TSTForwardStep:
         if self._steps is None:
             self._steps = self._build(args)
         n1, phase1, phase2 = self._steps
-        in_phase1 = unwrap(model).training and args.curr_iteration < n1
+        training = unwrap(model).training
+        in_phase1 = training and args.curr_iteration < n1
+        if training:
+            self._announce(1 if in_phase1 else 2, args.curr_iteration, n1)
         step = phase1 if in_phase1 else phase2
         return step(_OnDevice(data_iterator, _device()), model)
+
+    def _announce(self, phase: int, iteration: int, n1: int) -> None:
+        """One line on rank 0 when training enters a phase (at the start, and at the switch)."""
+        if phase == self._announced:
+            return
+        from megatron.training.utils import print_rank_0
+
+        self._announced = phase
+        if phase == 1:
+            print_rank_0(f"TST: phase 1 (bags) from iteration {iteration}, until {n1}")
+        else:
+            print_rank_0(f"TST: phase 2 (next-token) from iteration {iteration} (switch at {n1})")
 
 
 def _device() -> torch.device:

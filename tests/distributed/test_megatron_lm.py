@@ -1,0 +1,97 @@
+"""TST inside Megatron-LM's own loop (``megatron.training.pretrain()``) on 2 gloo processes.
+
+Each test spawns processes with the harness and runs :func:`tst_megatron.training.megatron_lm.main`
+in-process, reading the losses Megatron-LM prints (``training_log``: last rank; the TST phase
+lines: rank 0). megatron-core releases without ``megatron.training`` (0.16) skip.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import math
+import re
+
+import pytest
+
+pytest.importorskip("megatron.training")
+
+from tests.distributed.harness import run_distributed  # noqa: E402
+
+#: A tiny GPT on mock data: 6 iterations, the switch after 3 (S = 2), validation at 3 and 6.
+BASE = [
+    "--device", "cpu", "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128",
+    "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+    "--seq-length", "16", "--max-position-embeddings", "16",
+    "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "6",
+    "--lr", "1e-3", "--log-interval", "1", "--eval-interval", "3", "--eval-iters", "1",
+    "--num-workers", "0", "--seed", "1234",
+    "--tst-bag-size", "2", "--tst-phase1-iters", "3",
+]  # fmt: skip
+
+EP2 = [
+    "--num-experts", "4", "--expert-model-parallel-size", "2", "--moe-router-topk", "2",
+    "--moe-token-dispatcher-type", "alltoall", "--moe-aux-loss-coeff", "1e-2",
+    "--disable-bias-linear",
+]  # fmt: skip
+
+_TRAIN = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?\| lm loss: ([0-9.E+-]+) \|")
+_VALID = re.compile(r"validation loss at iteration (\d+) \| lm loss value: ([0-9.E+-]+)")
+
+
+def _pretrain_child(rank, world, *, runs):
+    """Run ``main(argv)`` for each argv in ``runs`` in this process; return what each printed."""
+    from megatron.training.training import destroy_global_state
+
+    from tst_megatron.training import megatron_lm
+
+    printed = []
+    for argv in runs:
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            megatron_lm.main(argv)
+        destroy_global_state()
+        printed.append(out.getvalue())
+    return printed
+
+
+def _losses(text: str) -> tuple[dict, dict]:
+    """``({iteration: training loss text}, {iteration: validation loss text})``."""
+    train = {int(i): v for i, v in _TRAIN.findall(text)}
+    valid = {int(i): v for i, v in _VALID.findall(text)}
+    return train, valid
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["dp2", "ep2"])
+def test_switches_in_process_with_losses_in_both_phases(layout):
+    extra = EP2 if layout == "ep2" else []
+    first, last = (out[0] for out in run_distributed(_pretrain_child, 2, runs=[BASE + extra]))
+    train, valid = _losses(last)
+    assert sorted(train) == [1, 2, 3, 4, 5, 6], last[-3000:]
+    assert all(math.isfinite(float(v)) for v in train.values())
+    assert sorted(valid) == [3, 6]
+    assert "TST: phase 1 (bags) from iteration 0, until 3" in first
+    assert "TST: phase 2 (next-token) from iteration 3 (switch at 3)" in first
+    # the switch is announced once, between the 3rd and 4th training steps
+    assert first.count("TST: phase 2") == 1
+
+
+@pytest.mark.slow
+def test_resume_from_the_switch_checkpoint_continues_exactly(tmp_path):
+    save = str(tmp_path / "ckpt")
+    base = BASE + ["--hidden-dropout", "0", "--attention-dropout", "0"]
+    uninterrupted = base + ["--save", save, "--save-interval", "3", "--ckpt-format", "torch_dist"]
+    resumed = base + ["--load", save, "--ckpt-step", "3", "--ckpt-format", "torch_dist"]
+    outs = run_distributed(_pretrain_child, 2, runs=[uninterrupted, resumed])
+    (first_a, first_b), (last_a, last_b) = outs
+    train_a, valid_a = _losses(last_a)
+    train_b, valid_b = _losses(last_b)
+    assert sorted(train_b) == [4, 5, 6], last_b[-3000:]
+    # Megatron-LM's training_log does not reset its sums after the first logged iteration of
+    # a (re)start (megatron/training/training.py: should_reset = not is_first_iteration), so
+    # the 2nd logged value is the mean of two steps: compare the 1st and the 3rd.
+    assert (train_a[4], train_a[6]) == (train_b[4], train_b[6])
+    assert valid_a[6] == valid_b[6]
+    assert "TST: phase 1" not in first_b  # resumed at the switch: next-token from its step 0
+    assert "TST: phase 2 (next-token) from iteration 3 (switch at 3)" in first_b
