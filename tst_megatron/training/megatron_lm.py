@@ -26,6 +26,9 @@ checkpointing and logging. This module supplies what ``pretrain()`` takes:
 
 A batch-size ramp-up (``--rampup-batch-size``) or schedule (``--step-batch-size-schedule``)
 with a TST phase 1 is refused for now (the switch sample is ``N1 * global batch``).
+Not yet done here: a checkpoint and a validation at the switch of their own (Megatron-LM
+saves and validates at its intervals; ``--no-tst-save-at-switch`` has no effect yet and a
+note says when iteration ``N1`` will not be saved), the phase-1 loss as its own series.
 
 Device: Megatron-LM has no ``--device`` flag; this launcher adds ``--device {auto,cuda,cpu}``
 (``auto``: CUDA when ``torch.cuda.is_available()``, else the CPU). A CPU run enables
@@ -482,6 +485,20 @@ def _use_prebuilt_dataset_helpers() -> None:
     dataset_utils.compile_helpers = compile_helpers
 
 
+def _note_switch_checkpoint(args) -> None:
+    """Say on rank 0 when the switch will not be saved: this launcher has no checkpoint at
+    the switch of its own yet (``--tst-save-at-switch`` is not applied); Megatron-LM saves
+    iteration ``N1`` only when ``--save-interval`` divides it."""
+    n1 = schedule(args).n1
+    saved = bool(args.save_interval) and n1 % args.save_interval == 0
+    if args.save and n1 > 0 and tst_config(args).save_at_switch and not saved and args.rank == 0:
+        print(
+            f"TST: note: no checkpoint at the switch (iteration {n1}): this launcher does not "
+            f"add one yet; use a --save-interval that divides {n1}",
+            flush=True,
+        )
+
+
 def parse(argv: Sequence[str]):
     """Megatron-LM's ``parse_and_validate_args`` with :func:`add_tst_args` on ``argv`` (CPU
     flags appended for a CPU run), then :func:`tst_problems`.
@@ -537,6 +554,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     from megatron.training.argument_utils import pretrain_cfg_container_from_args
     from megatron.training.training import pretrain
 
+    _note_switch_checkpoint(args)
     _use_prebuilt_dataset_helpers()
     if device == "cpu":
         from tst_megatron.runtime import cpu
