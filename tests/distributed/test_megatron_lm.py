@@ -62,29 +62,39 @@ def _losses(text: str) -> tuple[dict, dict]:
     return train, valid
 
 
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """One spawn of 2 processes, three ``pretrain()`` runs in sequence (one start-up):
+    DP=2 saving every 3 iterations (the switch), the same resumed from the switch's
+    torch_dist checkpoint, and EP=2 MoE with the alltoall dispatcher (DP=2 for the rest).
+    Dropout is off so that the layouts' losses depend on the data and weights only."""
+    save = str(tmp_path_factory.mktemp("mlm") / "ckpt")
+    base = BASE + ["--hidden-dropout", "0", "--attention-dropout", "0"]
+    argvs = {
+        "dp2": base + ["--save", save, "--save-interval", "3", "--ckpt-format", "torch_dist"],
+        "resumed": base + ["--load", save, "--ckpt-step", "3", "--ckpt-format", "torch_dist"],
+        "ep2": base + EP2,
+    }
+    first, last = run_distributed(_pretrain_child, 2, runs=list(argvs.values()))
+    return {name: (first[i], last[i]) for i, name in enumerate(argvs)}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", ["dp2", "ep2"])
-def test_switches_in_process_with_losses_in_both_phases(layout):
-    extra = EP2 if layout == "ep2" else []
-    first, last = (out[0] for out in run_distributed(_pretrain_child, 2, runs=[BASE + extra]))
+def test_switches_in_process_with_losses_in_both_phases(runs, layout):
+    first, last = runs[layout]
     train, valid = _losses(last)
     assert sorted(train) == [1, 2, 3, 4, 5, 6], last[-3000:]
     assert all(math.isfinite(float(v)) for v in train.values())
     assert sorted(valid) == [3, 6]
     assert "TST: phase 1 (bags) from iteration 0, until 3" in first
     assert "TST: phase 2 (next-token) from iteration 3 (switch at 3)" in first
-    # the switch is announced once, between the 3rd and 4th training steps
-    assert first.count("TST: phase 2") == 1
+    assert first.count("TST: phase 2") == 1  # the switch is announced once
 
 
 @pytest.mark.slow
-def test_resume_from_the_switch_checkpoint_continues_exactly(tmp_path):
-    save = str(tmp_path / "ckpt")
-    base = BASE + ["--hidden-dropout", "0", "--attention-dropout", "0"]
-    uninterrupted = base + ["--save", save, "--save-interval", "3", "--ckpt-format", "torch_dist"]
-    resumed = base + ["--load", save, "--ckpt-step", "3", "--ckpt-format", "torch_dist"]
-    outs = run_distributed(_pretrain_child, 2, runs=[uninterrupted, resumed])
-    (first_a, first_b), (last_a, last_b) = outs
+def test_resume_from_the_switch_checkpoint_continues_exactly(runs):
+    (_, last_a), (first_b, last_b) = runs["dp2"], runs["resumed"]
     train_a, valid_a = _losses(last_a)
     train_b, valid_b = _losses(last_b)
     assert sorted(train_b) == [4, 5, 6], last_b[-3000:]
