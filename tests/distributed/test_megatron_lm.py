@@ -35,7 +35,18 @@ EP2 = [
     "--disable-bias-linear",
 ]  # fmt: skip
 
+#: Megatron-LM's thresholds are tokens (16 per sample): a global batch of 4 until 8 samples
+#: are consumed, then 8. Consumed before the switch (3 steps): 4 + 4 + 8 = 16; in all: 40.
+SCHEDULE = "0:4 128:8"
+
+
+def _without(argv, flag):
+    i = argv.index(flag)
+    return argv[:i] + argv[i + 2 :]
+
+
 _TRAIN = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?\| lm loss: ([0-9.E+-]+) \|")
+_CONSUMED = re.compile(r"iteration\s+(\d+)/\s*\d+ \| consumed samples:\s+(\d+) \|")
 _VALID = re.compile(r"validation loss at iteration (\d+) \| lm loss value: ([0-9.E+-]+)")
 
 
@@ -64,9 +75,10 @@ def _losses(text: str) -> tuple[dict, dict]:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """One spawn of 2 processes, three ``pretrain()`` runs in sequence (one start-up):
+    """One spawn of 2 processes, four ``pretrain()`` runs in sequence (one start-up):
     DP=2 saving every 3 iterations (the switch), the same resumed from the switch's
-    torch_dist checkpoint, and EP=2 MoE with the alltoall dispatcher (DP=2 for the rest).
+    torch_dist checkpoint, EP=2 MoE with the alltoall dispatcher (DP=2 for the rest), and
+    DP=2 with a step batch-size schedule.
     Dropout is off so that the layouts' losses depend on the data and weights only."""
     save = str(tmp_path_factory.mktemp("mlm") / "ckpt")
     base = BASE + ["--hidden-dropout", "0", "--attention-dropout", "0"]
@@ -74,6 +86,8 @@ def runs(tmp_path_factory):
         "dp2": base + ["--save", save, "--save-interval", "3", "--ckpt-format", "torch_dist"],
         "resumed": base + ["--load", save, "--ckpt-step", "3", "--ckpt-format", "torch_dist"],
         "ep2": base + EP2,
+        "schedule": _without(base, "--global-batch-size")
+        + ["--step-batch-size-schedule", SCHEDULE],
     }
     first, last = run_distributed(_pretrain_child, 2, runs=list(argvs.values()))
     return {name: (first[i], last[i]) for i, name in enumerate(argvs)}
@@ -105,3 +119,15 @@ def test_resume_from_the_switch_checkpoint_continues_exactly(runs):
     assert valid_a[6] == valid_b[6]
     assert "TST: phase 1" not in first_b  # resumed at the switch: next-token from its step 0
     assert "TST: phase 2 (next-token) from iteration 3 (switch at 3)" in first_b
+
+
+@pytest.mark.slow
+def test_step_batch_size_schedule_switches_at_the_consumed_samples_of_n1(runs):
+    first, last = runs["schedule"]
+    consumed = {int(i): int(c) for i, c in _CONSUMED.findall(last)}
+    assert consumed == {1: 4, 2: 8, 3: 16, 4: 24, 5: 32, 6: 40}, last[-3000:]
+    train, _ = _losses(last)
+    assert sorted(train) == [1, 2, 3, 4, 5, 6]
+    assert all(math.isfinite(float(v)) for v in train.values())
+    # a phase-2 micro-batch holding a phase-1 sample (S*T tokens) would fail to collate
+    assert "TST: phase 2 (next-token) from iteration 3 (switch at 3)" in first

@@ -60,10 +60,11 @@ def _megatron_args(**overrides):
         train_iters=100,
         train_samples=None,
         global_batch_size=8,
+        micro_batch_size=2,
+        data_parallel_size=2,
         seq_length=32,
         reset_position_ids=False,
         reset_attention_mask=False,
-        rampup_batch_size=None,
         step_batch_size_schedule=None,
         mtp_num_layers=None,
         phase_transition_iterations=None,
@@ -85,13 +86,25 @@ def test_a_valid_tst_run_has_no_problem_and_switches_at_n1_global_batches():
     assert megatron_lm.switch_sample(samples) == 30 * 8
 
 
+def test_the_switch_under_a_step_batch_size_schedule_counts_consumed_samples():
+    # Megatron-LM's thresholds are tokens (--seq-length 32 per sample): batch 4 until 640
+    # tokens = 20 samples are consumed, then 8. By hand: 5 steps of 4, then steps of 8.
+    args = _megatron_args(step_batch_size_schedule="0:4 640:8", tst_phase1_iters=7)
+    assert megatron_lm.consumed_samples(args, 5) == 20
+    assert megatron_lm.switch_sample(args) == 5 * 4 + 2 * 8
+    # --train-samples 100: 5 steps reach 20, then (100 - 20) / 8 = 10 steps (update_train_iters)
+    by_samples = _megatron_args(
+        step_batch_size_schedule="0:4 640:8", train_iters=None, train_samples=100
+    )
+    assert megatron_lm.train_iters(by_samples) == 15
+    assert megatron_lm.schedule(by_samples).n1 == round(0.3 * 15)
+
+
 @pytest.mark.parametrize(
     "overrides, flag",
     [
         ({"reset_position_ids": True}, "--reset-position-ids"),
         ({"reset_attention_mask": True}, "--reset-attention-mask"),
-        ({"rampup_batch_size": ["4", "4", "100"]}, "--rampup-batch-size"),
-        ({"step_batch_size_schedule": "0:4 100:8"}, "--step-batch-size-schedule"),
         ({"mtp_num_layers": 1}, "--mtp-num-layers"),
         ({"phase_transition_iterations": [50]}, "--phase-transition-iterations"),
         ({"dataloader_type": "cyclic"}, "--dataloader-type"),
@@ -127,4 +140,6 @@ def test_launcher_refuses_before_any_work_with_one_error_line(tmp_path):
     assert done.returncode == 2, done.stderr[-2000:]
     assert len(errors) == 1 and "--reset-position-ids" in errors[0], errors
     assert "Traceback" not in done.stderr
-    assert "training ..." not in done.stdout  # refused before pretrain()
+    # refused before pretrain(): no model, no data
+    assert "number of parameters on" not in done.stdout
+    assert "> building train, validation, and test datasets" not in done.stdout

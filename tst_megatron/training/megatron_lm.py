@@ -12,8 +12,8 @@ checkpointing and logging. This module supplies what ``pretrain()`` takes:
   ``gpt_config_from_args``) and its layer-spec choice (``default_layer_spec``: the local spec
   with ``--transformer-impl local``, Transformer Engine's otherwise; MoE block specs; MTP).
 - :class:`TSTDatasets`: the train/valid/test datasets provider. Training sample ``i`` (in
-  Megatron-LM's consumed-samples order) is a phase-1 sample of ``S*T + 1`` tokens for
-  ``i < N1 * global batch`` and a phase-2 sample of ``T + 1`` tokens after
+  Megatron-LM's consumed-samples order) is a phase-1 sample of ``S*T + 1`` tokens for the
+  samples the first ``N1`` steps consume and a phase-2 sample of ``T + 1`` tokens after
   (:class:`PhasedTrainDataset` over the project's :class:`~tst_megatron.training.data.TrainStream`).
   Validation and test are megatron-core's ordinary next-token splits.
 - :class:`TSTForwardStep`: ``forward_step(data_iterator, model)``; the phase is a pure function
@@ -24,8 +24,9 @@ checkpointing and logging. This module supplies what ``pretrain()`` takes:
 - :func:`main`: parse and validate (Megatron-LM's parser plus ``--tst-*``), check, then
   ``pretrain(...)`` with the 0.19 config container.
 
-A batch-size ramp-up (``--rampup-batch-size``) or schedule (``--step-batch-size-schedule``)
-with a TST phase 1 is refused for now (the switch sample is ``N1 * global batch``).
+With a batch-size schedule (``--step-batch-size-schedule``) the switch is at the samples the
+first ``N1`` steps consume, counted with Megatron-LM's own calculator (:func:`switch_sample`);
+``--rampup-batch-size`` is ignored by Megatron-LM 0.19 (deprecated), so the batch is constant.
 Not yet done here: a checkpoint and a validation at the switch of their own (Megatron-LM
 saves and validates at its intervals; ``--no-tst-save-at-switch`` has no effect yet and a
 note says when iteration ``N1`` will not be saved), the phase-1 loss as its own series.
@@ -126,12 +127,54 @@ def tst_config(args) -> TSTConfig:
     )
 
 
+def _batch_calculator(args):
+    """A private copy of Megatron-LM's batch-size calculator for ``--step-batch-size-schedule``
+    (built as ``megatron.training.global_vars.set_global_variables`` builds the global one),
+    or None for a constant global batch."""
+    if not getattr(args, "step_batch_size_schedule", None):
+        return None
+    from megatron.core.num_microbatches_calculator import StepBatchsizeNumMicroBatchesCalculator
+
+    return StepBatchsizeNumMicroBatchesCalculator(
+        micro_batch_size=args.micro_batch_size,
+        data_parallel_size=args.data_parallel_size * getattr(args, "gtp_weight_remat_size", 1),
+        decrease_batch_size_if_needed=False,
+        rank=-1,  # no logging
+        schedule=args.step_batch_size_schedule,
+        seq_length=args.seq_length,
+    )
+
+
+def consumed_samples(args, iterations: int) -> int:
+    """Training samples consumed by the first ``iterations`` steps, as Megatron-LM's ``train()``
+    counts them: ``iterations * --global-batch-size``, or with ``--step-batch-size-schedule`` the
+    sum of each step's batch, the batch of a step being the schedule's at the samples consumed
+    before it (token thresholds count ``--seq-length`` tokens per sample, in phase 1 too)."""
+    calculator = _batch_calculator(args)
+    if calculator is None:
+        return iterations * args.global_batch_size
+    consumed = 0
+    for _ in range(iterations):
+        calculator.update(consumed, consistency_check=False)
+        consumed += calculator.get_current_running_global_batch_size()
+    return consumed
+
+
 def train_iters(args) -> int:
-    """``--train-iters``, or ``--train-samples // --global-batch-size`` (Megatron-LM's
-    ``update_train_iters`` for a constant batch)."""
+    """``--train-iters``, or the steps that consume ``--train-samples`` (Megatron-LM's
+    ``update_train_iters``: ``train_samples // global batch``, or with a step schedule the
+    first step count whose consumed samples reach ``--train-samples``)."""
     if args.train_iters:
         return args.train_iters
-    return (args.train_samples or 0) // args.global_batch_size
+    calculator = _batch_calculator(args)
+    if calculator is None:
+        return (args.train_samples or 0) // args.global_batch_size
+    iterations = consumed = 0
+    while consumed < args.train_samples:
+        calculator.update(consumed, consistency_check=False)
+        consumed += calculator.get_current_global_batch_size()
+        iterations += 1
+    return iterations
 
 
 def schedule(args) -> Schedule:
@@ -142,9 +185,10 @@ def schedule(args) -> Schedule:
 
 
 def switch_sample(args) -> int:
-    """Training samples consumed before the switch: ``N1 * --global-batch-size`` (a constant
-    global batch; :func:`tst_problems` refuses a ramp-up or schedule with a phase 1)."""
-    return schedule(args).n1 * args.global_batch_size
+    """Training samples consumed before the switch: those of the first ``N1`` steps
+    (:func:`consumed_samples`), so the switch is right under a batch-size schedule and after
+    a resume (Megatron-LM's sampler restarts at its consumed samples)."""
+    return consumed_samples(args, schedule(args).n1)
 
 
 def tst_problems(args) -> list[str]:
@@ -164,15 +208,6 @@ def tst_problems(args) -> list[str]:
             problems.append(
                 f"{flag} is not supported in TST phase 1 {bags}: bags are formed on the packed "
                 "token stream; drop the flag or set --tst-bag-size 1"
-            )
-    for flag, value in (
-        ("--rampup-batch-size", getattr(args, "rampup_batch_size", None)),
-        ("--step-batch-size-schedule", getattr(args, "step_batch_size_schedule", None)),
-    ):
-        if value:
-            problems.append(
-                f"{flag} is not supported with a TST phase 1 {bags} yet: the switch is placed "
-                "at N1 x --global-batch-size samples; use a constant --global-batch-size"
             )
     if getattr(args, "mtp_num_layers", None):
         problems.append(
@@ -291,8 +326,8 @@ class PhasedTrainDataset(torch.utils.data.Dataset):
 
     Args:
         stream: the project's :class:`~tst_megatron.training.data.TrainStream`.
-        switch: samples consumed before the switch (``N1 * global batch``).
-        total: samples of the whole run (``--train-iters * global batch``).
+        switch: samples consumed before the switch (:func:`switch_sample`).
+        total: samples of the whole run (:func:`consumed_samples` of ``--train-iters``).
     """
 
     def __init__(self, stream, *, switch: int, total: int):
@@ -333,8 +368,8 @@ class TSTDatasets:
         )
 
         args, tokenizer = get_args(), get_tokenizer()
-        tst, plan = tst_config(args), schedule(args)
-        gbs, iters = args.global_batch_size, train_iters(args)
+        tst = tst_config(args)
+        switch, total = switch_sample(args), consumed_samples(args, train_iters(args))
         data = _data_settings(args)
         if data.mock_data:
             check_mock_data(tokenizer, tokenizer.vocab_size)
@@ -342,8 +377,7 @@ class TSTDatasets:
             check_data_files(data.data_path, tokenizer.vocab_size, cache_path=data.data_cache_path)
         per_sample = tst.windows_per_sample()
         streams = 1 if data.mock_data else len(data_prefixes(data.data_path))
-        switch = plan.n1 * gbs
-        windows = switch * per_sample + (iters - plan.n1) * gbs + per_sample * streams
+        windows = switch * per_sample + (total - switch) + per_sample * streams
         _, valid_n, test_n = num_samples
         train, valid, test = build_datasets(
             data,
@@ -353,7 +387,7 @@ class TSTDatasets:
             seed=args.seed,
         )
         stream = TrainStream(train, bag_size=per_sample, phase1_samples=switch, seed=args.seed)
-        return PhasedTrainDataset(stream, switch=switch, total=iters * gbs), valid, test
+        return PhasedTrainDataset(stream, switch=switch, total=total), valid, test
 
 
 def _data_settings(args) -> types.SimpleNamespace:
@@ -376,16 +410,28 @@ def _data_settings(args) -> types.SimpleNamespace:
 
 
 class _OnDevice:
-    """An iterator of host batches as batches on ``device`` (a no-op on the CPU)."""
+    """An iterator of host batches as batches on ``device`` (a no-op on the CPU), each checked
+    to hold ``length`` tokens per sample (a shape read: no device sync).
 
-    def __init__(self, iterator, device: torch.device):
-        self.iterator, self.device = iterator, device
+    Raises:
+        RuntimeError: a batch of another length (the phase of the sample and of the step
+            differ), naming both.
+    """
+
+    def __init__(self, iterator, device: torch.device, *, length: int, what: str):
+        self.iterator, self.device, self.length, self.what = iterator, device, length, what
 
     def __iter__(self):
         return self
 
     def __next__(self) -> dict:
         batch = next(self.iterator)
+        got = batch["tokens"].shape[-1]
+        if got != self.length:
+            raise RuntimeError(
+                f"TST: {self.what} got samples of {got} tokens, expected {self.length}: the "
+                "training data's phase boundary does not match the step's phase"
+            )
         if self.device.type == "cpu":
             return batch
         return {
@@ -418,7 +464,7 @@ class TSTForwardStep:
         phase1 = make_phase1_step(
             bag_size=tst.bag_size, weighting=tst.bag_weighting, mode=tst.mode, cp_group=cp
         )
-        return schedule(args).n1, phase1, make_phase2_step(cp_group=cp)
+        return schedule(args), phase1, make_phase2_step(cp_group=cp)
 
     def __call__(self, data_iterator, model):
         from megatron.training import get_args
@@ -426,13 +472,15 @@ class TSTForwardStep:
         args = get_args()
         if self._steps is None:
             self._steps = self._build(args)
-        n1, phase1, phase2 = self._steps
+        plan, phase1, phase2 = self._steps
         training = unwrap(model).training
-        in_phase1 = training and args.curr_iteration < n1
+        in_phase1 = training and args.curr_iteration < plan.n1
         if training:
-            self._announce(1 if in_phase1 else 2, args.curr_iteration, n1)
-        step = phase1 if in_phase1 else phase2
-        return step(_OnDevice(data_iterator, _device()), model)
+            self._announce(1 if in_phase1 else 2, args.curr_iteration, plan.n1)
+        phase = plan.phase1 if in_phase1 else plan.phase2
+        what = f"phase-{phase.index} step {args.curr_iteration}" if training else "validation"
+        batches = _OnDevice(data_iterator, _device(), length=phase.data_seq_length, what=what)
+        return (phase1 if in_phase1 else phase2)(batches, model)
 
     def _announce(self, phase: int, iteration: int, n1: int) -> None:
         """One line on rank 0 when training enters a phase (at the start, and at the switch)."""
@@ -525,7 +573,7 @@ def parse(argv: Sequence[str]):
     sys.argv = [saved[0] if saved else "pretrain_gpt_tst_mlm.py", *argv]
     try:
         args = parse_and_validate_args(extra_args_provider=add_tst_args)
-    except AssertionError as exc:
+    except (AssertionError, ValueError) as exc:  # validate_args raises both
         raise ConfigError(f"Megatron-LM's argument validation: {exc}") from None
     finally:
         sys.argv = saved
