@@ -71,6 +71,9 @@ CPU_FLAGS = (
     "--no-bias-dropout-fusion",
     "--no-masked-softmax-fusion",
     "--disable-jit-fuser",
+    # weights drawn whole and then split (megatron-core's CPU initialisation): a TP layout
+    # starts from the weights of a 1-process run
+    "--use-cpu-initialization",
 )
 
 _DEVICES = ("auto", "cuda", "cpu")
