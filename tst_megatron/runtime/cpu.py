@@ -221,8 +221,8 @@ class _CpuCuda(types.ModuleType):
         return 1 if self._one_device else 0
 
     def is_available(self):
-        """False, or True for ``megatron.training.initialize`` (point 5)."""
-        return self._one_device
+        """torch's answer, or True for ``megatron.training.initialize`` (point 5)."""
+        return True if self._one_device else torch.cuda.is_available()
 
     @staticmethod
     def get_device_capability(device=None):
