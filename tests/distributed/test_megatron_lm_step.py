@@ -97,6 +97,7 @@ def _step_child(rank, world):
     return results
 
 
+@pytest.mark.slow
 def test_forward_step_phases_against_float64_references():
     (r,) = run_distributed(_step_child, 1)
     (got, n), (want, n_want) = r["phase1"], r["ref_phase1"]
