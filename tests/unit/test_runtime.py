@@ -41,6 +41,37 @@ def test_cpu_enable_is_idempotent_and_scoped():
     assert "REAL_TORCH_UNCHANGED" in result.stdout
 
 
+def test_cpu_enable_for_megatron_training_loop_is_scoped():
+    pytest.importorskip("megatron.training")
+    result = _run("""
+        import torch
+        from tst_megatron.runtime import cpu
+        cpu.enable(training=True)
+        from megatron.training import initialize, training
+        from megatron.training.utils import common_utils
+        # initialize.py asserts CUDA and gates model-parallel init on device_count() > 0
+        assert initialize.torch.cuda.is_available() and initialize.torch.cuda.device_count() == 1
+        # the rest of the loop sees torch's answer (tensors on 'cuda' land on the CPU)
+        assert training.torch.cuda.is_available() == torch.cuda.is_available()
+        assert training.torch.cuda.device_count() == 0
+        assert training.torch.tensor([1.0], device="cuda").device.type == "cpu"
+        # validate_args reads the compute capability when TP or CP > 1
+        assert common_utils.get_device_arch_version() == 0
+        # get_model's model_module.cuda(...) leaves a provider's model where it is
+        m = cpu.keep_on_cpu(torch.nn.Linear(2, 2))
+        assert m.cuda(training.torch.cuda.current_device()) is m
+        assert m.weight.device.type == "cpu"
+        assert torch.nn.Linear(2, 2).cuda is not m.cuda  # other modules keep torch's .cuda
+        # torch itself is untouched
+        try:
+            torch.zeros(1, device="cuda")
+        except (RuntimeError, AssertionError):
+            print("REAL_TORCH_UNCHANGED")
+        """)
+    assert result.returncode == 0, result.stderr
+    assert "REAL_TORCH_UNCHANGED" in result.stdout
+
+
 def test_cpu_enable_after_init_process_group():
     result = _run("""
         import os, torch.distributed as dist

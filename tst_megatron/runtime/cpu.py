@@ -20,6 +20,15 @@ How:
 4. The tracker's "CPU RNG state changed within GPU RNG context" warning is filtered: on
    a CPU the tracked "CUDA" state *is* the CPU state, so the warning would fire on every
    dropout.
+5. With ``enable(training=True)`` (megatron-core >= 0.17, which ships Megatron-LM's loop as
+   ``megatron.training``) the same stand-in is given to the ``megatron.training`` modules a
+   CPU ``pretrain()`` reaches (``_TRAINING_MODULES``), with three differences, each for one
+   call site: ``initialize.py`` sees a CUDA that is "available" with one device (it asserts
+   ``torch.cuda.is_available()`` and initialises model parallelism and the model-parallel
+   RNG only when ``device_count() > 0``); ``torch.cuda.get_device_properties`` /
+   ``get_device_capability`` answer a compute capability of 0.0 (``validate_args`` asks
+   for it when TP or CP > 1); and a model chunk is kept on the CPU by
+   :func:`keep_on_cpu` (``get_model`` calls ``model_module.cuda(...)``).
 
 :func:`enable` is idempotent and may be called before or after ``torch.distributed`` is
 initialised; :func:`is_enabled` tells whether it ran.
@@ -80,6 +89,20 @@ _MODULES = (
     "megatron.core.dist_checkpointing.strategies.async_utils",
     "megatron.core.dist_checkpointing.strategies.fully_parallel",
     "megatron.core.dist_checkpointing.exchange_utils",
+)
+
+#: megatron.training modules (the 0.17+ wheel) that a CPU ``pretrain()`` reaches, redirected by
+#: ``enable(training=True)``. ``megatron.training.initialize`` gets :data:`_CPU_TORCH_INIT`.
+_TRAINING_MODULES = (
+    "megatron.training.training",
+    "megatron.training.initialize",
+    "megatron.training.checkpointing",
+    "megatron.training.arguments",
+    "megatron.training.global_vars",
+    "megatron.training.async_utils",
+    "megatron.training.inprocess_restart",
+    "megatron.training.utils.common_utils",
+    "megatron.training.utils.utils",
 )
 
 _FACTORIES = frozenset(
@@ -182,8 +205,9 @@ class _CpuCuda(types.ModuleType):
     Stream = _Stream
     Event = _Event
 
-    def __init__(self):
+    def __init__(self, *, one_device: bool = False):
         super().__init__("torch.cuda (tst_megatron CPU stand-in)")
+        self._one_device = one_device
 
     def __getattr__(self, name):
         return getattr(torch.cuda, name)
@@ -192,9 +216,29 @@ class _CpuCuda(types.ModuleType):
     def current_device():
         return _CPU
 
+    def device_count(self):
+        """0, or 1 for ``megatron.training.initialize`` (see the module docstring, point 5)."""
+        return 1 if self._one_device else 0
+
+    def is_available(self):
+        """torch's answer, or True for ``megatron.training.initialize`` (point 5)."""
+        return True if self._one_device else torch.cuda.is_available()
+
     @staticmethod
-    def device_count():
-        return 0
+    def get_device_capability(device=None):
+        """Compute capability (0, 0): no CUDA architecture (``validate_args`` compares it)."""
+        return (0, 0)
+
+    @staticmethod
+    def get_device_properties(device=None):
+        """What ``validate_args`` reads of a device: ``major``/``minor`` 0, no CUDA memory."""
+        return types.SimpleNamespace(
+            name="cpu", major=0, minor=0, total_memory=0, multi_processor_count=0
+        )
+
+    @staticmethod
+    def memory_stats(device=None):
+        return {}
 
     @staticmethod
     def current_stream(device=None):
@@ -244,9 +288,9 @@ class _CpuCuda(types.ModuleType):
 class _CpuTorch(types.ModuleType):
     """What megatron-core sees as ``torch`` under :func:`enable`: torch, CUDA mapped to CPU."""
 
-    def __init__(self):
+    def __init__(self, *, one_device: bool = False):
         super().__init__("torch (tst_megatron CPU stand-in)")
-        self.cuda = _CpuCuda()
+        self.cuda = _CpuCuda(one_device=one_device)
         self.__tst_cpu_stand_in__ = True
 
     def __getattr__(self, name):
@@ -258,6 +302,8 @@ class _CpuTorch(types.ModuleType):
 
 
 _CPU_TORCH = _CpuTorch()
+#: ``megatron.training.initialize``'s stand-in: CUDA "available" with one device (point 5).
+_CPU_TORCH_INIT = _CpuTorch(one_device=True)
 
 
 # --- CPU versions of functions whose bodies assume CUDA tensors ---------------------------
@@ -349,29 +395,56 @@ def check_version() -> str:
     return version
 
 
+_training_enabled = False
+
+
 def _redirect_loaded_modules() -> int:
+    prefixes = ("megatron.core", "megatron.training") if _training_enabled else ("megatron.core",)
     count = 0
     for name, module in list(sys.modules.items()):
-        if name.startswith("megatron.core") and getattr(module, "torch", None) is torch:
-            module.torch = _CPU_TORCH
+        if name.startswith(prefixes) and getattr(module, "torch", None) is torch:
+            is_init = name == "megatron.training.initialize"
+            module.torch = _CPU_TORCH_INIT if is_init else _CPU_TORCH
             count += 1
     return count
 
 
-def enable() -> None:
+def keep_on_cpu(module: torch.nn.Module) -> torch.nn.Module:
+    """``module`` whose ``.cuda(...)`` leaves it where it is: Megatron-LM's ``get_model``
+    calls ``model_module.cuda(torch.cuda.current_device())`` on what the model provider
+    returns. Only this object is changed (an instance attribute); returns it."""
+
+    def cuda(device=None):
+        return module
+
+    module.cuda = cuda
+    return module
+
+
+def enable(*, training: bool = False) -> None:
     """Redirect megatron-core's CUDA assumptions to the CPU (idempotent).
 
     Safe to call twice, and before or after ``torch.distributed.init_process_group``.
     Modules of megatron-core imported *after* this call are not redirected unless they
     are in ``_MODULES``; call :func:`enable` again after importing others (it is cheap).
 
+    Args:
+        training: also redirect Megatron-LM's training loop (``megatron.training``, shipped
+            with megatron-core >= 0.17; ``_TRAINING_MODULES`` and every loaded
+            ``megatron.training`` module), for ``megatron.training.pretrain()`` on a CPU.
+
     Raises:
         RuntimeError: the installed megatron-core is outside :data:`SUPPORTED_MEGATRON_CORE`.
+        ModuleNotFoundError: ``training=True`` and megatron-core ships no ``megatron.training``.
     """
-    global _enabled
+    global _enabled, _training_enabled
     check_version()
     for name in _MODULES:
         importlib.import_module(name)
+    if training:
+        for name in _TRAINING_MODULES:
+            importlib.import_module(name)
+        _training_enabled = True
     _redirect_loaded_modules()
     if _enabled:
         return

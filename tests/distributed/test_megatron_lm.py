@@ -1,0 +1,181 @@
+"""TST inside Megatron-LM's own loop (``megatron.training.pretrain()``) on 2 gloo processes.
+
+Each test spawns processes with the harness and runs :func:`tst_megatron.training.megatron_lm.main`
+in-process, reading the losses Megatron-LM prints (``training_log``: last rank; the TST phase
+lines: rank 0). megatron-core releases without ``megatron.training`` (0.16) skip.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import math
+import re
+
+import pytest
+
+pytest.importorskip("megatron.training")
+
+from tests.distributed.harness import run_distributed  # noqa: E402
+
+#: A tiny GPT on mock data: 6 iterations, the switch after 3 (S = 2), validation at 3 and 6.
+BASE = [
+    "--device", "cpu", "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128",
+    "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+    "--seq-length", "16", "--max-position-embeddings", "16",
+    "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "6",
+    "--lr", "1e-3", "--log-interval", "1", "--eval-interval", "3", "--eval-iters", "1",
+    "--num-workers", "0", "--seed", "1234",
+    "--tst-bag-size", "2", "--tst-phase1-iters", "3",
+    # PP=2 on a CPU needs untied embeddings; the vocabulary is not padded at TP=2
+    "--untie-embeddings-and-output-weights", "--make-vocab-size-divisible-by", "64",
+]  # fmt: skip
+
+EP2 = [
+    "--num-experts", "4", "--expert-model-parallel-size", "2", "--moe-router-topk", "2",
+    "--moe-token-dispatcher-type", "alltoall", "--moe-aux-loss-coeff", "1e-2",
+    "--disable-bias-linear",
+]  # fmt: skip
+
+#: Megatron-LM's thresholds are tokens (16 per sample): a global batch of 4 until 8 samples
+#: are consumed, then 8. Consumed before the switch (3 steps): 4 + 4 + 8 = 16; in all: 40.
+SCHEDULE = "0:4 128:8"
+
+
+def _without(argv, flag):
+    i = argv.index(flag)
+    return argv[:i] + argv[i + 2 :]
+
+
+_TRAIN = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?\| lm loss: ([0-9.E+-]+) \|")
+_CONSUMED = re.compile(r"iteration\s+(\d+)/\s*\d+ \| consumed samples:\s+(\d+) \|")
+_VALID = re.compile(r"validation loss at iteration (\d+) \| lm loss value: ([0-9.E+-]+)")
+
+
+def _pretrain_child(rank, world, *, runs):
+    """Run ``main(argv)`` for each argv in ``runs`` in this process; return what each printed."""
+    from megatron.training.training import destroy_global_state
+
+    from tst_megatron.training import megatron_lm
+
+    printed = []
+    for argv in runs:
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            megatron_lm.main(argv)
+        destroy_global_state()
+        printed.append(out.getvalue())
+    return printed
+
+
+def _losses(text: str) -> tuple[dict, dict]:
+    """``({iteration: training loss text}, {iteration: validation loss text})``."""
+    train = {int(i): v for i, v in _TRAIN.findall(text)}
+    valid = {int(i): v for i, v in _VALID.findall(text)}
+    return train, valid
+
+
+NO_DROPOUT = ["--hidden-dropout", "0", "--attention-dropout", "0"]
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    """The runs' settings on 1 process (2 micro-batches per step), saving every iteration:
+    ``(printed, checkpoint directory)``."""
+    save = str(tmp_path_factory.mktemp("mlm1") / "ckpt")
+    argv = (
+        BASE + NO_DROPOUT + ["--save", save, "--save-interval", "1", "--ckpt-format", "torch_dist"]
+    )
+    ((printed,),) = run_distributed(_pretrain_child, 1, runs=[argv])
+    return printed, save
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, one_process):
+    """One spawn of 2 processes, six ``pretrain()`` runs in sequence (one start-up):
+    DP=2 saving every 3 iterations (the switch), the same resumed from the switch's
+    torch_dist checkpoint, EP=2 MoE with the alltoall dispatcher (DP=2 for the rest), PP=2
+    and TP=2 with sequence parallelism from the 1-process run's iteration-1 checkpoint
+    (Megatron-LM's initialisation depends on the layout: seeds per pipeline stage), and DP=2
+    with a step batch-size schedule. Dropout is off: the losses depend on data and weights."""
+    save = str(tmp_path_factory.mktemp("mlm") / "ckpt")
+    base = BASE + NO_DROPOUT
+    from_one = ["--load", one_process[1], "--ckpt-step", "1", "--no-load-rng"]
+    argvs = {
+        "dp2": base + ["--save", save, "--save-interval", "3", "--ckpt-format", "torch_dist"],
+        "resumed": base + ["--load", save, "--ckpt-step", "3", "--ckpt-format", "torch_dist"],
+        "ep2": base + EP2,
+        "pp2": base + from_one + ["--pipeline-model-parallel-size", "2"],
+        "tp2": base + from_one + ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
+        "schedule": _without(base, "--global-batch-size")
+        + ["--step-batch-size-schedule", SCHEDULE],
+    }
+    first, last = run_distributed(_pretrain_child, 2, runs=list(argvs.values()))
+    return {name: (first[i], last[i]) for i, name in enumerate(argvs)}
+
+
+@pytest.mark.slow
+def test_dp2_equals_the_one_process_run(runs, one_process):
+    train_1, valid_1 = _losses(one_process[0])
+    train_2, valid_2 = _losses(runs["dp2"][1])
+    assert sorted(train_1) == sorted(train_2) == [1, 2, 3, 4, 5, 6]
+    for i in train_1:  # both phases; fp32 sums in another order: not bitwise
+        assert float(train_2[i]) == pytest.approx(float(train_1[i]), rel=2e-6), i
+    assert float(valid_2[6]) == pytest.approx(float(valid_1[6]), rel=2e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["pp2", "tp2"])
+def test_layouts_from_the_one_process_checkpoint_continue_its_run(runs, one_process, layout):
+    train_1, valid_1 = _losses(one_process[0])
+    train_2, valid_2 = _losses(runs[layout][1])
+    assert sorted(train_2) == [2, 3, 4, 5, 6]
+    assert "TST: phase 1 (bags) from iteration 1, until 3" in runs[layout][0]
+    # the 1-process run logs the mean of steps 1 and 2 at 2 (training_log's first-iteration
+    # rule, see the resume test); the resumed run logs step 2 alone
+    step2 = 2 * float(train_1[2]) - float(train_1[1])
+    assert float(train_2[2]) == pytest.approx(step2, rel=5e-6)  # phase 1
+    for i in (4, 5, 6):  # phase 2
+        assert float(train_2[i]) == pytest.approx(float(train_1[i]), rel=5e-6), (i, layout)
+    for i in (3, 6):
+        assert float(valid_2[i]) == pytest.approx(float(valid_1[i]), rel=5e-6), (i, layout)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["dp2", "ep2"])
+def test_switches_in_process_with_losses_in_both_phases(runs, layout):
+    first, last = runs[layout]
+    train, valid = _losses(last)
+    assert sorted(train) == [1, 2, 3, 4, 5, 6], last[-3000:]
+    assert all(math.isfinite(float(v)) for v in train.values())
+    assert sorted(valid) == [3, 6]
+    assert "TST: phase 1 (bags) from iteration 0, until 3" in first
+    assert "TST: phase 2 (next-token) from iteration 3 (switch at 3)" in first
+    assert first.count("TST: phase 2") == 1  # the switch is announced once
+
+
+@pytest.mark.slow
+def test_resume_from_the_switch_checkpoint_continues_exactly(runs):
+    (_, last_a), (first_b, last_b) = runs["dp2"], runs["resumed"]
+    train_a, valid_a = _losses(last_a)
+    train_b, valid_b = _losses(last_b)
+    assert sorted(train_b) == [4, 5, 6], last_b[-3000:]
+    # Megatron-LM's training_log does not reset its sums after the first logged iteration of
+    # a (re)start (megatron/training/training.py: should_reset = not is_first_iteration), so
+    # the 2nd logged value is the mean of two steps: compare the 1st and the 3rd.
+    assert (train_a[4], train_a[6]) == (train_b[4], train_b[6])
+    assert valid_a[6] == valid_b[6]
+    assert "TST: phase 1" not in first_b  # resumed at the switch: next-token from its step 0
+    assert "TST: phase 2 (next-token) from iteration 3 (switch at 3)" in first_b
+
+
+@pytest.mark.slow
+def test_step_batch_size_schedule_switches_at_the_consumed_samples_of_n1(runs):
+    first, last = runs["schedule"]
+    consumed = {int(i): int(c) for i, c in _CONSUMED.findall(last)}
+    assert consumed == {1: 4, 2: 8, 3: 16, 4: 24, 5: 32, 6: 40}, last[-3000:]
+    train, _ = _losses(last)
+    assert sorted(train) == [1, 2, 3, 4, 5, 6]
+    assert all(math.isfinite(float(v)) for v in train.values())
+    # a phase-2 micro-batch holding a phase-1 sample (S*T tokens) would fail to collate
+    assert "TST: phase 2 (next-token) from iteration 3 (switch at 3)" in first

@@ -1,0 +1,145 @@
+"""The launcher's ``--tst-*`` flags and TST checks on top of Megatron-LM's arguments
+(:mod:`tst_megatron.training.megatron_lm`). megatron-core without ``megatron.training`` skips."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("megatron.training")
+
+from tst_megatron.superposition.schedule import TSTConfig  # noqa: E402
+from tst_megatron.training import megatron_lm  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _parse(argv):
+    return megatron_lm.add_tst_args(argparse.ArgumentParser()).parse_args(argv)
+
+
+def test_tst_flags_are_the_dataclass_fields():
+    parser = megatron_lm.add_tst_args(argparse.ArgumentParser())
+    flags = sorted(o for a in parser._actions for o in a.option_strings if o.startswith("--"))
+    assert flags == [
+        "--device",
+        "--help",
+        "--no-tst-save-at-switch",
+        "--tst-bag-size",
+        "--tst-bag-weighting",
+        "--tst-mode",
+        "--tst-phase1-fraction",
+        "--tst-phase1-iters",
+    ]
+    # defaults are the dataclass defaults; every field has a flag
+    assert megatron_lm.tst_config(_parse([])) == TSTConfig()
+    assert {f"tst_{f.name}" for f in dataclasses.fields(TSTConfig)} <= set(vars(_parse([])))
+
+
+def test_tst_flags_parse_into_the_config():
+    args = _parse(
+        "--tst-bag-size 4 --tst-phase1-fraction 0.25 --tst-bag-weighting power "
+        "--tst-mode input --no-tst-save-at-switch".split()
+    )
+    assert megatron_lm.tst_config(args) == TSTConfig(
+        bag_size=4, phase1_fraction=0.25, bag_weighting="power", mode="input", save_at_switch=False
+    )
+    with pytest.raises(SystemExit):
+        _parse(["--tst-mode", "bags"])  # not a choice of the Literal
+
+
+def _megatron_args(**overrides):
+    """The Megatron-LM arguments the TST checks read, with a valid TST run as defaults."""
+    values = dict(
+        vars(_parse(["--tst-bag-size", "4"])),
+        train_iters=100,
+        train_samples=None,
+        global_batch_size=8,
+        micro_batch_size=2,
+        data_parallel_size=2,
+        seq_length=32,
+        reset_position_ids=False,
+        reset_attention_mask=False,
+        step_batch_size_schedule=None,
+        mtp_num_layers=None,
+        phase_transition_iterations=None,
+        dataloader_type="single",
+        train_data_path=None,
+        valid_data_path=None,
+        test_data_path=None,
+    )
+    values.update(overrides)
+    return argparse.Namespace(**values)
+
+
+def test_a_valid_tst_run_has_no_problem_and_switches_at_n1_global_batches():
+    args = _megatron_args()
+    assert megatron_lm.tst_problems(args) == []
+    assert megatron_lm.schedule(args).n1 == 30  # the paper's r = 0.3 of 100 iterations
+    assert megatron_lm.switch_sample(args) == 30 * 8
+    samples = _megatron_args(train_iters=None, train_samples=800)  # 100 iterations of 8
+    assert megatron_lm.switch_sample(samples) == 30 * 8
+
+
+def test_the_switch_under_a_step_batch_size_schedule_counts_consumed_samples():
+    # Megatron-LM's thresholds are tokens (--seq-length 32 per sample): batch 4 until 640
+    # tokens = 20 samples are consumed, then 8. By hand: 5 steps of 4, then steps of 8.
+    args = _megatron_args(step_batch_size_schedule="0:4 640:8", tst_phase1_iters=7)
+    assert megatron_lm.consumed_samples(args, 5) == 20
+    assert megatron_lm.switch_sample(args) == 5 * 4 + 2 * 8
+    # --train-samples 100: 5 steps reach 20, then (100 - 20) / 8 = 10 steps (update_train_iters)
+    by_samples = _megatron_args(
+        step_batch_size_schedule="0:4 640:8", train_iters=None, train_samples=100
+    )
+    assert megatron_lm.train_iters(by_samples) == 15
+    assert megatron_lm.schedule(by_samples).n1 == round(0.3 * 15)
+
+
+@pytest.mark.parametrize(
+    "overrides, flag",
+    [
+        ({"reset_position_ids": True}, "--reset-position-ids"),
+        ({"reset_attention_mask": True}, "--reset-attention-mask"),
+        ({"mtp_num_layers": 1}, "--mtp-num-layers"),
+        ({"phase_transition_iterations": [50]}, "--phase-transition-iterations"),
+        ({"dataloader_type": "cyclic"}, "--dataloader-type"),
+        ({"tst_phase1_iters": 500}, "--tst-phase1-iters"),
+    ],
+)
+def test_a_setting_tst_cannot_run_is_one_line_naming_the_flag(overrides, flag):
+    problems = megatron_lm.tst_problems(_megatron_args(**overrides))
+    assert len(problems) == 1 and flag in problems[0], problems
+    assert "\n" not in problems[0]
+
+
+def test_phase1_refusals_do_not_apply_without_a_phase1():
+    args = _megatron_args(
+        tst_bag_size=1, reset_position_ids=True, rampup_batch_size=["4", "4", "9"]
+    )
+    assert megatron_lm.tst_problems(args) == []
+
+
+@pytest.mark.slow
+def test_launcher_refuses_before_any_work_with_one_error_line(tmp_path):
+    argv = [
+        sys.executable, os.path.join(ROOT, "examples", "pretrain_gpt_tst_mlm.py"),
+        "--device", "cpu", "--mock-data", "--tokenizer-type", "NullTokenizer",
+        "--vocab-size", "128", "--num-layers", "2", "--hidden-size", "32",
+        "--num-attention-heads", "4", "--seq-length", "16", "--max-position-embeddings", "16",
+        "--micro-batch-size", "2", "--global-batch-size", "2", "--train-iters", "10",
+        "--lr", "1e-3", "--tst-bag-size", "2", "--reset-position-ids",
+    ]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": ROOT, "WORLD_SIZE": "1", "RANK": "0", "LOCAL_RANK": "0"}
+    done = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert len(errors) == 1 and "--reset-position-ids" in errors[0], errors
+    assert "Traceback" not in done.stderr
+    # refused before pretrain(): no model, no data
+    assert "number of parameters on" not in done.stdout
+    assert "> building train, validation, and test datasets" not in done.stdout

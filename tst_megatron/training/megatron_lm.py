@@ -1,0 +1,621 @@
+"""TST inside Megatron-LM's own training loop (``megatron.training.pretrain()``, megatron-core
+>= 0.17), through its official extension points only.
+
+Megatron-LM owns the loop, the arguments and their validation, the optimizer and scheduler,
+checkpointing and logging. This module supplies what ``pretrain()`` takes:
+
+- :func:`add_tst_args`: the extra-args provider. The ``--tst-*`` flags are generated from the
+  fields of :class:`~tst_megatron.superposition.schedule.TSTConfig` (names, ``Literal``
+  choices and help text from the field docstrings), so flag and field cannot drift.
+- :func:`model_provider`: a :class:`~tst_megatron.training.gpt.TSTGPTModel` built from
+  Megatron-LM's own config builders (``core_transformer_config_from_args`` through
+  ``gpt_config_from_args``) and its layer-spec choice (``default_layer_spec``: the local spec
+  with ``--transformer-impl local``, Transformer Engine's otherwise; MoE block specs; MTP).
+- :class:`TSTDatasets`: the train/valid/test datasets provider. Training sample ``i`` (in
+  Megatron-LM's consumed-samples order) is a phase-1 sample of ``S*T + 1`` tokens for the
+  samples the first ``N1`` steps consume and a phase-2 sample of ``T + 1`` tokens after
+  (:class:`PhasedTrainDataset` over the project's :class:`~tst_megatron.training.data.TrainStream`).
+  Validation and test are megatron-core's ordinary next-token splits.
+- :class:`TSTForwardStep`: ``forward_step(data_iterator, model)``; the phase is a pure function
+  of the iteration (``args.curr_iteration < N1``) and next-token whenever the model is not
+  training (``evaluate()``, where ``curr_iteration`` is stale). It reuses the project's
+  phase-1/phase-2 steps (:mod:`tst_megatron.training.forward`).
+- :func:`tst_problems`: the TST checks on top of Megatron-LM's ``validate_args``.
+- :func:`main`: parse and validate (Megatron-LM's parser plus ``--tst-*``), check, then
+  ``pretrain(...)`` with the 0.19 config container.
+
+With a batch-size schedule (``--step-batch-size-schedule``) the switch is at the samples the
+first ``N1`` steps consume, counted with Megatron-LM's own calculator (:func:`switch_sample`);
+``--rampup-batch-size`` is ignored by Megatron-LM 0.19 (deprecated), so the batch is constant.
+Not yet done here: a checkpoint and a validation at the switch of their own (Megatron-LM
+saves and validates at its intervals; ``--no-tst-save-at-switch`` has no effect yet and a
+note says when iteration ``N1`` will not be saved), the phase-1 loss as its own series.
+
+Device: Megatron-LM has no ``--device`` flag; this launcher adds ``--device {auto,cuda,cpu}``
+(``auto``: CUDA when ``torch.cuda.is_available()``, else the CPU). A CPU run enables
+:func:`tst_megatron.runtime.cpu.enable` with ``training=True``, appends the flags a CPU run
+needs (:data:`CPU_FLAGS`) and sets ``CUDA_DEVICE_MAX_CONNECTIONS=1`` when unset.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+import types
+import typing
+from typing import Optional, Sequence
+
+import torch
+
+from tst_megatron.errors import ConfigError
+from tst_megatron.superposition.schedule import Schedule, TSTConfig
+from tst_megatron.training.config import _flag, _unwrap, field_choices, field_docs
+from tst_megatron.training.forward import make_phase1_step, make_phase2_step, unwrap
+
+#: Flags appended to the command line of a CPU run: Megatron-LM's defaults assume CUDA
+#: kernels (Transformer Engine, fused norms/RoPE/SwiGLU, gradient-accumulation fusion, NCCL)
+#: and ``pretrain()`` warms up ``torch.compile`` kernels (a C++ compile on a CPU) unless the
+#: JIT fuser is off.
+CPU_FLAGS = (
+    "--transformer-impl",
+    "local",
+    "--distributed-backend",
+    "gloo",
+    "--no-persist-layer-norm",
+    "--no-gradient-accumulation-fusion",
+    "--no-rope-fusion",
+    "--no-bias-swiglu-fusion",
+    "--no-bias-gelu-fusion",
+    "--no-bias-dropout-fusion",
+    "--no-masked-softmax-fusion",
+    "--disable-jit-fuser",
+    # weights drawn whole and then split (megatron-core's CPU initialisation): a TP layout
+    # starts from the weights of a 1-process run
+    "--use-cpu-initialization",
+)
+
+_DEVICES = ("auto", "cuda", "cpu")
+
+
+# --- arguments -----------------------------------------------------------------------------
+
+
+def add_tst_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Megatron-LM extra-args provider: ``--tst-*`` from :class:`TSTConfig`, and ``--device``.
+
+    Each field ``x`` becomes ``--tst-x`` (dest ``tst_x``; a boolean defaulting to True becomes
+    ``--no-tst-x``), with the field's ``Literal`` choices and docstring. Returns ``parser``.
+    """
+    group = parser.add_argument_group("TST (token superposition training)")
+    hints = typing.get_type_hints(TSTConfig)
+    docs = field_docs(TSTConfig)
+    for field in dataclasses.fields(TSTConfig):
+        dest, text = f"tst_{field.name}", docs.get(field.name, "")
+        kind = _unwrap(hints[field.name])
+        if kind is bool:
+            negate = field.default is True
+            group.add_argument(
+                _flag(field.name, prefix="tst-", negate=negate),
+                dest=dest,
+                action="store_false" if negate else "store_true",
+                default=field.default,
+                help=text,
+            )
+            continue
+        choices = field_choices(TSTConfig, field.name)
+        group.add_argument(
+            _flag(field.name, prefix="tst-"),
+            dest=dest,
+            type=type(choices[0]) if choices else kind,
+            default=field.default,
+            choices=choices,
+            help=f"{text} (default: {field.default})",
+        )
+    group.add_argument(
+        "--device",
+        choices=_DEVICES,
+        default="auto",
+        help="cuda, cpu (gloo; megatron-core's CUDA assumptions redirected, the flags of "
+        "CPU_FLAGS added), or auto: cuda when torch.cuda.is_available() (default: auto)",
+    )
+    return parser
+
+
+def tst_config(args) -> TSTConfig:
+    """The :class:`TSTConfig` of parsed Megatron-LM arguments (fields ``tst_*``)."""
+    return TSTConfig(
+        **{f.name: getattr(args, f"tst_{f.name}") for f in dataclasses.fields(TSTConfig)}
+    )
+
+
+def _batch_calculator(args):
+    """A private copy of Megatron-LM's batch-size calculator for ``--step-batch-size-schedule``
+    (built as ``megatron.training.global_vars.set_global_variables`` builds the global one),
+    or None for a constant global batch."""
+    if not getattr(args, "step_batch_size_schedule", None):
+        return None
+    from megatron.core.num_microbatches_calculator import StepBatchsizeNumMicroBatchesCalculator
+
+    return StepBatchsizeNumMicroBatchesCalculator(
+        micro_batch_size=args.micro_batch_size,
+        data_parallel_size=args.data_parallel_size * getattr(args, "gtp_weight_remat_size", 1),
+        decrease_batch_size_if_needed=False,
+        rank=-1,  # no logging
+        schedule=args.step_batch_size_schedule,
+        seq_length=args.seq_length,
+    )
+
+
+def consumed_samples(args, iterations: int) -> int:
+    """Training samples consumed by the first ``iterations`` steps, as Megatron-LM's ``train()``
+    counts them: ``iterations * --global-batch-size``, or with ``--step-batch-size-schedule`` the
+    sum of each step's batch, the batch of a step being the schedule's at the samples consumed
+    before it (token thresholds count ``--seq-length`` tokens per sample, in phase 1 too)."""
+    calculator = _batch_calculator(args)
+    if calculator is None:
+        return iterations * args.global_batch_size
+    consumed = 0
+    for _ in range(iterations):
+        calculator.update(consumed, consistency_check=False)
+        consumed += calculator.get_current_running_global_batch_size()
+    return consumed
+
+
+def train_iters(args) -> int:
+    """``--train-iters``, or the steps that consume ``--train-samples`` (Megatron-LM's
+    ``update_train_iters``: ``train_samples // global batch``, or with a step schedule the
+    first step count whose consumed samples reach ``--train-samples``)."""
+    if args.train_iters:
+        return args.train_iters
+    calculator = _batch_calculator(args)
+    if calculator is None:
+        return (args.train_samples or 0) // args.global_batch_size
+    iterations = consumed = 0
+    while consumed < args.train_samples:
+        calculator.update(consumed, consistency_check=False)
+        consumed += calculator.get_current_global_batch_size()
+        iterations += 1
+    return iterations
+
+
+def schedule(args) -> Schedule:
+    """The TST phase schedule of the run: ``N1`` and the phases' sequence lengths."""
+    return Schedule.plan(
+        tst_config(args), seq_length=args.seq_length, train_iters=train_iters(args)
+    )
+
+
+def switch_sample(args) -> int:
+    """Training samples consumed before the switch: those of the first ``N1`` steps
+    (:func:`consumed_samples`), so the switch is right under a batch-size schedule and after
+    a resume (Megatron-LM's sampler restarts at its consumed samples)."""
+    return consumed_samples(args, schedule(args).n1)
+
+
+def tst_problems(args) -> list[str]:
+    """Every setting TST cannot run, one line each naming the flag (empty: none). Reads only;
+    call after Megatron-LM's ``validate_args``."""
+    tst = tst_config(args)
+    iters = train_iters(args)
+    problems = tst.validate(max(iters, 1))
+    if problems or tst.phase1_steps(iters) == 0:
+        return problems
+    bags = "(--tst-bag-size > 1)"
+    for flag, on in (
+        ("--reset-position-ids", args.reset_position_ids),
+        ("--reset-attention-mask", args.reset_attention_mask),
+    ):
+        if on:
+            problems.append(
+                f"{flag} is not supported in TST phase 1 {bags}: bags are formed on the packed "
+                "token stream; drop the flag or set --tst-bag-size 1"
+            )
+    if getattr(args, "mtp_num_layers", None):
+        problems.append(
+            f"--mtp-num-layers is not supported with a TST phase 1 {bags}: phase 1 scores "
+            "bags, not shifted tokens"
+        )
+    if getattr(args, "phase_transition_iterations", None):
+        problems.append(
+            f"--phase-transition-iterations is not supported with TST {bags}: it restarts "
+            "the sampler in each phase; TST switches in-process at N1"
+        )
+    if args.dataloader_type != "single":
+        problems.append(
+            f"--dataloader-type {args.dataloader_type} is not supported with TST {bags}: the "
+            "phase of a sample is read from its position in the 'single' sampler's order"
+        )
+    for flag in ("train_data_path", "valid_data_path", "test_data_path"):
+        if getattr(args, flag, None):
+            problems.append(
+                f"--{flag.replace('_', '-')} is not supported by this launcher yet; use "
+                "--data-path with --split (or --mock-data)"
+            )
+    return problems
+
+
+# --- model ---------------------------------------------------------------------------------
+
+
+def model_provider(
+    pre_process: bool = True,
+    post_process: bool = True,
+    vp_stage: Optional[int] = None,
+    config=None,
+    pg_collection=None,
+):
+    """Megatron-LM model provider: a :class:`TSTGPTModel` (a ``GPTModel`` with the TST loss
+    seam; same parameters and state-dict keys) with Megatron-LM's own configuration.
+
+    The ``TransformerConfig`` comes from ``core_transformer_config_from_args`` and the GPT
+    settings from ``gpt_config_from_args`` (``megatron.training.argument_utils``); the layer
+    spec is ``--spec`` when given; with ``--transformer-impl local`` megatron-core's local
+    block spec with the project's sequence-parallel norms and expert fc2
+    (:func:`~tst_megatron.training.model.gpt_block_spec`); else Megatron-LM's
+    ``megatron.training.models.gpt.default_layer_spec`` (Transformer Engine's spec, MoE block
+    specs, experimental attention variants). The MTP block spec is Megatron-LM's
+    ``mtp_block_spec``. The
+    ``GPTModel`` arguments are those of ``GPTModelBuilder.build_model`` (0.19).
+    """
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnBackend
+    from megatron.core.transformer.heterogeneous.heterogeneous_config import (
+        HeterogeneousTransformerConfig,
+    )
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.training import get_args
+    from megatron.training.argument_utils import gpt_config_from_args
+    from megatron.training.models.gpt import default_layer_spec, mtp_block_spec
+
+    from tst_megatron.runtime import cpu
+    from tst_megatron.training.gpt import TSTGPTModel
+    from tst_megatron.training.model import gpt_block_spec
+
+    args = get_args()
+    cfg = gpt_config_from_args(args, config=config)
+    spec = cfg.transformer_layer_spec
+    plain_local = (
+        cfg.transformer.transformer_impl == "local"
+        and cfg.transformer.experimental_attention_variant is None
+        and not isinstance(cfg.transformer, HeterogeneousTransformerConfig)
+    )
+    if spec is None and plain_local:
+        # megatron-core's local block spec with the project's norms (TP + SP without TE or
+        # Apex) and expert fc2 (MoE with biases): tst_megatron.training.model.gpt_block_spec
+        spec = gpt_block_spec(cfg.transformer, transformer_impl="local", vp_stage=vp_stage)
+    elif spec is None:
+        spec = default_layer_spec(cfg, vp_stage)
+    elif not isinstance(spec, ModuleSpec) and callable(spec):
+        spec = spec(cfg, vp_stage=vp_stage)
+    if cfg.attention_backend == AttnBackend.local and hasattr(spec, "submodules"):
+        spec.submodules.self_attention.submodules.core_attention = DotProductAttention
+    model = TSTGPTModel(
+        config=cfg.transformer,
+        transformer_layer_spec=spec,
+        mtp_block_spec=mtp_block_spec(cfg, spec, vp_stage=vp_stage),
+        vocab_size=args.padded_vocab_size,
+        max_sequence_length=cfg.seq_length,
+        fp16_lm_cross_entropy=cfg.fp16_lm_cross_entropy,
+        parallel_output=cfg.parallel_output,
+        share_embeddings_and_output_weights=cfg.share_embeddings_and_output_weights,
+        position_embedding_type=cfg.position_embedding_type,
+        rotary_percent=cfg.rotary_percent,
+        rotary_base=cfg.rotary_base,
+        rope_scaling=cfg.rope_scaling,
+        rope_scaling_factor=cfg.rope_scaling_factor,
+        seq_len_interpolation_factor=cfg.seq_len_interpolation_factor,
+        scatter_embedding_sequence_parallel=cfg.scatter_embedding_sequence_parallel,
+        pre_process=pre_process,
+        post_process=post_process,
+        pg_collection=pg_collection,
+        vp_stage=vp_stage,
+    )
+    return cpu.keep_on_cpu(model) if cpu.is_enabled() else model
+
+
+# --- data ----------------------------------------------------------------------------------
+
+
+class PhasedTrainDataset(torch.utils.data.Dataset):
+    """Training sample ``i`` of the run, in Megatron-LM's consumed-samples order: phase-1
+    sample ``i`` (``S*T + 1`` tokens; ``T + 1`` with ``--tst-mode output``) for
+    ``i < switch``, else phase-2 sample ``i - switch`` (``T + 1`` tokens).
+
+    A micro-batch never straddles the switch (it is at a global-batch boundary), so the
+    default collation stacks samples of one length. Each item is a dict of ``tokens``,
+    ``labels``, ``loss_mask`` (and in phase 2 ``position_ids``) tensors.
+
+    Args:
+        stream: the project's :class:`~tst_megatron.training.data.TrainStream`.
+        switch: samples consumed before the switch (:func:`switch_sample`).
+        total: samples of the whole run (:func:`consumed_samples` of ``--train-iters``).
+    """
+
+    def __init__(self, stream, *, switch: int, total: int):
+        self.stream, self.switch, self.total = stream, switch, total
+
+    def __len__(self) -> int:
+        return self.total
+
+    def __getitem__(self, i: int) -> dict:
+        if i < self.switch:
+            return self.stream.phase1_sample(i)
+        return self.stream.phase2_sample(i - self.switch)
+
+
+class TSTDatasets:
+    """Megatron-LM train/valid/test datasets provider ``(num_samples) -> (train, valid, test)``.
+
+    Every rank builds its datasets (``is_distributed = True``): the batch is read by each
+    TP rank and pipeline stage rather than broadcast from TP rank 0, because phase-1
+    micro-batches are ``S`` times longer than the ``--seq-length`` buffers that Megatron-LM's
+    ``get_batch_on_this_tp_rank`` allocates. The datasets are megatron-core's
+    (``GPTDataset`` / ``MockGPTDataset`` of ``--seq-length`` windows) built by the project's
+    :func:`~tst_megatron.training.data.build_datasets` (per-node index caches, ids checked
+    where data enters).
+    """
+
+    is_distributed = True
+
+    def __call__(self, num_samples: Sequence[Optional[int]], vp_stage: Optional[int] = None):
+        from megatron.training import get_args, get_tokenizer
+
+        from tst_megatron.training.data import (
+            TrainStream,
+            build_datasets,
+            check_data_files,
+            check_mock_data,
+            data_prefixes,
+        )
+
+        args, tokenizer = get_args(), get_tokenizer()
+        tst = tst_config(args)
+        switch, total = switch_sample(args), consumed_samples(args, train_iters(args))
+        data = _data_settings(args)
+        if data.mock_data:
+            check_mock_data(tokenizer, tokenizer.vocab_size)
+        else:
+            check_data_files(data.data_path, tokenizer.vocab_size, cache_path=data.data_cache_path)
+        per_sample = tst.windows_per_sample()
+        streams = 1 if data.mock_data else len(data_prefixes(data.data_path))
+        windows = switch * per_sample + (total - switch) + per_sample * streams
+        _, valid_n, test_n = num_samples
+        train, valid, test = build_datasets(
+            data,
+            tokenizer,
+            seq_length=args.seq_length,
+            samples=(windows, 1 if valid_n is None else valid_n, test_n or 0),
+            seed=args.seed,
+        )
+        stream = TrainStream(train, bag_size=per_sample, phase1_samples=switch, seed=args.seed)
+        return PhasedTrainDataset(stream, switch=switch, total=total), valid, test
+
+
+def _data_settings(args) -> types.SimpleNamespace:
+    """The data settings :func:`~tst_megatron.training.data.build_datasets` reads, from
+    Megatron-LM's arguments (same names; ``--data-path`` joined into one string)."""
+    return types.SimpleNamespace(
+        mock_data=bool(args.mock_data or not args.data_path),
+        data_path=" ".join(args.data_path) if args.data_path else None,
+        split=args.split,
+        data_cache_path=args.data_cache_path,
+        reset_position_ids=args.reset_position_ids,
+        reset_attention_mask=args.reset_attention_mask,
+        eod_mask_loss=args.eod_mask_loss,
+        create_attention_mask_in_dataloader=args.create_attention_mask_in_dataloader,
+        mmap_bin_files=getattr(args, "mmap_bin_files", True),
+    )
+
+
+# --- forward step --------------------------------------------------------------------------
+
+
+class _OnDevice:
+    """An iterator of host batches as batches on ``device`` (a no-op on the CPU), each checked
+    to hold ``length`` tokens per sample (a shape read: no device sync).
+
+    Raises:
+        RuntimeError: a batch of another length (the phase of the sample and of the step
+            differ), naming both.
+    """
+
+    def __init__(self, iterator, device: torch.device, *, length: int, what: str):
+        self.iterator, self.device, self.length, self.what = iterator, device, length, what
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> dict:
+        batch = next(self.iterator)
+        got = batch["tokens"].shape[-1]
+        if got != self.length:
+            raise RuntimeError(
+                f"TST: {self.what} got samples of {got} tokens, expected {self.length}: the "
+                "training data's phase boundary does not match the step's phase"
+            )
+        if self.device.type == "cpu":
+            return batch
+        return {
+            k: v.to(self.device, non_blocking=True) if torch.is_tensor(v) else v
+            for k, v in batch.items()
+        }
+
+
+class TSTForwardStep:
+    """Megatron-LM ``forward_step(data_iterator, model) -> (output_tensor, loss_func)``.
+
+    The phase is a pure function of the iteration: phase 1 (bags, the project's
+    :func:`~tst_megatron.training.forward.make_phase1_step`) while the model is training and
+    ``args.curr_iteration < N1``, else next-token (:func:`make_phase2_step`), which is what
+    ``evaluate()`` runs (the model is in eval mode there; ``curr_iteration`` is stale).
+    Every stage reads the micro-batch from its own iterator (:class:`TSTDatasets`); the
+    steps split it for context parallelism themselves. The loss function returns
+    Megatron-LM's ``(loss, num_tokens, {"lm loss": [loss, num_tokens]})``.
+    """
+
+    def __init__(self):
+        self._steps = None
+        self._announced = -1  # the last phase announced on rank 0
+
+    def _build(self, args):
+        from megatron.core import mpu
+
+        tst = tst_config(args)
+        cp = mpu.get_context_parallel_group() if args.context_parallel_size > 1 else None
+        phase1 = make_phase1_step(
+            bag_size=tst.bag_size, weighting=tst.bag_weighting, mode=tst.mode, cp_group=cp
+        )
+        return schedule(args), phase1, make_phase2_step(cp_group=cp)
+
+    def __call__(self, data_iterator, model):
+        from megatron.training import get_args
+
+        args = get_args()
+        if self._steps is None:
+            self._steps = self._build(args)
+        plan, phase1, phase2 = self._steps
+        training = unwrap(model).training
+        in_phase1 = training and args.curr_iteration < plan.n1
+        if training:
+            self._announce(1 if in_phase1 else 2, args.curr_iteration, plan.n1)
+        phase = plan.phase1 if in_phase1 else plan.phase2
+        what = f"phase-{phase.index} step {args.curr_iteration}" if training else "validation"
+        batches = _OnDevice(data_iterator, _device(), length=phase.data_seq_length, what=what)
+        return (phase1 if in_phase1 else phase2)(batches, model)
+
+    def _announce(self, phase: int, iteration: int, n1: int) -> None:
+        """One line on rank 0 when training enters a phase (at the start, and at the switch)."""
+        if phase == self._announced:
+            return
+        from megatron.training.utils import print_rank_0
+
+        self._announced = phase
+        if phase == 1:
+            print_rank_0(f"TST: phase 1 (bags) from iteration {iteration}, until {n1}")
+        else:
+            print_rank_0(f"TST: phase 2 (next-token) from iteration {iteration} (switch at {n1})")
+
+
+def _device() -> torch.device:
+    from tst_megatron.runtime import cpu
+
+    if cpu.is_enabled() or not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+# --- entry point ---------------------------------------------------------------------------
+
+
+def pick_device(argv: Sequence[str]) -> str:
+    """``"cuda"`` or ``"cpu"`` from ``--device`` in ``argv`` (``auto``: CUDA when available)."""
+    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    pre.add_argument("--device", choices=_DEVICES, default="auto")
+    device = pre.parse_known_args(list(argv))[0].device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
+def _use_prebuilt_dataset_helpers() -> None:
+    """Megatron-LM's ``initialize_megatron`` runs ``make`` in megatron-core's datasets folder
+    (``megatron.core.datasets.utils.compile_helpers``); the wheel ships the compiled helper
+    and no Makefile, so ``make`` fails and the run exits. When the compiled helper imports,
+    that function is replaced (in its module only) by one that does nothing."""
+    try:
+        from megatron.core.datasets import helpers_cpp  # noqa: F401
+    except ImportError:
+        return  # a source checkout: let Megatron-LM compile it
+    import megatron.core.datasets.utils as dataset_utils
+
+    def compile_helpers():
+        """The compiled dataset helper is already installed (megatron-core wheel)."""
+
+    dataset_utils.compile_helpers = compile_helpers
+
+
+def _note_switch_checkpoint(args) -> None:
+    """Say on rank 0 when the switch will not be saved: this launcher has no checkpoint at
+    the switch of its own yet (``--tst-save-at-switch`` is not applied); Megatron-LM saves
+    iteration ``N1`` only when ``--save-interval`` divides it."""
+    n1 = schedule(args).n1
+    saved = bool(args.save_interval) and n1 % args.save_interval == 0
+    if args.save and n1 > 0 and tst_config(args).save_at_switch and not saved and args.rank == 0:
+        print(
+            f"TST: note: no checkpoint at the switch (iteration {n1}): this launcher does not "
+            f"add one yet; use a --save-interval that divides {n1}",
+            flush=True,
+        )
+
+
+def parse(argv: Sequence[str]):
+    """Megatron-LM's ``parse_and_validate_args`` with :func:`add_tst_args` on ``argv`` (CPU
+    flags appended for a CPU run), then :func:`tst_problems`.
+
+    Returns:
+        ``(args, device)``.
+
+    Raises:
+        ConfigError: Megatron-LM's validation failed (its assertion message) or TST checks
+            found problems (one line each).
+    """
+    from megatron.training.arguments import parse_and_validate_args
+
+    device = pick_device(argv)
+    argv = list(argv) + (list(CPU_FLAGS) if device == "cpu" else [])
+    if device == "cpu":
+        from tst_megatron.runtime import cpu
+
+        cpu.enable(training=True)
+        # validate_args asks for it with TP or CP > 1 on GPUs before Blackwell (the stand-in's
+        # compute capability is 0.0); a CPU has no CUDA connections to limit.
+        os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    saved = sys.argv
+    sys.argv = [saved[0] if saved else "pretrain_gpt_tst_mlm.py", *argv]
+    try:
+        args = parse_and_validate_args(extra_args_provider=add_tst_args)
+    except (AssertionError, ValueError) as exc:  # validate_args raises both
+        raise ConfigError(f"Megatron-LM's argument validation: {exc}") from None
+    finally:
+        sys.argv = saved
+    problems = tst_problems(args)
+    if problems:
+        raise ConfigError("\n".join(problems))
+    return args, device
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    """Parse, check, then run Megatron-LM's ``pretrain()`` with TST's extension points.
+
+    ``argv`` defaults to ``sys.argv[1:]``. On a problem, rank 0 prints one ``error:`` line per
+    problem and the process exits with status 2 before any work.
+    """
+    from megatron.core.enums import ModelType
+
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        args, device = parse(argv)
+    except ConfigError as exc:
+        if os.environ.get("RANK", "0") == "0":
+            for line in str(exc).splitlines():
+                print(f"error: {line}", file=sys.stderr)
+        raise SystemExit(2) from None
+    from megatron.training.argument_utils import pretrain_cfg_container_from_args
+    from megatron.training.training import pretrain
+
+    _note_switch_checkpoint(args)
+    _use_prebuilt_dataset_helpers()
+    if device == "cpu":
+        from tst_megatron.runtime import cpu
+
+        cpu.enable(training=True)  # again: modules imported since
+    cfg = pretrain_cfg_container_from_args(args)
+    pretrain(
+        cfg,
+        TSTDatasets(),
+        ModelType.encoder_or_decoder,
+        TSTForwardStep(),
+        model_provider=model_provider,
+    )
