@@ -200,6 +200,11 @@ def tst_problems(args) -> list[str]:
     tst = tst_config(args)
     iters = train_iters(args)
     problems = tst.validate(max(iters, 1))
+    if not tst.save_at_switch:  # accepted only once it does what it says
+        problems.append(
+            "--no-tst-save-at-switch is not supported by this launcher yet: it has no checkpoint "
+            "at the switch to turn off (Megatron-LM saves at --save-interval); drop the flag"
+        )
     if problems or tst.phase1_steps(iters) == 0:
         return problems
     bags = "(--tst-bag-size > 1)"
@@ -538,7 +543,7 @@ def _use_prebuilt_dataset_helpers() -> None:
 
 def _note_switch_checkpoint(args) -> None:
     """Say on rank 0 when the switch will not be saved: this launcher has no checkpoint at
-    the switch of its own yet (``--tst-save-at-switch`` is not applied); Megatron-LM saves
+    the switch of its own yet (``--no-tst-save-at-switch`` is refused); Megatron-LM saves
     iteration ``N1`` only when ``--save-interval`` divides it."""
     n1 = schedule(args).n1
     saved = bool(args.save_interval) and n1 % args.save_interval == 0
