@@ -63,6 +63,7 @@ from tst_megatron.training.data import (
     build_tokenizer,
     check_data_files,
     check_mock_data,
+    dataset_pad_id,
     read_step,
 )
 from tst_megatron.training.forward import make_phase1_step, make_phase2_step
@@ -252,7 +253,10 @@ def setup(cfg: RunConfig) -> Run:
         )
     if cfg.data.data_path:
         check_data_files(
-            cfg.data.data_path, tokenizer.vocab_size, cache_path=cfg.data.data_cache_path
+            cfg.data.data_path,
+            tokenizer.vocab_size,
+            cache_path=cfg.data.data_cache_path,
+            pad_id=dataset_pad_id(tokenizer),
         )
     else:
         check_mock_data(tokenizer, tokenizer.vocab_size)
