@@ -14,9 +14,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import math
-import os
 import signal
-import sys
 import time
 from typing import Optional
 
@@ -678,27 +676,25 @@ def _minutes_elapsed(started: float, device, limit: Optional[float]) -> Optional
 def main(argv=None) -> int:
     """Entry point: parse, train, tear down.
 
-    A :class:`~tst_megatron.errors.ConfigError` (bad flag, layout, tokenizer, data or
-    checkpoint) prints its problems (``error: ...``, one line each) from rank 0 and returns
-    2; any other exception propagates with its traceback on the rank where it happened.
-    ``--dry-run`` validates and prints the resolved run without training
-    (:func:`tst_megatron.training.plan.dry_run`).
+    A :class:`~tst_megatron.errors.ConfigError` (bad flag or value, layout, tokenizer, data or
+    checkpoint) prints its problems (``error: ...``, one line each) once, from rank 0, and
+    returns 2; every rank returns only after the lines are out
+    (:func:`tst_megatron.runtime.report_error`). Any other exception propagates with its
+    traceback on the rank where it happened. ``--dry-run`` validates and prints the resolved
+    run without training (:func:`tst_megatron.training.plan.dry_run`).
     """
-    from tst_megatron.runtime import destroy
+    from tst_megatron.runtime import destroy, report_error
     from tst_megatron.training.config import parse_args
 
-    cfg = parse_args(argv)
-    if cfg.train.dry_run:
-        from tst_megatron.training.plan import dry_run
-
-        return dry_run(cfg)
     try:
+        cfg = parse_args(argv)
+        if cfg.train.dry_run:
+            from tst_megatron.training.plan import dry_run
+
+            return dry_run(cfg)
         train(cfg)
-    except ConfigError as exc:  # checks give the same verdict on every rank: print once
-        if not dist.is_initialized() or dist.get_rank() == 0:
-            if os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0":
-                for line in str(exc).splitlines():
-                    print(f"error: {line}", file=sys.stderr, flush=True)
+    except ConfigError as exc:
+        report_error(str(exc))
         return 2
     finally:
         destroy()
