@@ -362,10 +362,13 @@ def test_programmatic_config_is_validated_too():
         validate(cfg, 1, "cpu")
 
 
-def test_choices_are_checked_by_the_parser(capsys):
-    with pytest.raises(SystemExit):
+def test_choices_are_checked_by_the_parser():
+    # a ConfigError, so main reports it as every other bad setting (issue 21.5)
+    with pytest.raises(ConfigError) as info:
         parse_args(GOOD + ["--tst-bag-weighting", "cubic"])
-    assert "invalid choice: 'cubic' (choose from 'uniform', 'power')" in capsys.readouterr().err
+    message = str(info.value)
+    assert message.startswith("argument --tst-bag-weighting: invalid choice: 'cubic'")
+    assert "(choose from 'uniform', 'power')" in message
 
 
 def test_good_settings_pass():

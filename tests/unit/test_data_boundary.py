@@ -78,11 +78,11 @@ def test_token_range_is_read_once_then_remembered(tmp_path, monkeypatch):
 
 
 def test_preprocess_records_the_range_so_start_up_reads_nothing(tmp_path, monkeypatch):
-    from tst_megatron.data.files import read_stamp, write_stamp
+    from tst_megatron.data.files import TokenStats, read_stamp, write_stamp
 
     prefix = write_dataset(tmp_path / "pre", random_documents(10))
     write_stamp(prefix, 0, VOCAB - 1)  # what tools/preprocess_data.py does after writing
-    assert read_stamp(prefix, str(tmp_path / "elsewhere")) == (0, VOCAB - 1)
+    assert read_stamp(prefix, str(tmp_path / "elsewhere")) == TokenStats(0, VOCAB - 1)
     monkeypatch.setattr(data_mod, "scan_token_range", lambda *a, **k: 1 / 0)
     check_data_files(prefix, VOCAB, cache_path=str(tmp_path / "elsewhere"))
 

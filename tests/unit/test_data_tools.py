@@ -113,6 +113,22 @@ def test_preprocess_errors(tmp_path, tiny):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["blank.jsonl"]
 
 
+def test_preprocess_counts_the_pad_id_so_start_up_reads_nothing(tiny, monkeypatch):
+    """The stamp holds the SentencePiece pad id's count (never written: a control piece), so
+    the start-up check of a pad-holding tokenizer needs no scan (issue 21.7)."""
+    from tst_megatron.data.files import read_stamp
+    from tst_megatron.training import data as data_mod
+
+    _, model, prefix = tiny
+    pad = spm.SentencePieceProcessor(model_file=model).pad_id()
+    written = IndexedDataset(prefix)
+    count = sum(int((written[i] == pad).sum()) for i in range(len(written)))
+    assert (pad, count) == (3, 0)
+    assert read_stamp(prefix).counts == {pad: count}
+    monkeypatch.setattr(data_mod, "scan_token_range", lambda *a, **k: 1 / 0)
+    data_mod.check_data_files(prefix, 512, pad_id=pad)
+
+
 def test_check_data_files(tmp_path, tiny):
     from tst_megatron.training.data import check_data_files
 

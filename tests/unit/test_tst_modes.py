@@ -4,6 +4,7 @@ data length, and configuration, against plain references written from the token 
 import pytest
 import torch
 
+from tst_megatron.errors import ConfigError
 from tst_megatron.superposition.bags import (
     following_token_targets,
     phase1_inputs,
@@ -108,5 +109,5 @@ def test_mode_configuration_errors():
     assert TSTConfig(bag_size=2, mode="output").validate(10) == []
     assert parse_args(["--tst-bag-size", "2", "--tst-mode", "input"]).tst.mode == "input"
     assert parse_args([]).tst.mode == "full"
-    with pytest.raises(SystemExit):
+    with pytest.raises(ConfigError, match="argument --tst-mode: invalid choice: 'both'"):
         parse_args(["--tst-mode", "both"])

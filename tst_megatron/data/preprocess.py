@@ -55,9 +55,9 @@ def preprocess(
 
     Files are written under temporary names and renamed at the end, ``.bin`` before
     ``.idx``, so an ``.idx`` file means its dataset is complete. The range of token ids
-    written is recorded beside them (``<prefix>.token-range.json``,
-    :func:`tst_megatron.data.files.write_stamp`), so the trainer's start-up check of the ids
-    does not read the ``.bin``.
+    written and the occurrences of the tokenizer's pad id are recorded beside them
+    (``<prefix>.token-range.json``, :func:`tst_megatron.data.files.write_stamp`), so the
+    trainer's start-up check of the ids does not read the ``.bin``.
 
     Returns ``{key: {"documents": n, "tokens": m, "prefix": dataset prefix}}``.
 
@@ -67,7 +67,8 @@ def preprocess(
     for path, what in ((input_path, "input"), (tokenizer_model, "tokenizer model")):
         if not os.path.isfile(path):
             raise ValueError(f"{what} {path} does not exist")
-    vocab = spm.SentencePieceProcessor(model_file=tokenizer_model).get_piece_size()
+    processor = spm.SentencePieceProcessor(model_file=tokenizer_model)
+    vocab, pad = processor.get_piece_size(), processor.pad_id()  # pad -1: none
     with open(input_path, encoding="utf-8") as f:
         lines = [line for line in f if line.strip()]
     os.makedirs(os.path.dirname(os.path.abspath(output_prefix)), exist_ok=True)
@@ -75,6 +76,7 @@ def preprocess(
     tmp = {key: tuple(f"{p}.tmp{os.getpid()}" for p in final[key]) for key in json_keys}
     stats = {key: {"documents": 0, "tokens": 0, "prefix": final[key][0][:-4]} for key in json_keys}
     ranges = {}  # key -> (min id, max id) written
+    pads = dict.fromkeys(json_keys, 0)  # key -> occurrences of the pad id written
     try:
         builders = {
             key: IndexedDatasetBuilder(tmp[key][0], dtype=DType.optimal_dtype(vocab))
@@ -97,6 +99,7 @@ def preprocess(
                         stats[key]["tokens"] += len(ids)
                         lo, hi = ranges.get(key, (min(ids), max(ids)))
                         ranges[key] = (min(lo, *ids), max(hi, *ids))
+                        pads[key] += ids.count(pad)
         for key in json_keys:
             if stats[key]["documents"] == 0:
                 raise ValueError(f"{input_path} has no document with text in key {key!r}")
@@ -105,7 +108,8 @@ def preprocess(
             os.replace(tmp[key][0], final[key][0])
             os.replace(tmp[key][1], final[key][1])
             # the trainer's start-up check then need not read the .bin (training/data.py)
-            write_stamp(stats[key]["prefix"], *ranges[key])
+            counts = {pad: pads[key]} if pad >= 0 else None
+            write_stamp(stats[key]["prefix"], *ranges[key], counts=counts)
     finally:
         for paths in tmp.values():
             for path in paths:

@@ -11,6 +11,7 @@ from tst_megatron.runtime.distributed import (
     destroy,
     init_distributed,
     initialize_model_parallel,
+    report_error,
     resolve_process,
     set_seed,
 )
@@ -24,6 +25,7 @@ __all__ = [
     "destroy",
     "init_distributed",
     "initialize_model_parallel",
+    "report_error",
     "resolve_process",
     "set_seed",
 ]

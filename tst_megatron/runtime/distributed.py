@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import itertools
 import os
 import random
 import socket
+import sys
 from typing import Mapping, Optional
 
 import numpy as np
@@ -281,6 +283,79 @@ def set_seed(seed: int) -> None:
     np.random.seed(seed)
     torch.manual_seed(seed)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+#: How long a rank waits for the others while an error is reported (:func:`report_error`).
+ERROR_REPORT_TIMEOUT_S = 60.0
+
+_reports = itertools.count()  # the same sequence on every rank that reports in step
+
+
+def _print_error(lines: list[str]) -> None:
+    for line in lines:
+        print(f"error: {line}", file=sys.stderr, flush=True)
+
+
+def report_error(message: str, *, timeout_s: float = ERROR_REPORT_TIMEOUT_S) -> None:
+    """Print ``message`` to stderr, one ``error: <line>`` per line, once for the whole job;
+    returns only when it is out. Call it on every rank that stops on the error, then exit.
+
+    torchrun (and ``srun --kill-on-bad-exit``) stops every rank as soon as one exits with an
+    error, so a rank that exits before the line is printed can take it with it. Here:
+
+    - rank 0 prints at once, then passes the message through the default process group's
+      store and waits until every other rank has read it (or ``timeout_s``);
+    - every other rank waits for that message (or ``timeout_s``) and only then returns: it
+      prints nothing when rank 0 reported the same message, else its own lines tagged
+      ``[rank N]`` (a problem found on some ranks only, while rank 0 waits elsewhere).
+
+    So a rank exits only after the error line is out. When the error came before
+    :func:`init_distributed`, the reporting ranks rendezvous on gloo first (CPU; rank 0 has
+    printed already). A single process, or a rank whose launcher environment is unreadable,
+    just prints. Costs nothing when no error is reported.
+
+    Args:
+        message: the error, one problem per line (a :class:`~tst_megatron.errors.ConfigError`).
+        timeout_s: the longest wait for the other ranks (the rendezvous included).
+    """
+    lines = message.splitlines() or [""]
+    if dist.is_initialized():
+        rank, world = dist.get_rank(), dist.get_world_size()
+    else:
+        try:
+            info = resolve_process(device="cpu")
+        except ConfigError:
+            info = None
+        rank, world = (info.rank, info.world_size) if info else (0, 1)
+    if rank == 0:
+        _print_error(lines)
+    if world == 1:
+        return
+    seen = None
+    try:
+        if not dist.is_initialized():
+            os.environ["MASTER_ADDR"] = info.master_addr
+            os.environ["MASTER_PORT"] = str(info.master_port)
+            dist.init_process_group(
+                backend="gloo",
+                rank=rank,
+                world_size=world,
+                timeout=datetime.timedelta(seconds=timeout_s),
+            )
+        store = dist.distributed_c10d._get_default_store()
+        key = f"tst_megatron/error/{next(_reports)}"
+        wait = datetime.timedelta(seconds=timeout_s)
+        if rank == 0:
+            store.set(key, message)
+            store.wait([f"{key}/read/{r}" for r in range(1, world)], wait)
+        else:
+            store.wait([key], wait)
+            seen = store.get(key).decode()
+            store.set(f"{key}/read/{rank}", "1")
+    except Exception:  # a rank that never reports, no rendezvous, no store: print, not hang
+        pass
+    if rank != 0 and seen != message:
+        _print_error([f"[rank {rank}] {line}" for line in lines])
 
 
 def destroy() -> None:

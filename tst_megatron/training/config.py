@@ -817,12 +817,17 @@ def _choice_problems(obj, prefix: str = "") -> list[str]:
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse that prints usage and errors from rank 0 only (under torchrun every rank
-    parses the same command line) and exits with status 2."""
+    """argparse that prints ``--help`` from rank 0 only (under torchrun every rank parses the
+    same command line) and raises a malformed value as a
+    :class:`~tst_megatron.errors.ConfigError`, so the entry point reports it as it reports
+    every other bad setting (one ``error:`` line, status 2)."""
 
     def _print_message(self, message, file=None):
         if os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0":
             super()._print_message(message, file)
+
+    def error(self, message):
+        raise ConfigError(message)
 
 
 class _Refused(argparse.Action):

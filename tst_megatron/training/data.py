@@ -41,7 +41,7 @@ from megatron.core.datasets.utils import get_blend_from_list
 from megatron.core.tokenizers import MegatronTokenizer
 
 from tst_megatron.compat import null_tokenizer
-from tst_megatron.data.files import read_stamp, write_stamp
+from tst_megatron.data.files import TokenStats, read_stamp, write_stamp
 from tst_megatron.errors import ConfigError
 from tst_megatron.training.index_cache import CachedGPTDatasetConfig, build_splits
 
@@ -200,18 +200,28 @@ def _open_data_file(prefix: str) -> DataFile:
 
 
 def scan_token_range(
-    file: DataFile, start: int = 0, stop: Optional[int] = None, chunk: int = 1 << 24
-) -> Optional[tuple[int, int]]:
-    """``(min, max)`` token id of ``file``'s ``.bin`` tokens ``[start, stop)`` (None if empty),
-    read in chunks of ``chunk`` tokens so memory stays bounded."""
+    file: DataFile,
+    start: int = 0,
+    stop: Optional[int] = None,
+    chunk: int = 1 << 24,
+    *,
+    count: tuple[int, ...] = (),
+) -> Optional[TokenStats]:
+    """The :class:`~tst_megatron.data.files.TokenStats` of ``file``'s ``.bin`` tokens
+    ``[start, stop)``: ``(min, max)`` id and the occurrences of each id in ``count``; None if
+    the slice is empty. Read in chunks of ``chunk`` tokens so memory stays bounded."""
     tokens = np.memmap(file.prefix + ".bin", dtype=file.dtype, mode="r")
     stop = file.tokens if stop is None else stop
     lo = hi = None
+    counts = dict.fromkeys(count, 0)
     for a in range(start, stop, chunk):
         part = tokens[a : min(a + chunk, stop)]
         a_lo, a_hi = int(part.min()), int(part.max())
         lo, hi = (a_lo, a_hi) if lo is None else (min(lo, a_lo), max(hi, a_hi))
-    return None if lo is None else (lo, hi)
+        for token_id in counts:
+            if a_lo <= token_id <= a_hi:
+                counts[token_id] += int(np.count_nonzero(part == token_id))
+    return None if lo is None else TokenStats(lo, hi, counts)
 
 
 def _distributed() -> tuple[int, int]:
@@ -220,16 +230,29 @@ def _distributed() -> tuple[int, int]:
     return 0, 1
 
 
-def token_ranges(files: list[DataFile], *, cache_path: Optional[str] = None) -> list[tuple]:
-    """``(min, max)`` token id of each file, the same on every rank, reading each ``.bin`` at
-    most once per change of the file.
+def _merge(parts: list[TokenStats], earlier: Optional[TokenStats]) -> TokenStats:
+    """One file's stats from the stats of its slices, keeping counts an earlier stamp of the
+    same file recorded for other ids."""
+    counts = dict(earlier.counts) if earlier is not None else {}
+    for token_id in parts[0].counts:
+        counts[token_id] = sum(p.counts[token_id] for p in parts)
+    return TokenStats(min(p.min for p in parts), max(p.max for p in parts), counts)
+
+
+def token_ranges(
+    files: list[DataFile], *, cache_path: Optional[str] = None, count: tuple[int, ...] = ()
+) -> list[TokenStats]:
+    """The :class:`~tst_megatron.data.files.TokenStats` of each file (id range, and the
+    occurrences of the ids in ``count``), the same on every rank, reading each ``.bin`` at
+    most once per change of the file (and of the ids asked).
 
     Rank 0 looks for a stamp (:func:`tst_megatron.data.files.read_stamp`: written by
     ``tools/preprocess_data.py`` or by an earlier start, valid while the ``.bin``/``.idx``
-    sizes and modification times are unchanged) and broadcasts what it found. Files without
-    one are scanned once, split evenly over all ranks (each reads ``1/world`` of the tokens),
-    the partial ranges are gathered, and rank 0 writes the stamp (in ``cache_path`` when
-    given, else beside the ``.bin``; a read-only place only costs the next start a scan).
+    sizes and modification times are unchanged, and enough when it has counted the ids of
+    ``count`` that lie in its range) and broadcasts what it found. Files without one are
+    scanned once, split evenly over all ranks (each reads ``1/world`` of the tokens), the
+    partial stats are gathered, and rank 0 writes the stamp (in ``cache_path`` when given,
+    else beside the ``.bin``; a read-only place only costs the next start a scan).
     Must be called on every rank (it uses collectives when ``torch.distributed`` is
     initialised): the other ranks wait in the broadcast while rank 0 reads the stamps.
     """
@@ -239,54 +262,114 @@ def token_ranges(files: list[DataFile], *, cache_path: Optional[str] = None) -> 
         box = [known]
         dist.broadcast_object_list(box, src=0)
         known = box[0]
-    if all(k is not None for k in known):
+    enough = [k is not None and all(k.count(i) is not None for i in count) for k in known]
+    if all(enough):
         return known
     partial = [
         None
-        if k is not None
-        else scan_token_range(f, f.tokens * rank // world, f.tokens * (rank + 1) // world)
-        for f, k in zip(files, known)
+        if ok
+        else scan_token_range(
+            f, f.tokens * rank // world, f.tokens * (rank + 1) // world, count=count
+        )
+        for f, ok in zip(files, enough)
     ]
     gathered = [partial]
     if world > 1:
         gathered = [None] * world
         dist.all_gather_object(gathered, partial)
-    ranges = []
-    for i, (f, k) in enumerate(zip(files, known)):
-        if k is None:
-            parts = [g[i] for g in gathered if g[i] is not None]
-            k = (min(p[0] for p in parts), max(p[1] for p in parts))
+    stats = []
+    for i, (f, k, ok) in enumerate(zip(files, known, enough)):
+        if not ok:
+            k = _merge([g[i] for g in gathered if g[i] is not None], k)
             if rank == 0:
                 try:
-                    write_stamp(f.prefix, *k, cache_path=cache_path)
+                    write_stamp(f.prefix, k.min, k.max, cache_path=cache_path, counts=k.counts)
                 except OSError as exc:
                     print(f" warning: cannot record the token range of {f.prefix}.bin ({exc})")
-        ranges.append(tuple(k))
-    return ranges
+        stats.append(k)
+    return stats
 
 
-def check_data_files(data_path: str, vocab_size: int, *, cache_path: Optional[str] = None) -> None:
+def dataset_pad_id(tokenizer) -> Optional[int]:
+    """The id megatron-core's ``GPTDataset`` treats as padding with ``tokenizer``, or None
+    when it uses none that a data file can hold.
+
+    megatron-core (``MegatronDataset.__init__``, 0.16-0.19) takes ``tokenizer.pad`` (-1 when
+    the tokenizer has none) unless that id is also another special token
+    (``tokenizer.special_tokens_dict`` without the pad, else EOS and EOD): then -1. Its
+    ``GPTDataset.__getitem__`` then replaces every token and label equal to that id by 0 and
+    leaves it out of the loss. Data ids are never negative (:func:`check_data_files`), so -1
+    and None mean: no token of the data is touched.
+    """
+    try:
+        pad = tokenizer.pad
+    except Exception:  # as megatron-core: a tokenizer without a pad id
+        return None
+    try:
+        special = [v for k, v in tokenizer.special_tokens_dict.items() if k != "pad_token"]
+    except (AttributeError, IndexError, ValueError):
+        special = []
+    if not special:
+        for name in ("eos", "eod"):
+            try:
+                special.append(getattr(tokenizer, name))
+            except (AttributeError, NotImplementedError):
+                pass
+    if pad is None or pad in special or pad < 0:
+        return None
+    return int(pad)
+
+
+def check_data_files(
+    data_path: str,
+    vocab_size: int,
+    *,
+    cache_path: Optional[str] = None,
+    pad_id: Optional[int] = None,
+) -> None:
     """Before any work: every dataset prefix of ``--data-path`` has a consistent ``.bin`` and
-    ``.idx``, and holds only token ids in ``[0, vocab_size)``, inputs and labels alike.
+    ``.idx``, holds only token ids in ``[0, vocab_size)``, inputs and labels alike, and none
+    equal to ``pad_id``.
 
     The ids are checked here, once, where data enters, so the training step needs no check
     (and no device-to-host read): see :func:`token_ranges` for how a start-up avoids
-    rereading a ``.bin``. A negative id is refused too: megatron-core would take ``-1`` for
-    its padding id and silently replace it by 0 with its loss masked.
+    rereading a ``.bin``. megatron-core's ``GPTDataset`` replaces every token equal to its
+    pad id by 0 and masks its loss, without a word (:func:`dataset_pad_id`): a negative id
+    (taken for the pad when the tokenizer has none) and the tokenizer's own pad id (a
+    Hugging Face ``pad_token`` set to an ordinary token) are refused, so no data token is
+    ever rewritten.
+
+    Args:
+        data_path: ``--data-path``.
+        vocab_size: ids of the tokenizer (or ``--vocab-size``).
+        cache_path: ``--data-cache-path`` (where stamps go).
+        pad_id: :func:`dataset_pad_id` of the run's tokenizer; None: no pad id to refuse.
 
     Raises:
-        ConfigError: a missing, truncated or malformed file, an empty dataset, or a token id
-            outside ``[0, vocab_size)``, naming the file and the id.
+        ConfigError: a missing, truncated or malformed file, or an empty dataset (the first
+            one found); else every file holding a token id outside ``[0, vocab_size)`` or the
+            pad id, one line each, naming the file and the id.
     """
     files = [_open_data_file(prefix) for prefix in data_prefixes(data_path)]
-    for file, (lo, hi) in zip(files, token_ranges(files, cache_path=cache_path)):
-        if lo < 0 or hi >= vocab_size:
-            bad = lo if lo < 0 else hi
-            raise ConfigError(
+    count = (pad_id,) if pad_id is not None else ()
+    problems = []
+    for file, stats in zip(files, token_ranges(files, cache_path=cache_path, count=count)):
+        if stats.min < 0 or stats.max >= vocab_size:
+            bad = stats.min if stats.min < 0 else stats.max
+            problems.append(
                 f"--data-path: {file.prefix}.bin holds token id {bad}, outside the vocabulary "
                 f"[0, {vocab_size}); preprocess with the tokenizer of --tokenizer-model or "
                 "raise --vocab-size"
             )
+        if pad_id is not None and stats.count(pad_id):
+            problems.append(
+                f"--data-path: {file.prefix}.bin holds {stats.count(pad_id)} tokens of id "
+                f"{pad_id}, the pad id of --tokenizer-model; megatron-core's GPTDataset would "
+                "replace each by 0 and drop it from the loss: use a tokenizer whose pad token "
+                "never occurs in the data (no pad_token, or a dedicated special token)"
+            )
+    if problems:
+        raise ConfigError("\n".join(problems))
 
 
 def check_mock_data(tokenizer, vocab_size: int) -> None:

@@ -17,6 +17,9 @@ Here, through megatron-core's own seams (the dataset classes and ``is_built_on_r
 - The dataset subclasses below compute a missing or damaged index with megatron-core's code
   (in memory) and write each file to a temporary name, then rename it; a damaged file is
   named in the message.
+
+The GPT dataset subclasses also fill megatron-core's cache of per-sample masks at
+construction (:class:`_MaskCacheFilled`), so that no sample can write into it.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import uuid
 from typing import Callable, Optional
 
 import numpy as np
+import torch
 import torch.distributed as dist
 from megatron.core.datasets import blended_dataset, gpt_dataset
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
@@ -140,12 +144,42 @@ class _AtomicIndexCache:
         return result
 
 
+class _MaskCacheFilled:
+    """Mixin over megatron-core's ``GPTDataset``: its mask cache is filled once, here, and
+    never written by a sample.
+
+    Without ``--reset-position-ids``, ``--reset-attention-mask`` and ``--eod-mask-loss`` the
+    masks and position ids do not depend on the tokens, so megatron-core computes them for
+    the first sample read and keeps them (``cached_loss_mask``, ...). But it then zeroes that
+    very tensor where the first sample's labels equal its pad id (``GPTDataset.__getitem__``,
+    0.16-0.19), and every later sample's loss mask is a clone of it: they lose their loss at
+    those positions too. Filled here with megatron-core's own function, the cache is already
+    there when the first sample is read, which then also gets a clone to edit.
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        if self.masks_and_position_ids_are_cacheable:
+            tokens = torch.zeros(self.config.sequence_length, dtype=torch.long)  # not read
+            masks = gpt_dataset._get_ltor_masks_and_position_ids(
+                tokens,
+                self.config.tokenizer.eod,
+                self.config.reset_position_ids,
+                self.config.reset_attention_mask,
+                self.config.eod_mask_loss,
+                self.config.create_attention_mask,
+            )
+            self.cached_attention_mask, self.cached_loss_mask, self.cached_position_ids = masks
+            self.masks_and_position_ids_are_cached = True
+
+
 # The subclasses keep megatron-core's class names on purpose: the names enter the cache
 # file names and the description hash, so caches stay interchangeable with Megatron-LM's.
 
 
-class GPTDataset(_AtomicIndexCache, gpt_dataset.GPTDataset):
-    """megatron-core's ``GPTDataset`` with node-local, atomically written index caches."""
+class GPTDataset(_AtomicIndexCache, _MaskCacheFilled, gpt_dataset.GPTDataset):
+    """megatron-core's ``GPTDataset`` with node-local, atomically written index caches and a
+    mask cache no sample writes into."""
 
     _affixes = ("document_index.npy", "sample_index.npy", "shuffle_index.npy")
 
@@ -161,7 +195,7 @@ class GPTDataset(_AtomicIndexCache, gpt_dataset.GPTDataset):
         return self._build_or_load(super()._build_document_sample_shuffle_indices)
 
 
-class MockGPTDataset(_AtomicIndexCache, gpt_dataset.MockGPTDataset):
+class MockGPTDataset(_AtomicIndexCache, _MaskCacheFilled, gpt_dataset.MockGPTDataset):
     """megatron-core's ``MockGPTDataset`` with the same cache handling as :class:`GPTDataset`."""
 
     _affixes = GPTDataset._affixes

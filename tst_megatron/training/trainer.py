@@ -14,9 +14,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import math
-import os
 import signal
-import sys
 import time
 from typing import Optional
 
@@ -64,6 +62,7 @@ from tst_megatron.training.data import (
     check_data_files,
     check_mock_data,
     data_prefixes,
+    dataset_pad_id,
     read_step,
 )
 from tst_megatron.training.forward import make_phase1_step, make_phase2_step
@@ -278,7 +277,10 @@ def setup(cfg: RunConfig) -> Run:
         )
     if cfg.data.data_path:
         check_data_files(
-            cfg.data.data_path, tokenizer.vocab_size, cache_path=cfg.data.data_cache_path
+            cfg.data.data_path,
+            tokenizer.vocab_size,
+            cache_path=cfg.data.data_cache_path,
+            pad_id=dataset_pad_id(tokenizer),
         )
     else:
         check_mock_data(tokenizer, tokenizer.vocab_size)
@@ -713,27 +715,25 @@ def _minutes_elapsed(started: float, device, limit: Optional[float]) -> Optional
 def main(argv=None) -> int:
     """Entry point: parse, train, tear down.
 
-    A :class:`~tst_megatron.errors.ConfigError` (bad flag, layout, tokenizer, data or
-    checkpoint) prints its problems (``error: ...``, one line each) from rank 0 and returns
-    2; any other exception propagates with its traceback on the rank where it happened.
-    ``--dry-run`` validates and prints the resolved run without training
-    (:func:`tst_megatron.training.plan.dry_run`).
+    A :class:`~tst_megatron.errors.ConfigError` (bad flag or value, layout, tokenizer, data or
+    checkpoint) prints its problems (``error: ...``, one line each) once, from rank 0, and
+    returns 2; every rank returns only after the lines are out
+    (:func:`tst_megatron.runtime.report_error`). Any other exception propagates with its
+    traceback on the rank where it happened. ``--dry-run`` validates and prints the resolved
+    run without training (:func:`tst_megatron.training.plan.dry_run`).
     """
-    from tst_megatron.runtime import destroy
+    from tst_megatron.runtime import destroy, report_error
     from tst_megatron.training.config import parse_args
 
-    cfg = parse_args(argv)
-    if cfg.train.dry_run:
-        from tst_megatron.training.plan import dry_run
-
-        return dry_run(cfg)
     try:
+        cfg = parse_args(argv)
+        if cfg.train.dry_run:
+            from tst_megatron.training.plan import dry_run
+
+            return dry_run(cfg)
         train(cfg)
-    except ConfigError as exc:  # checks give the same verdict on every rank: print once
-        if not dist.is_initialized() or dist.get_rank() == 0:
-            if os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0":
-                for line in str(exc).splitlines():
-                    print(f"error: {line}", file=sys.stderr, flush=True)
+    except ConfigError as exc:
+        report_error(str(exc))
         return 2
     finally:
         destroy()

@@ -1,0 +1,121 @@
+"""Error lines are never lost (issue 21.5): a launcher stops every rank as soon as one exits
+with an error, so no rank may exit before the ``error:`` line is out. Rank 0 prints the
+problems once; a problem found on some ranks only is printed by each of them, tagged."""
+
+import contextlib
+import io
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.defaults import TEST_DEFAULTS
+from tests.distributed.harness import run_distributed
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+#: One bad setting; every rank finds it in validation, before any work.
+BAD = [
+    *TEST_DEFAULTS,
+    *("--device", "cpu", "--mock-data", "--vocab-size", "64", "--num-layers", "2"),
+    *("--hidden-size", "32", "--seq-length", "16", "--train-iters", "4", "--lr", "1e-3"),
+    *("--reset-position-ids", "--tst-bag-size", "4"),
+]
+MESSAGE = "--reset-position-ids is not supported in TST phase 1"
+
+
+class _Stamped(io.TextIOBase):
+    """A stderr that records when each piece of text was written (wall clock, so the
+    processes' times compare)."""
+
+    def __init__(self):
+        self.parts = []
+
+    def write(self, text):
+        self.parts.append((time.time(), text))
+        return len(text)
+
+
+def _main_with_rank0_late(rank, world, *, delay):
+    """The trainer's main on a bad setting, rank 0 starting ``delay`` seconds late."""
+    from tst_megatron.training.trainer import main
+
+    if rank == 0:
+        time.sleep(delay)
+    err = _Stamped()
+    with contextlib.redirect_stderr(err):
+        code = main(BAD)
+    return {"code": code, "stderr": err.parts, "returned": time.time()}
+
+
+def test_no_rank_returns_before_rank0_printed_the_error():
+    r0, r1 = run_distributed(_main_with_rank0_late, 2, delay=3.0)
+    assert (r0["code"], r1["code"]) == (2, 2)
+    lines = "".join(text for _, text in r0["stderr"]).splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: {MESSAGE}"), lines
+    assert r1["stderr"] == []  # the same problem: printed once, by rank 0
+    printed = r0["stderr"][0][0]
+    assert r1["returned"] >= printed, (
+        f"rank 1 returned {printed - r1['returned']:.2f} s before rank 0 printed the error"
+    )
+
+
+def _report(rank, world, *, cases):
+    """For each ``(messages, rank0_busy)`` of ``cases``: ``report_error(messages[rank])``, or,
+    when ``messages[rank]`` is None, ``rank0_busy`` seconds busy elsewhere (as a rank waiting
+    in a collective). Returns what each case printed on this rank."""
+    from tst_megatron.runtime import report_error
+
+    printed = []
+    for messages, rank0_busy in cases:
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err):
+            if messages[rank] is None:
+                time.sleep(rank0_busy)
+            else:
+                report_error(messages[rank], timeout_s=2.0)
+        printed.append(err.getvalue())
+    return printed
+
+
+def test_a_problem_of_some_ranks_only_is_printed_by_each_of_them():
+    cases = [
+        (["one", "two"], 0.0),  # different problems: each rank prints its own
+        ([None, "cache damaged\nsecond"], 4.0),  # rank 1 alone: it waits for rank 0 in vain
+    ]
+    r0, r1 = run_distributed(_report, 2, cases=cases)
+    assert r0 == ["error: one\n", ""]
+    assert r1 == [
+        "error: [rank 1] two\n",
+        "error: [rank 1] cache damaged\nerror: [rank 1] second\n",
+    ]
+
+
+@pytest.mark.slow
+def test_torchrun_launch_with_a_slow_rank0_prints_the_error_once(tmp_path):
+    """The reported failure: torchrun, 2 processes, a bad setting; rank 0 starts 5 s late
+    (a test-only wrapper script), so without the fix rank 1 exits first and torchrun stops
+    rank 0 before it prints."""
+    from tst_megatron.runtime.distributed import free_port
+
+    wrapper = tmp_path / "late_rank0.py"
+    wrapper.write_text(
+        "import os, runpy, sys, time\n"
+        "if os.environ['RANK'] == '0':\n"
+        "    time.sleep(5)\n"
+        f"sys.argv[0] = {os.path.join(ROOT, 'examples', 'pretrain_gpt_tst.py')!r}\n"
+        "runpy.run_path(sys.argv[0], run_name='__main__')\n"
+    )
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    proc = subprocess.run(
+        [torchrun, "--nproc_per_node", "2", "--master_port", str(free_port()), str(wrapper), *BAD],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": ROOT},
+        timeout=300,
+    )
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert proc.returncode != 0
+    assert len(errors) == 1 and MESSAGE in errors[0], proc.stderr[-3000:]
