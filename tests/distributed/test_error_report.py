@@ -51,7 +51,7 @@ def _main_with_rank0_late(rank, world, *, delay):
 
 
 def test_no_rank_returns_before_rank0_printed_the_error():
-    r0, r1 = run_distributed(_main_with_rank0_late, 2, delay=3.0)
+    r0, r1 = run_distributed(_main_with_rank0_late, 2, delay=1.5)
     assert (r0["code"], r1["code"]) == (2, 2)
     lines = "".join(text for _, text in r0["stderr"]).splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"error: {MESSAGE}"), lines
@@ -75,15 +75,16 @@ def _report(rank, world, *, cases):
             if messages[rank] is None:
                 time.sleep(rank0_busy)
             else:
-                report_error(messages[rank], timeout_s=2.0)
+                report_error(messages[rank], timeout_s=1.0)
         printed.append(err.getvalue())
     return printed
 
 
+@pytest.mark.slow
 def test_a_problem_of_some_ranks_only_is_printed_by_each_of_them():
     cases = [
         (["one", "two"], 0.0),  # different problems: each rank prints its own
-        ([None, "cache damaged\nsecond"], 4.0),  # rank 1 alone: it waits for rank 0 in vain
+        ([None, "cache damaged\nsecond"], 2.0),  # rank 1 alone: it waits for rank 0 in vain
     ]
     r0, r1 = run_distributed(_report, 2, cases=cases)
     assert r0 == ["error: one\n", ""]

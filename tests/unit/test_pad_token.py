@@ -149,6 +149,7 @@ def test_the_cached_loss_mask_is_never_written(hf, tmp_path):
     assert masked_positions > 10
 
 
+@pytest.mark.slow
 def test_the_trainer_stops_before_work_naming_the_flag(hf, tmp_path):
     tok = _tokenizer(hf, "word")
     prefix = write_dataset(tmp_path / "fox", _documents(tok, ["the quick brown fox jumps"] * 30))
