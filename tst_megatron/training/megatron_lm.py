@@ -373,6 +373,7 @@ class TSTDatasets:
             check_data_files,
             check_mock_data,
             data_prefixes,
+            dataset_pad_id,
         )
 
         args, tokenizer = get_args(), get_tokenizer()
@@ -382,7 +383,12 @@ class TSTDatasets:
         if data.mock_data:
             check_mock_data(tokenizer, tokenizer.vocab_size)
         else:
-            check_data_files(data.data_path, tokenizer.vocab_size, cache_path=data.data_cache_path)
+            check_data_files(
+                data.data_path,
+                tokenizer.vocab_size,
+                cache_path=data.data_cache_path,
+                pad_id=dataset_pad_id(tokenizer),
+            )
         per_sample = tst.windows_per_sample()
         streams = 1 if data.mock_data else len(data_prefixes(data.data_path))
         windows = switch * per_sample + (total - switch) + per_sample * streams
