@@ -6,8 +6,13 @@
 # table; training logs in runs/gpu_check.log) and exits 1 if a check fails.
 #
 # PYTHON: the interpreter with torch (CUDA), megatron-core and Transformer Engine (default:
-# .venv/bin/python when it exists, else python3). Extra arguments go to tests/gpu/gpu_check.py
-# (e.g. --output FILE). Without a GPU it exits at once with status 1, checking nothing.
+# .venv/bin/python when it exists, else python3). Where that interpreter has no megatron-core
+# and a gpu-wheels/ folder is here (scripts/fetch_gpu_wheels.sh, for a machine without
+# network), .venv-gpu is made over it (--system-site-packages: its torch is used) and the
+# wheels are installed there without network. Without Transformer Engine the TE and FP8 rows
+# say "skipped: Transformer Engine not installed". Extra arguments go to
+# tests/gpu/gpu_check.py (e.g. --output FILE). Without a GPU it exits at once with status 1,
+# checking nothing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if ! command -v nvidia-smi >/dev/null 2>&1 || ! nvidia-smi -L 2>/dev/null | grep -q GPU; then
@@ -17,4 +22,11 @@ fi
 if [ -z "${PYTHON:-}" ]; then
     if [ -x .venv/bin/python ]; then PYTHON=.venv/bin/python; else PYTHON=python3; fi
 fi
+if ! "$PYTHON" -c "import megatron.core" 2>/dev/null && [ -d gpu-wheels ]; then
+    [ -x .venv-gpu/bin/python ] || "$PYTHON" -m venv --system-site-packages .venv-gpu
+    .venv-gpu/bin/python -m pip install --quiet --no-index --find-links gpu-wheels \
+        megatron-core sentencepiece psutil tqdm
+    PYTHON=.venv-gpu/bin/python
+fi
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # tst_megatron from this checkout
 exec "$PYTHON" tests/gpu/gpu_check.py "$@"

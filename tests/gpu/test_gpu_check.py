@@ -81,3 +81,23 @@ def test_a_bad_configuration_would_be_caught(monkeypatch):
     )
     with pytest.raises(ConfigError, match="multiple of 16"):
         gpu_check.validate_all()
+
+
+def test_without_transformer_engine_its_rows_say_skipped(monkeypatch):
+    # the lent H200 has no Transformer Engine: the TE/FP8 rows are skipped, the rest run
+    module = _load()
+    trained = []
+
+    def fake_train(argv, log):
+        trained.append(argv)
+        return {"train": {i: 5.0 for i in range(1, module.N + 1)}}
+
+    monkeypatch.setattr(module, "te_installed", lambda: False)
+    monkeypatch.setattr(module, "_train", fake_train)
+    rows = []
+    results = module.check_training(rows, "log")
+    module.check_fp8_resume(rows, "log", results)
+    assert list(results) == ["local bf16"] and len(trained) == 1
+    te_rows = [r for r in rows if r[1] == module.NO_TE]
+    assert len(te_rows) == len(module.RUNS) - 1 + 1  # every TE run, and the FP8 resume
+    assert all(r[2] == "-" for r in te_rows)
