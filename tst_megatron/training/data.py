@@ -495,6 +495,16 @@ def _stream_order(dataset) -> np.ndarray:
     return np.argsort(shuffle) if shuffle is not None else np.arange(len(dataset))
 
 
+def training_windows(data, *, phase1_samples: int, phase2_samples: int, per_sample: int) -> int:
+    """``T``-token windows to ask of the training split so that :class:`TrainStream` has
+    ``phase1_samples`` blocks of ``per_sample`` windows and ``phase2_samples`` windows left:
+    whole blocks, plus one block per dataset of a blend (a block never straddles two, so each
+    dataset's stream may end in a partial one). ``data``: the data settings (``mock_data``,
+    ``data_path``)."""
+    streams = 1 if data.mock_data else len(data_prefixes(data.data_path))
+    return phase1_samples * per_sample + phase2_samples + per_sample * streams
+
+
 class TrainStream:
     """Phase-1 and phase-2 training samples from one dataset of ``T``-token windows.
 

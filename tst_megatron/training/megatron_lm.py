@@ -372,8 +372,8 @@ class TSTDatasets:
             build_datasets,
             check_data_files,
             check_mock_data,
-            data_prefixes,
             dataset_pad_id,
+            training_windows,
         )
 
         args, tokenizer = get_args(), get_tokenizer()
@@ -390,8 +390,9 @@ class TSTDatasets:
                 pad_id=dataset_pad_id(tokenizer),
             )
         per_sample = tst.windows_per_sample()
-        streams = 1 if data.mock_data else len(data_prefixes(data.data_path))
-        windows = switch * per_sample + (total - switch) + per_sample * streams
+        windows = training_windows(
+            data, phase1_samples=switch, phase2_samples=total - switch, per_sample=per_sample
+        )
         _, valid_n, test_n = num_samples
         train, valid, test = build_datasets(
             data,

@@ -61,9 +61,9 @@ from tst_megatron.training.data import (
     build_tokenizer,
     check_data_files,
     check_mock_data,
-    data_prefixes,
     dataset_pad_id,
     read_step,
+    training_windows,
 )
 from tst_megatron.training.forward import make_phase1_step, make_phase2_step
 from tst_megatron.training.model import build_model, padded_vocab_size, transformer_config
@@ -177,9 +177,12 @@ def build_data(cfg: RunConfig, tokenizer, layout: BatchLayout, n1: int):
     t, c, tst, T = cfg.train, cfg.checkpoint, cfg.tst, cfg.model.seq_length
     gbs = layout.global_batch_size
     per_sample = tst.windows_per_sample()  # S, or 1 in output mode
-    # whole blocks; a blend's blocks stay within one dataset, so each may leave a partial one
-    streams = 1 if cfg.data.mock_data else len(data_prefixes(cfg.data.data_path))
-    windows = n1 * gbs * per_sample + (t.train_iters - n1) * gbs + per_sample * streams
+    windows = training_windows(
+        cfg.data,
+        phase1_samples=n1 * gbs,
+        phase2_samples=(t.train_iters - n1) * gbs,
+        per_sample=per_sample,
+    )
     evals = (t.train_iters // c.eval_interval + 1) if c.eval_interval else 1
     # --full-validation: one epoch of the split (megatron-core builds whole epochs)
     valid_samples = 1 if c.full_validation else c.eval_iters * gbs * evals
