@@ -8,7 +8,9 @@ loss_func)``; ``loss_func(output) -> (loss_sum, num_tokens, report)`` with an *i
 Phase 1 (``docs/design.md``, "The method"): the first stage embeds bags with ``bag_embedding`` and
 passes them as ``decoder_input``; the last stage gets per-slot cross-entropy ``[b, T, S]``
 from the model's own loss seam (:class:`~tst_megatron.training.gpt.TSTGPTModel` with
-``labels=`` the ``[b, T, S]`` bag targets) and reduces it to the MCE.
+``labels=`` the ``[b, T, S]`` bag targets) and reduces it to the MCE. A model with
+multi-token prediction skips its MTP block there (see ``TSTGPTModel``); phase 2 and
+validation run it as megatron-core does.
 
 The unit of ``num_tokens`` is a *scored position* in both phases: a token whose loss mask
 is 1 in phase 2, a latent position with at least one scored slot in phase 1. The loss
@@ -152,17 +154,23 @@ def make_phase1_step(
 
 
 def make_phase2_step(*, cp_group: Optional[dist.ProcessGroup] = None):
-    """Forward step of ordinary next-token training (and of validation in both phases)."""
+    """Forward step of ordinary next-token training (and of validation in both phases).
+
+    The model gets ``labels=`` and ``loss_mask=`` as in Megatron-LM's ``pretrain_gpt.py``:
+    megatron-core's multi-token prediction (``process_mtp_loss``) masks and counts its
+    rolled labels with it; without MTP the model does not read it.
+    """
 
     def forward_step(data_iterator, model):
         batch = _cp_split(dict(next(data_iterator)), cp_group)
+        loss_mask = batch["loss_mask"]
         per_token = model(
             batch["tokens"],
             batch["position_ids"],
             batch.get("attention_mask"),
             labels=batch["labels"],
+            loss_mask=loss_mask,
         )
-        loss_mask = batch["loss_mask"]
 
         def loss_func(output):
             scored = loss_mask > 0

@@ -49,13 +49,76 @@ class TSTGPTModel(GPTModel):
     - ``labels=None``: batch-first logits ``[b, T, V/tp]``, as ``GPTModel``.
 
     Under context parallelism ``T`` is this rank's share of the (latent) sequence.
-    Multi-token prediction (``mtp_num_layers``) is not supported with ``[b, T, S]`` labels.
     The logits must be this rank's vocabulary shard: gathered logits
     (``runtime_gather_output=True``, or ``parallel_output=False`` at TP > 1) are refused.
+
+    Multi-token prediction (``mtp_num_layers``, megatron-core's ``MultiTokenPredictionBlock``)
+    trains in phase 2 only. With ``[b, T]`` labels (phase 2, validation) everything is
+    megatron-core's ``GPTModel._postprocess``: the MTP block, ``process_mtp_loss`` with the
+    ``loss_mask`` given to ``forward`` (``--mtp-loss-scaling-factor``, its logging by
+    ``MTPLossLoggingHelper``). With ``[b, T, S]`` labels (phase 1) the MTP block is skipped
+    (:meth:`_postprocess`): its loss is not added, nothing is logged for it, and the
+    parameters only MTP uses (the MTP block, and the MTP stage's own copy of the embedding
+    when that stage is not the first) get an exactly zero gradient. Why skip rather than
+    adapt: megatron-core's MTP embeds the *next input token* (``roll_tensor`` of ``input_ids``
+    by one position, then ``embedding(input_ids)``) and scores the labels rolled by one; phase
+    1 has neither ``input_ids`` nor one-token labels (its inputs are bag means, its targets
+    the next bag), and the paper defines no MTP over bags. Why a zero gradient rather than
+    none: megatron-core's DDP with ``--overlap-grad-reduce`` dispatches a bucket's reduction
+    when every parameter's gradient hook has fired and asserts so at the end of the step, so
+    a parameter without a gradient would stop the run; with zeros the grad buffers hold what
+    they would hold anyway (they are zero-filled), and the optimizer sees a zero gradient for
+    these parameters in phase 1 either way.
     """
 
     def __init__(self, config, transformer_layer_spec, *args, **kwargs):
         super().__init__(config, with_balanced_router(transformer_layer_spec), *args, **kwargs)
+
+    def _postprocess(self, hidden_states, input_ids, position_ids, labels, *args, **kwargs):
+        """``GPTModel._postprocess``, except with ``[b, T, S]`` labels on a model with MTP.
+
+        There (phase 1) the MTP block and ``process_mtp_loss`` are skipped: the output
+        layer (with the shared embedding weight when tied, MuP logit scaling where
+        megatron-core has it) scores ``hidden_states`` ``[T, b, h]`` through
+        :meth:`compute_language_model_loss` (``[b, T, S]`` fp32 CE), and the parameters only
+        MTP uses get an exactly zero gradient (:class:`_ZeroGradient`). A stage without the
+        output layer returns ``hidden_states`` ``[T, b, h]`` (without MTP's concatenated
+        outputs, which the output stage does not expect in phase 1 either).
+        Everything else is megatron-core's, argument for argument.
+        """
+        if labels is None or labels.dim() != 3 or not self.config.mtp_num_layers:
+            return super()._postprocess(
+                hidden_states, input_ids, position_ids, labels, *args, **kwargs
+            )
+        idle = self._mtp_only_parameters()
+        if not self.post_process:
+            return _ZeroGradient.apply(hidden_states, *idle)
+        output_weight = None
+        if self.share_embeddings_and_output_weights:
+            output_weight = self.shared_embedding_or_output_weight()
+        logits, _ = self.output_layer(
+            hidden_states,
+            weight=output_weight,
+            runtime_gather_output=kwargs.get("runtime_gather_output"),
+        )
+        if getattr(self.config, "use_mup", False):  # megatron-core >= 0.17
+            logits = self._scale_logits(logits)
+        return _ZeroGradient.apply(self.compute_language_model_loss(labels, logits), *idle)
+
+    def _mtp_only_parameters(self) -> list[torch.nn.Parameter]:
+        """The trainable parameters of this stage that only the MTP block uses: the block's,
+        and on an MTP stage that is not the first, its own copy of the embedding (minus the
+        output weight when tied: the output layer uses it in phase 1 too)."""
+        if not getattr(self, "mtp_process", False):
+            return []
+        params = list(self.mtp.parameters())
+        if not self.pre_process:
+            shared = None
+            if self.share_embeddings_and_output_weights and self.post_process:
+                shared = self.shared_embedding_or_output_weight()
+            params += [p for p in self.embedding.parameters() if p is not shared]
+        unique = {id(p): p for p in params if p.requires_grad}
+        return list(unique.values())
 
     def compute_language_model_loss(self, labels: torch.Tensor, logits: torch.Tensor):
         """Per-token CE for ``[b, T]`` labels (megatron-core), per-slot CE for ``[b, T, S]``.
@@ -134,6 +197,28 @@ class _ScoredRowsOnly(torch.autograd.Function):
         if grad_logits.is_contiguous():  # the cross-entropy's own buffer
             return grad_logits.masked_fill_(unscored, 0.0), None, None
         return grad_logits.masked_fill(unscored, 0.0), None, None
+
+
+class _ZeroGradient(torch.autograd.Function):
+    """Identity on ``output``; an exactly zero gradient for each of ``params``.
+
+    Forward returns ``output`` itself (any shape, dtype). Backward passes ``output``'s
+    gradient through unchanged and gives each parameter a zero gradient of its shape and
+    dtype (a broadcast zero: no parameter-sized buffer is made here), so every parameter's
+    gradient-accumulation hook fires (megatron-core DDP's ``register_grad_ready``) and adds
+    zero. Saves nothing for backward but the parameters' shapes, dtypes and devices; no
+    collective, no host sync.
+    """
+
+    @staticmethod
+    def forward(ctx, output, *params):
+        ctx.like = [(p.shape, p.dtype, p.device) for p in params]
+        return output
+
+    @staticmethod
+    def backward(ctx, grad):
+        zeros = (torch.zeros((), dtype=d, device=dev).expand(shape) for shape, d, dev in ctx.like)
+        return (grad, *zeros)
 
 
 # --- MoE load balancing independent of the layout --------------------------------------
