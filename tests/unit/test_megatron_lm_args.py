@@ -67,6 +67,7 @@ def _megatron_args(**overrides):
         reset_attention_mask=False,
         step_batch_size_schedule=None,
         mtp_num_layers=None,
+        overlap_param_gather=False,
         phase_transition_iterations=None,
         dataloader_type="single",
         train_data_path=None,
@@ -105,7 +106,7 @@ def test_the_switch_under_a_step_batch_size_schedule_counts_consumed_samples():
     [
         ({"reset_position_ids": True}, "--reset-position-ids"),
         ({"reset_attention_mask": True}, "--reset-attention-mask"),
-        ({"mtp_num_layers": 1}, "--mtp-num-layers"),
+        ({"mtp_num_layers": 1, "overlap_param_gather": True}, "--overlap-param-gather"),
         ({"phase_transition_iterations": [50]}, "--phase-transition-iterations"),
         ({"dataloader_type": "cyclic"}, "--dataloader-type"),
         ({"tst_phase1_iters": 500}, "--tst-phase1-iters"),
@@ -118,9 +119,20 @@ def test_a_setting_tst_cannot_run_is_one_line_naming_the_flag(overrides, flag):
     assert "\n" not in problems[0]
 
 
+def test_multi_token_prediction_is_accepted_with_a_phase1():
+    # MTP trains in phase 2 only (TSTGPTModel skips its block in phase 1)
+    assert megatron_lm.tst_problems(_megatron_args(mtp_num_layers=1)) == []
+    assert megatron_lm.tst_problems(_megatron_args(mtp_num_layers=2, tst_mode="output")) == []
+    assert megatron_lm.tst_problems(_megatron_args(overlap_param_gather=True)) == []
+
+
 def test_phase1_refusals_do_not_apply_without_a_phase1():
     args = _megatron_args(
-        tst_bag_size=1, reset_position_ids=True, rampup_batch_size=["4", "4", "9"]
+        tst_bag_size=1,
+        reset_position_ids=True,
+        rampup_batch_size=["4", "4", "9"],
+        mtp_num_layers=1,
+        overlap_param_gather=True,
     )
     assert megatron_lm.tst_problems(args) == []
 
