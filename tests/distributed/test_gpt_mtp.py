@@ -77,7 +77,6 @@ def _reference_mce(logits, stream, mask):
 
 def _mtp_child(rank, world):
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
     from megatron.core.transformer.multi_token_prediction import (
         MTPLossAutoScaler,
         MTPLossLoggingHelper,
@@ -86,13 +85,13 @@ def _mtp_child(rank, world):
     from tst_megatron.runtime import ParallelConfig, initialize_model_parallel, set_seed
     from tst_megatron.training.forward import make_phase1_step, make_phase2_step
     from tst_megatron.training.gpt import TSTGPTModel
-    from tst_megatron.training.model import gpt_block_spec
+    from tst_megatron.training.model import gpt_block_spec, local_mtp_block_spec
 
     initialize_model_parallel(ParallelConfig())
     set_seed(3)
     config = _config(mtp_num_layers=1, mtp_loss_scaling_factor=0.3)
     spec = gpt_block_spec(config)
-    mtp_spec = get_gpt_mtp_block_spec(config, spec.layer_specs[-1], use_transformer_engine=False)
+    mtp_spec = local_mtp_block_spec(config)
     common = dict(vocab_size=V, max_sequence_length=T)
     model = TSTGPTModel(config, spec, mtp_block_spec=mtp_spec, **common)
     _set_weights(model)

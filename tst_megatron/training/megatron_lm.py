@@ -262,7 +262,8 @@ def model_provider(
     (:func:`~tst_megatron.training.model.gpt_block_spec`); else Megatron-LM's
     ``megatron.training.models.gpt.default_layer_spec`` (Transformer Engine's spec, MoE block
     specs, experimental attention variants). The MTP block spec is Megatron-LM's
-    ``mtp_block_spec``. The
+    ``mtp_block_spec``, or with the local block spec
+    :func:`~tst_megatron.training.model.local_mtp_block_spec` (the same norms). The
     ``GPTModel`` arguments are those of ``GPTModelBuilder.build_model`` (0.19).
     """
     from megatron.core.transformer.dot_product_attention import DotProductAttention
@@ -277,7 +278,7 @@ def model_provider(
 
     from tst_megatron.runtime import cpu
     from tst_megatron.training.gpt import TSTGPTModel
-    from tst_megatron.training.model import gpt_block_spec
+    from tst_megatron.training.model import gpt_block_spec, local_mtp_block_spec
 
     args = get_args()
     cfg = gpt_config_from_args(args, config=config)
@@ -287,7 +288,8 @@ def model_provider(
         and cfg.transformer.experimental_attention_variant is None
         and not isinstance(cfg.transformer, HeterogeneousTransformerConfig)
     )
-    if spec is None and plain_local:
+    local = spec is None and plain_local
+    if local:
         # megatron-core's local block spec with the project's norms (TP + SP without TE or
         # Apex) and expert fc2 (MoE with biases): tst_megatron.training.model.gpt_block_spec
         spec = gpt_block_spec(cfg.transformer, transformer_impl="local", vp_stage=vp_stage)
@@ -300,7 +302,11 @@ def model_provider(
     model = TSTGPTModel(
         config=cfg.transformer,
         transformer_layer_spec=spec,
-        mtp_block_spec=mtp_block_spec(cfg, spec, vp_stage=vp_stage),
+        mtp_block_spec=(
+            local_mtp_block_spec(cfg.transformer, vp_stage=vp_stage)  # the same norms
+            if local
+            else mtp_block_spec(cfg, spec, vp_stage=vp_stage)
+        ),
         vocab_size=args.padded_vocab_size,
         max_sequence_length=cfg.seq_length,
         fp16_lm_cross_entropy=cfg.fp16_lm_cross_entropy,

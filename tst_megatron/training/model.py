@@ -169,6 +169,45 @@ def gpt_block_spec(
     )
 
 
+def local_mtp_block_spec(config: TransformerConfig, *, vp_stage: Optional[int] = None):
+    """The multi-token prediction block spec matching :func:`gpt_block_spec`'s local spec, or
+    None when this stage builds no MTP layer (or ``config.mtp_num_layers`` is unset).
+
+    megatron-core's ``get_gpt_mtp_block_spec`` (``use_transformer_engine=False``) on the last
+    decoder layer's spec, as Megatron-LM's ``megatron.training.models.gpt.mtp_block_spec``
+    builds it, with the changes :func:`gpt_block_spec` makes: every norm (the MTP layer's
+    ``enorm``, ``hnorm``, ``layer_norm`` and those of its transformer layer) is
+    :class:`~tst_megatron.runtime.norm.SequenceParallelNorm` (megatron-core's local norm
+    refuses sequence parallelism) and the experts' second linear layer is
+    :class:`ExpertRowParallelLinear`.
+    """
+    if not config.mtp_num_layers:
+        return None
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_decoder_layer_specs,
+        get_gpt_mtp_block_spec,
+    )
+
+    layers = get_gpt_decoder_layer_specs(
+        config,
+        use_transformer_engine=False,
+        normalization=config.normalization,
+        qk_l2_norm=config.qk_l2_norm,
+        vp_stage=vp_stage,
+    )
+    last = _with_expert_fc2(_with_norm(layers[-1], SequenceParallelNorm))
+    block = get_gpt_mtp_block_spec(config, last, use_transformer_engine=False, vp_stage=vp_stage)
+    if block is None:
+        return None
+    norms = dict(enorm=SequenceParallelNorm, hnorm=SequenceParallelNorm)
+    norms["layer_norm"] = SequenceParallelNorm
+    specs = [
+        dataclasses.replace(s, submodules=dataclasses.replace(s.submodules, **norms))
+        for s in block.layer_specs
+    ]
+    return dataclasses.replace(block, layer_specs=specs)
+
+
 def build_gpt_model(
     config: TransformerConfig,
     *,
