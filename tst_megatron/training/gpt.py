@@ -68,7 +68,9 @@ class TSTGPTModel(GPTModel):
     when every parameter's gradient hook has fired and asserts so at the end of the step, so
     a parameter without a gradient would stop the run; with zeros the grad buffers hold what
     they would hold anyway (they are zero-filled), and the optimizer sees a zero gradient for
-    these parameters in phase 1 either way.
+    these parameters in phase 1 either way. So in phase 1 their Adam moments stay zero while
+    the optimizer's step count advances (their first updates after the switch have a spent
+    bias correction), and decoupled weight decay still shrinks them.
     """
 
     def __init__(self, config, transformer_layer_spec, *args, **kwargs):
