@@ -120,7 +120,7 @@ def _mtp_child(rank, world):
     loss, n, _ = loss_func(per_slot)
     (loss * upstream).backward()
     out["phase1"] = (loss.detach().double(), int(n), _grads(model))
-    out["phase1_logged"] = "loss_values" in MTPLossLoggingHelper.tracker
+    out["phase1_logged"] = dict(MTPLossLoggingHelper.tracker)
     model.zero_grad()
 
     # the reference: the model without MTP, bag means built plainly, CE in float64
@@ -150,7 +150,8 @@ def _mtp_child(rank, world):
     loss, n, _ = loss_func(per_token)
     (loss * upstream).backward()
     out["phase2"] = (loss.detach().double(), int(n), _grads(model))
-    out["phase2_logged"] = MTPLossLoggingHelper.tracker["loss_values"].clone()
+    logged = MTPLossLoggingHelper.tracker  # megatron-core 0.16: "values"; 0.19: "loss_values"
+    out["phase2_logged"] = logged.get("loss_values", logged.get("values")).clone()
 
     # Megatron-LM's pretrain_gpt.py: model(tokens, position_ids, attention_mask,
     # labels=labels, loss_mask=loss_mask); loss_func: sum(losses * loss_mask), float64 here
@@ -182,7 +183,7 @@ def test_mtp_is_skipped_in_phase1_and_is_megatron_core_s_in_phase2():
         torch.testing.assert_close(grads[name], ref, rtol=1e-4, atol=1e-6, msg=name)
     for name in r["mtp_names"]:  # an exact zero, not None (DDP's bucket hooks must fire)
         assert grads[name] is not None and not grads[name].any(), name
-    assert not r["phase1_logged"]  # no MTP loss logged in phase 1
+    assert not r["phase1_logged"], r["phase1_logged"]  # nothing logged for MTP in phase 1
 
     # phase 2: megatron-core's GPTModel with the same MTP, loss and every gradient
     (loss, n, grads), (ref_loss, ref_n, ref_grads) = r["phase2"], r["ref_phase2"]
