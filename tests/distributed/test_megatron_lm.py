@@ -2,7 +2,7 @@
 
 Each test spawns processes with the harness and runs :func:`tst_megatron.training.megatron_lm.main`
 in-process, reading the losses Megatron-LM prints (``training_log``: last rank; the TST phase
-lines: rank 0). megatron-core releases without ``megatron.training`` (0.16) skip.
+lines: rank 0).
 """
 
 from __future__ import annotations
@@ -14,9 +14,7 @@ import re
 
 import pytest
 
-pytest.importorskip("megatron.training")
-
-from tests.distributed.harness import run_distributed  # noqa: E402
+from tests.distributed.harness import run_distributed
 
 #: A tiny GPT on mock data: 6 iterations, the switch after 3 (S = 2), validation at 3 and 6.
 BASE = [

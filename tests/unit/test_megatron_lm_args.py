@@ -1,5 +1,5 @@
 """The launcher's ``--tst-*`` flags and TST checks on top of Megatron-LM's arguments
-(:mod:`tst_megatron.training.megatron_lm`). megatron-core without ``megatron.training`` skips."""
+(:mod:`tst_megatron.training.megatron_lm`)."""
 
 from __future__ import annotations
 
@@ -11,10 +11,8 @@ import sys
 
 import pytest
 
-pytest.importorskip("megatron.training")
-
-from tst_megatron.superposition.schedule import TSTConfig  # noqa: E402
-from tst_megatron.training import megatron_lm  # noqa: E402
+from tst_megatron.superposition.schedule import TSTConfig
+from tst_megatron.training import megatron_lm
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
