@@ -531,6 +531,48 @@ def pick_device(argv: Sequence[str]) -> str:
     return device
 
 
+def export_torchrun_env(env: Optional[dict] = None) -> dict:
+    """Make a task of an ``srun`` step look like a torchrun worker to Megatron-LM.
+
+    Megatron-LM's ``parse_args`` and ``initialize_megatron`` read torchrun's variables
+    (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``; init method
+    ``env://``). A task started by ``srun`` without torchrun has Slurm's instead; they are read
+    by :func:`tst_megatron.runtime.distributed.resolve_process` (rank ``SLURM_PROCID``, world
+    ``SLURM_STEP_NUM_TASKS``, local rank ``SLURM_LOCALID``, rendezvous on the step's first host
+    at a port derived from the job id: :func:`tst_megatron.runtime.slurm.slurm_rendezvous`) and
+    exported under torchrun's names. torchrun's variables win (nothing is changed when ``RANK``
+    is set), and outside an ``srun`` step nothing is set.
+
+    Args:
+        env: the environment to update (default ``os.environ``).
+
+    Returns:
+        The variables set (empty when none).
+
+    Raises:
+        ConfigError: a malformed Slurm node list or a rank outside the world.
+    """
+    from tst_megatron.runtime.distributed import resolve_process
+    from tst_megatron.runtime.slurm import in_srun_step
+
+    env = os.environ if env is None else env
+    if "RANK" in env or not in_srun_step(env):
+        return {}
+    try:
+        process = resolve_process(env, device="cpu")  # the device is not read here
+    except ValueError as exc:  # a malformed node list
+        raise ConfigError(str(exc)) from None
+    exported = {
+        "RANK": str(process.rank),
+        "WORLD_SIZE": str(process.world_size),
+        "LOCAL_RANK": str(process.local_rank),
+        "MASTER_ADDR": process.master_addr,
+        "MASTER_PORT": str(process.master_port),
+    }
+    env.update(exported)
+    return exported
+
+
 def _use_prebuilt_dataset_helpers() -> None:
     """Megatron-LM's ``initialize_megatron`` runs ``make`` in megatron-core's datasets folder
     (``megatron.core.datasets.utils.compile_helpers``); the wheel ships the compiled helper
@@ -608,6 +650,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
 
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
+        export_torchrun_env()
         args, device = parse(argv)
     except ConfigError as exc:
         if os.environ.get("RANK", "0") == "0":
