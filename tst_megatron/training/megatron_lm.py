@@ -241,6 +241,29 @@ def tst_problems(args) -> list[str]:
     return problems
 
 
+def late_megatron_problems(args) -> list[str]:
+    """Settings Megatron-LM's ``validate_args`` accepts but its ``pretrain()`` refuses only
+    after building the model, one line each naming the flag (empty: none). Reads only.
+
+    - ``--lr-decay-style WSD`` without ``--lr-wsd-decay-iters`` (iteration-based run) or
+      ``--lr-wsd-decay-samples`` (sample-based run): ``get_optimizer_param_scheduler`` passes
+      ``wsd_decay_steps=None`` and ``OptimizerParamScheduler`` asserts on it.
+    """
+    problems = []
+    if args.lr_decay_style == "WSD":
+        flag, value = (
+            ("--lr-wsd-decay-iters", args.lr_wsd_decay_iters)
+            if args.train_iters
+            else ("--lr-wsd-decay-samples", args.lr_wsd_decay_samples)
+        )
+        if value is None:
+            problems.append(
+                f"--lr-decay-style WSD needs {flag} (the length of the decay; Megatron-LM's "
+                "scheduler has no default and would stop after building the model)"
+            )
+    return problems
+
+
 # --- model ---------------------------------------------------------------------------------
 
 
@@ -634,7 +657,7 @@ def parse(argv: Sequence[str]):
         raise ConfigError(f"Megatron-LM's argument validation: {exc}") from None
     finally:
         sys.argv = saved
-    problems = tst_problems(args)
+    problems = late_megatron_problems(args) + tst_problems(args)
     if problems:
         raise ConfigError("\n".join(problems))
     return args, device

@@ -1,5 +1,7 @@
-"""The launcher under ``srun`` without torchrun: Slurm's task variables reach Megatron-LM under
-torchrun's names (:func:`tst_megatron.training.megatron_lm.export_torchrun_env`)."""
+"""The launcher's glue around Megatron-LM: under ``srun`` without torchrun, Slurm's task
+variables reach Megatron-LM under torchrun's names (``export_torchrun_env``); settings that
+Megatron-LM refuses only after building the model are refused up front
+(``late_megatron_problems``)."""
 
 from __future__ import annotations
 
@@ -49,3 +51,26 @@ def test_a_malformed_node_list_is_one_config_error():
     with pytest.raises(ConfigError, match="bad Slurm hostlist"):
         export_torchrun_env(env)
     assert "RANK" not in env
+
+
+def test_wsd_without_its_decay_length_is_refused_before_the_model_is_built():
+    """Megatron-LM asserts on it in ``OptimizerParamScheduler`` after building the model."""
+    import types
+
+    from tst_megatron.training.megatron_lm import late_megatron_problems
+
+    def args(**kw):
+        base = dict(
+            lr_decay_style="WSD",
+            train_iters=100,
+            lr_wsd_decay_iters=None,
+            lr_wsd_decay_samples=None,
+        )
+        return types.SimpleNamespace(**(base | kw))
+
+    (line,) = late_megatron_problems(args())
+    assert "--lr-wsd-decay-iters" in line and "\n" not in line
+    (line,) = late_megatron_problems(args(train_iters=None))
+    assert "--lr-wsd-decay-samples" in line
+    assert late_megatron_problems(args(lr_wsd_decay_iters=10)) == []
+    assert late_megatron_problems(args(lr_decay_style="cosine")) == []
