@@ -114,6 +114,13 @@ def add_tst_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
             help=f"{text} (default: {field.default})",
         )
     group.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="check the launch line for WORLD_SIZE processes (Megatron-LM's validation and "
+        "the TST checks), print the layout, model size and TST plan or every problem, and "
+        "exit (0: no problem, 2: problems) without starting any work",
+    )
+    group.add_argument(
         "--device",
         choices=_DEVICES,
         default="auto",
@@ -589,7 +596,9 @@ def parse(argv: Sequence[str]):
     try:
         args = parse_and_validate_args(extra_args_provider=add_tst_args)
     except (AssertionError, ValueError) as exc:  # validate_args raises both
-        raise ConfigError(f"Megatron-LM's argument validation: {exc}") from None
+        from tst_megatron.training.dry_run import validation_error
+
+        raise ConfigError(validation_error(exc)) from None
     finally:
         sys.argv = saved
     problems = tst_problems(args)
@@ -602,11 +611,17 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     """Parse, check, then run Megatron-LM's ``pretrain()`` with TST's extension points.
 
     ``argv`` defaults to ``sys.argv[1:]``. On a problem, rank 0 prints one ``error:`` line per
-    problem and the process exits with status 2 before any work.
+    problem and the process exits with status 2 before any work. With ``--dry-run`` it
+    exits with :func:`tst_megatron.training.dry_run.dry_run`'s status (0 or 2) instead of
+    training.
     """
     from megatron.core.enums import ModelType
 
     argv = sys.argv[1:] if argv is None else list(argv)
+    if "--dry-run" in argv:
+        from tst_megatron.training.dry_run import dry_run
+
+        raise SystemExit(dry_run(argv))
     try:
         args, device = parse(argv)
     except ConfigError as exc:
