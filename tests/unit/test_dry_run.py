@@ -13,6 +13,7 @@ from types import SimpleNamespace
 from unittest import mock
 
 import pytest
+import torch
 
 pytest.importorskip("megatron.training")
 
@@ -193,12 +194,13 @@ MODELS = {
         "--qk-layernorm", "--untie-embeddings-and-output-weights", "--ffn-hidden-size", "40",
     ],
     "qkv_bias_only": ["--disable-bias-linear", "--add-qkv-bias"],
-    "moe_shared_gate_freq_bias": [
+    "moe_shared_gate_freq": [
         "--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "24",
         "--moe-shared-expert-intermediate-size", "16", "--moe-shared-expert-gate",
         "--moe-layer-freq", "[0,1,1]", "--num-layers", "3", "--swiglu",
-        "--moe-token-dispatcher-type", "alltoall",
+        "--disable-bias-linear",  # megatron-core's shared expert has no biases
     ],
+    "moe_bias": ["--num-experts", "4", "--moe-router-topk", "3", "--moe-ffn-hidden-size", "24"],
     "mla_qlora_qknorm": [
         "--multi-latent-attention", "--q-lora-rank", "16", "--kv-lora-rank", "8",
         "--qk-head-dim", "8", "--qk-pos-emb-head-dim", "4", "--v-head-dim", "6",
@@ -208,7 +210,7 @@ MODELS = {
     "mla_no_qlora_moe": [
         "--multi-latent-attention", "--kv-lora-rank", "8", "--qk-head-dim", "8",
         "--qk-pos-emb-head-dim", "4", "--v-head-dim", "8", "--disable-bias-linear",
-        "--position-embedding-type", "rope", "--num-experts", "4", "--moe-router-topk", "1",
+        "--position-embedding-type", "rope", "--num-experts", "4", "--moe-router-topk", "2",
     ],
     "mtp_moe_last": [
         "--mtp-num-layers", "2", "--num-experts", "4", "--moe-router-topk", "2",
@@ -230,14 +232,42 @@ BUILD_BASE = [
 ]  # fmt: skip
 
 
+class _NoCoreAttention(torch.nn.Module):
+    """A core attention without parameters that accepts MLA's arguments: megatron-core 0.19's
+    local ``DotProductAttention`` does not take MLA's ``k_channels`` (MLA needs Transformer
+    Engine), and core attention has no parameters without ``--softmax-type learnable``."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__()
+
+
+def _mla_buildable(build_spec):
+    """``gpt_block_spec`` whose MLA layers' core attention is :class:`_NoCoreAttention`."""
+    from megatron.core.transformer.multi_latent_attention import MLASelfAttention
+
+    def spec(*args, **kwargs):
+        block = build_spec(*args, **kwargs)
+        for layer in getattr(block, "layer_specs", [block]):
+            attention = layer.submodules.self_attention
+            if issubclass(attention.module, MLASelfAttention):
+                attention.submodules.core_attention = _NoCoreAttention
+        return block
+
+    return spec
+
+
 def _build_child(rank, world, *, models):
     """For each model: the launcher's parse and model_provider; return the parameter count of
     the built model, the parameters of its unrouted experts (per MoE layer, the experts'
-    parameters times (E - topk) / E), and the dry run's counts from the same arguments."""
+    parameters times (E - topk) / E), and the dry run's counts from the same arguments.
+    MLA models get :class:`_NoCoreAttention` (this spawned process only)."""
     from megatron.training.global_vars import unset_global_variables
 
     from tst_megatron.runtime import ParallelConfig, initialize_model_parallel, set_seed
     from tst_megatron.training import dry_run, megatron_lm
+    from tst_megatron.training import model as model_module
+
+    model_module.gpt_block_spec = _mla_buildable(model_module.gpt_block_spec)
 
     initialize_model_parallel(ParallelConfig())
     set_seed(1)
