@@ -547,7 +547,7 @@ def check(argv: Sequence[str]) -> tuple[Optional[argparse.Namespace], list[str],
             return None, [validation_error(exc)], notes
         try:  # TransformerConfig.__post_init__ checks more (heads divisible by TP, MoE, MLA)
             with contextlib.redirect_stdout(captured):
-                core_transformer_config_from_args(args)
+                core_transformer_config_from_args(_without_te_kernels(args, notes))
         except (AssertionError, ValueError) as exc:
             line = validation_error(exc).replace("argument validation", "TransformerConfig")
             return None, [line], notes
@@ -558,6 +558,25 @@ def check(argv: Sequence[str]) -> tuple[Optional[argparse.Namespace], list[str],
         return args, problems, notes
     problems += tst_problems(args)
     return args, problems, notes
+
+
+#: Switches whose ``TransformerConfig`` check is "is Transformer Engine's kernel importable
+#: here" (``apply_rope_fusion``: RoPE fusion, on by default; ``moe_permute_fusion``:
+#: ``--moe-permute-fusion``), not a check of the settings.
+_TE_KERNEL_SWITCHES = ("apply_rope_fusion", "moe_permute_fusion")
+
+
+def _without_te_kernels(args, notes: list):
+    """``args``, or without Transformer Engine installed a copy with
+    :data:`_TE_KERNEL_SWITCHES` off (a note names those that were on): a machine without TE
+    cannot say whether the cluster's has the kernels."""
+    if _te_installed():
+        return args
+    on = [name for name in _TE_KERNEL_SWITCHES if getattr(args, name, False)]
+    if not on:
+        return args
+    notes.append(f"Transformer Engine kernels not checked ({', '.join(on)}): TE not installed here")
+    return argparse.Namespace(**{**vars(args), **dict.fromkeys(on, False)})
 
 
 def _schedule_problems(args) -> list[str]:
