@@ -22,7 +22,9 @@ checkpointing and logging. This module supplies what ``pretrain()`` takes:
   phase-1/phase-2 steps (:mod:`tst_megatron.training.forward`).
 - :func:`tst_problems`: the TST checks on top of Megatron-LM's ``validate_args``.
 - :func:`main`: parse and validate (Megatron-LM's parser plus ``--tst-*``), check, then
-  ``pretrain(...)`` with the 0.19 config container.
+  ``pretrain(...)`` with the 0.19 config container; with ``--dry-run``, the checks and a
+  summary only (:mod:`tst_megatron.training.dry_run`: at ``WORLD_SIZE=N``, no processes, no
+  GPU, no data read).
 
 With a batch-size schedule (``--step-batch-size-schedule``) the switch is at the samples the
 first ``N1`` steps consume, counted with Megatron-LM's own calculator (:func:`switch_sample`);
