@@ -164,6 +164,7 @@ def test_only_rank_0_prints():
     assert r.returncode == 2 and r.stdout == r.stderr == ""
 
 
+@pytest.mark.slow
 def test_entry_point_dry_run_exits_2_with_one_error_line_and_no_traceback():
     """The example entry point, as a user runs it: an assertion inside Megatron-LM's
     validate_args (4 heads do not divide hidden size 30) is one line on stderr, status 2."""
