@@ -26,6 +26,7 @@ def test_tst_flags_are_the_dataclass_fields():
     flags = sorted(o for a in parser._actions for o in a.option_strings if o.startswith("--"))
     assert flags == [
         "--device",
+        "--dry-run",
         "--help",
         "--no-tst-save-at-switch",
         "--tst-bag-size",

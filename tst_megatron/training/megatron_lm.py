@@ -22,7 +22,9 @@ checkpointing and logging. This module supplies what ``pretrain()`` takes:
   phase-1/phase-2 steps (:mod:`tst_megatron.training.forward`).
 - :func:`tst_problems`: the TST checks on top of Megatron-LM's ``validate_args``.
 - :func:`main`: parse and validate (Megatron-LM's parser plus ``--tst-*``), check, then
-  ``pretrain(...)`` with the 0.19 config container.
+  ``pretrain(...)`` with the 0.19 config container; with ``--dry-run``, the checks and a
+  summary only (:mod:`tst_megatron.training.dry_run`: at ``WORLD_SIZE=N``, no processes, no
+  GPU, no data read).
 
 With a batch-size schedule (``--step-batch-size-schedule``) the switch is at the samples the
 first ``N1`` steps consume, counted with Megatron-LM's own calculator (:func:`switch_sample`);
@@ -113,6 +115,13 @@ def add_tst_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
             choices=choices,
             help=f"{text} (default: {field.default})",
         )
+    group.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="check the launch line for WORLD_SIZE processes (Megatron-LM's validation and "
+        "the TST checks), print the layout, model size and TST plan or every problem, and "
+        "exit (0: no problem, 2: problems) without starting any work",
+    )
     group.add_argument(
         "--device",
         choices=_DEVICES,
@@ -654,7 +663,9 @@ def parse(argv: Sequence[str]):
     try:
         args = parse_and_validate_args(extra_args_provider=add_tst_args)
     except (AssertionError, ValueError) as exc:  # validate_args raises both
-        raise ConfigError(f"Megatron-LM's argument validation: {exc}") from None
+        from tst_megatron.training.dry_run import validation_error
+
+        raise ConfigError(validation_error(exc)) from None
     finally:
         sys.argv = saved
     problems = late_megatron_problems(args) + tst_problems(args)
@@ -667,11 +678,17 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     """Parse, check, then run Megatron-LM's ``pretrain()`` with TST's extension points.
 
     ``argv`` defaults to ``sys.argv[1:]``. On a problem, rank 0 prints one ``error:`` line per
-    problem and the process exits with status 2 before any work.
+    problem and the process exits with status 2 before any work. With ``--dry-run`` it
+    exits with :func:`tst_megatron.training.dry_run.dry_run`'s status (0 or 2) instead of
+    training.
     """
     from megatron.core.enums import ModelType
 
     argv = sys.argv[1:] if argv is None else list(argv)
+    if "--dry-run" in argv:
+        from tst_megatron.training.dry_run import dry_run
+
+        raise SystemExit(dry_run(argv))
     try:
         export_torchrun_env()
         args, device = parse(argv)
