@@ -528,7 +528,11 @@ def check(argv: Sequence[str]) -> tuple[Optional[argparse.Namespace], list[str],
         from megatron.training.argument_utils import core_transformer_config_from_args
         from megatron.training.arguments import validate_args
 
-        from tst_megatron.training.megatron_lm import CPU_FLAGS, tst_problems
+        from tst_megatron.training.megatron_lm import (
+            CPU_FLAGS,
+            late_megatron_problems,
+            tst_problems,
+        )
 
         if _device_flag(argv) == "cpu":
             argv += list(CPU_FLAGS)
@@ -556,7 +560,7 @@ def check(argv: Sequence[str]) -> tuple[Optional[argparse.Namespace], list[str],
     except (AssertionError, ValueError) as exc:  # Megatron-LM's calculator refused it
         problems.append(validation_error(exc).replace("argument validation", "batch-size schedule"))
         return args, problems, notes
-    problems += tst_problems(args)
+    problems += late_megatron_problems(args) + tst_problems(args)
     return args, problems, notes
 
 
