@@ -109,7 +109,6 @@ def test_the_switch_under_a_step_batch_size_schedule_counts_consumed_samples():
         ({"phase_transition_iterations": [50]}, "--phase-transition-iterations"),
         ({"dataloader_type": "cyclic"}, "--dataloader-type"),
         ({"tst_phase1_iters": 500}, "--tst-phase1-iters"),
-        ({"tst_save_at_switch": False}, "--no-tst-save-at-switch"),  # not wired yet: refused
     ],
 )
 def test_a_setting_tst_cannot_run_is_one_line_naming_the_flag(overrides, flag):
