@@ -679,8 +679,8 @@ class _RawTokenRate:
 
     A step is timed on the host clock from its first training forward to the first forward
     after it: the next step's, or a validation's (so a validation is not counted). A step
-    followed by a checkpoint save at its iteration (``--save-interval``, the switch,
-    ``--non-persistent-save-interval``) is left out. At each iteration Megatron-LM logs
+    whose time holds a checkpoint save (``--save-interval``, the switch,
+    ``--non-persistent-save-interval``, ``pretrain()``'s final save) is left out. At each iteration Megatron-LM logs
     (``--log-interval``, the switch) the rate over the counted steps since the last report
     is printed (``TST: iteration ... | raw tokens per second: ...``) and written to
     TensorBoard (``raw-tokens-per-second``); ``tst-phase`` (1 or 2) is written at every
@@ -724,12 +724,15 @@ class _RawTokenRate:
         from megatron.training.global_vars import get_tensorboard_writer
 
         iteration, self.index = self.index + 1, None
-        saved = args.save and (
-            iteration == args.train_iters  # pretrain()'s final save
-            or _divides(args.save_interval, iteration)
-            or _divides(getattr(args, "non_persistent_save_interval", None), iteration)
-        )
-        if by_validation or not saved:
+        if by_validation:  # pretrain()'s final save comes before its final validation
+            final = iteration == args.train_iters and not _divides(args.eval_interval, iteration)
+            saved = args.save and final
+        else:
+            saved = args.save and (
+                _divides(args.save_interval, iteration)
+                or _divides(getattr(args, "non_persistent_save_interval", None), iteration)
+            )
+        if not saved:
             self.tokens += self.tokens_in_step
             self.seconds += now - self.start
         logged = _divides(args.log_interval, iteration) or iteration == args.train_iters
