@@ -18,7 +18,7 @@ import pytest
 pytest.importorskip("megatron.training")
 
 from tests.distributed.harness import run_distributed  # noqa: E402
-from tests.distributed.test_megatron_lm import BASE, NO_DROPOUT, _pretrain_child  # noqa: E402
+from tests.distributed.test_megatron_lm import BASE, NO_DROPOUT  # noqa: E402
 
 N1 = 3  # BASE: --tst-phase1-iters 3 of --train-iters 6, S = 2, --seq-length 16
 #: every interval misses N1: saves at 4 (and pretrain()'s final save at 6), validation at
@@ -32,6 +32,30 @@ _SAVING = re.compile(r"saving checkpoint at iteration\s+(\d+) to")
 _RATE = re.compile(
     r"TST: iteration\s+(\d+) \| raw tokens per second: ([0-9.]+) \| raw tokens per sample: (\d+)"
 )
+
+
+def _pretrain_child(rank, world, *, runs):
+    """Run ``main(argv)`` for each argv in ``runs`` in this process; return what each printed
+    (a run that raises returns its traceback, so the other runs' tests still run)."""
+    import contextlib
+    import io
+    import traceback
+
+    from megatron.training.training import destroy_global_state
+
+    from tst_megatron.training import megatron_lm
+
+    printed = []
+    for argv in runs:
+        out = io.StringIO()
+        try:
+            with contextlib.redirect_stdout(out):
+                megatron_lm.main(argv)
+        except Exception:
+            out.write("\nrun failed:\n" + traceback.format_exc())
+        destroy_global_state()
+        printed.append(out.getvalue())
+    return printed
 
 
 def _with(argv, flag, value):
