@@ -621,7 +621,9 @@ class TSTForwardStep:
         """At the last phase-1 training step set the intervals of :func:`switch_overrides` to
         ``N1`` (Megatron-LM reads them after the step); at the first phase-2 training step put
         the user's values back. Idempotent over micro-batches, model chunks and stages."""
-        if self._switch == "before" and args.curr_iteration == n1 - 1:
+        if args.curr_iteration < n1 - 1:  # (again) before the switch: a restart in-process
+            self._switch, self._saved_intervals = "before", {}
+        elif self._switch == "before" and args.curr_iteration == n1 - 1:
             overrides = switch_overrides(args, n1)
             self._saved_intervals = {k: getattr(args, k) for k in overrides}
             for key, value in overrides.items():
@@ -683,7 +685,7 @@ class _RawTokenRate:
     ``--non-persistent-save-interval``, ``pretrain()``'s final save) is left out. At each iteration Megatron-LM logs
     (``--log-interval``, the switch) the rate over the counted steps since the last report
     is printed (``TST: iteration ... | raw tokens per second: ...``) and written to
-    TensorBoard (``raw-tokens-per-second``); ``tst-phase`` (1 or 2) is written at every
+    TensorBoard and W&B (``raw-tokens-per-second``); ``tst-phase`` (1 or 2) is written at every
     iteration. The last iteration is reported when the final validation starts (none
     without validation).
     """
@@ -721,7 +723,7 @@ class _RawTokenRate:
             writer.add_scalar("tst-phase", phase.index, self.index + 1)
 
     def _close(self, args, now: float, *, by_validation: bool) -> None:
-        from megatron.training.global_vars import get_tensorboard_writer
+        from megatron.training.global_vars import get_tensorboard_writer, get_wandb_writer
 
         iteration, self.index = self.index + 1, None
         if by_validation:  # pretrain()'s final save comes before its final validation
@@ -747,6 +749,9 @@ class _RawTokenRate:
         writer = get_tensorboard_writer()
         if writer is not None:
             writer.add_scalar("raw-tokens-per-second", rate, iteration)
+        wandb = get_wandb_writer()
+        if wandb is not None:
+            wandb.log({"raw-tokens-per-second": rate}, iteration)
         self.tokens, self.seconds = 0, 0.0
 
 
