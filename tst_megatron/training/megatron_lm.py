@@ -630,8 +630,12 @@ class TSTForwardStep:
                 setattr(args, key, value)
             self._switch = "set"
             if overrides and args.rank == 0:
-                what = {"save_interval": "checkpoint", "eval_interval": "validation"}
-                added = [what[k] for k in overrides if k in what] + ["log line"]
+                what = {
+                    "save_interval": "checkpoint",
+                    "eval_interval": "validation",
+                    "log_interval": "log line",
+                }
+                added = [what[k] for k in overrides]
                 print(
                     f"TST: at the switch (iteration {n1}): {', '.join(added)} "
                     f"({', '.join('--' + k.replace('_', '-') for k in overrides)} {n1} "
