@@ -91,9 +91,9 @@ def _scalars(tb_dir: str) -> dict:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """One spawn of 2 processes (DP=2), three ``pretrain()`` runs in sequence: the switch with
-    intervals that miss it (saving, TensorBoard), the same resumed from its switch checkpoint,
-    and ``--no-tst-save-at-switch`` (4 iterations)."""
+    """One spawn of 2 processes, four ``pretrain()`` runs in sequence: DP=2 with intervals that
+    miss the switch (saving, TensorBoard), the same resumed from its switch checkpoint,
+    ``--no-tst-save-at-switch`` (4 iterations), and PP=2 with the intervals of the first."""
     root = tmp_path_factory.mktemp("switch")
     base = BASE + NO_DROPOUT + INTERVALS + ["--ckpt-format", "torch_dist"]
     save = str(root / "ckpt")
@@ -103,6 +103,11 @@ def runs(tmp_path_factory):
         + ["--load", save, "--ckpt-step", str(N1), "--tensorboard-dir", str(root / "tb_resumed")],
         "no_save": _with(base, "--train-iters", "4")
         + ["--save", str(root / "ckpt_no_save"), "--no-tst-save-at-switch"],
+        # both stages must take the switch's save (a collective) and validation; 2
+        # micro-batches per step; the last rank (stage 2) logs
+        "pp2": base
+        + ["--pipeline-model-parallel-size", "2", "--save", str(root / "ckpt_pp2")]
+        + ["--tensorboard-dir", str(root / "tb_pp2")],
     }
     first, last = run_distributed(_pretrain_child, 2, runs=list(argvs.values()))
     out = {name: (first[i], last[i]) for i, name in enumerate(argvs)}
@@ -187,3 +192,19 @@ def test_raw_tokens_per_second_and_the_phase_marker(runs):
     for i, (r, _) in rates.items():
         assert tb["raw-tokens-per-second"][i] == pytest.approx(r, rel=1e-3)
     assert tb["tst-phase"] == {1: 1.0, 2: 1.0, 3: 1.0, 4: 2.0, 5: 2.0, 6: 2.0}
+
+
+@pytest.mark.slow
+def test_pipeline_stages_take_the_switch_together(runs):
+    (first, last), root = runs[0]["pp2"], runs[1]
+    assert sorted(int(i) for i in _SAVING.findall(first)) == [N1, 4, 6], first[-3000:]
+    assert sorted(d for d in os.listdir(root / "ckpt_pp2") if d.startswith("iter_")) == [
+        "iter_0000003",
+        "iter_0000004",
+        "iter_0000006",
+    ]
+    assert sorted(int(i) for i, _ in _VALID.findall(last)) == [N1, 4]
+    assert sorted(_log_lines(last)) == [1, 2, N1, 4, 6]
+    tb = _scalars(str(root / "tb_pp2"))
+    assert sorted(tb["mce loss"]) == [1, 2, 3] and sorted(tb["lm loss"]) == [4, 5, 6]
+    assert sorted(tb["raw-tokens-per-second"]) == [2, N1, 4, 6]
