@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import re
+import warnings
 
 import pytest
 
@@ -129,6 +130,24 @@ def test_the_switch_is_saved_validated_and_logged_with_intervals_that_miss_it(ru
     # the user's intervals after the switch: log lines at 2, 4, 6 (and 1), not every 3
     assert sorted(_log_lines(last)) == [1, 2, N1, 4, 6]
     assert "TST: at the switch (iteration 3): checkpoint, validation, log line" in first
+    # what the checkpoints record: Megatron-LM pickles the live args, so the switch's holds
+    # N1 for the intervals set for it (a resume reads the command line's, see below)
+    from megatron.core import dist_checkpointing
+
+    with warnings.catch_warnings():  # read in this (non-distributed) process
+        warnings.simplefilter("ignore", UserWarning)
+        recorded = {
+            it: dist_checkpointing.load_common_state_dict(str(root / "ckpt" / f"iter_{it:07d}"))[
+                "args"
+            ]
+            for it in (N1, 4)
+        }
+    intervals = {
+        it: (a.save_interval, a.eval_interval, a.log_interval) for it, a in recorded.items()
+    }
+    assert intervals == {N1: (N1, N1, N1), 4: (4, 4, 2)}
+    # the validation position after the switch's round (1 iteration of the global batch 4)
+    assert recorded[N1].consumed_valid_samples == 4
 
 
 @pytest.mark.slow
@@ -138,6 +157,8 @@ def test_resume_from_the_switch_checkpoint_continues_exactly(runs):
     assert sorted(b["lm loss"]) == [4, 5, 6], last_b[-3000:]
     for i in (4, 5, 6):  # the same layout and data: bitwise
         assert b["lm loss"][i] == a["lm loss"][i], i
+    # the command line's --eval-interval 4, not the checkpoint's 3
+    assert [i for i, _ in _VALID.findall(last_b)] == ["4"]
     assert dict(_VALID.findall(last_b))["4"] == dict(_VALID.findall(runs[0]["switch"][1]))["4"]
     assert b["lm loss validation"][6] == a["lm loss validation"][6]
     assert "mce loss" not in b

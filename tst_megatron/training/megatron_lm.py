@@ -53,20 +53,25 @@ What Megatron-LM's loop lacks and TST needs, added without patching the loop
   validation dataset is sized for the extra validation round (:class:`TSTDatasets`), and
   the validation position is ``consumed_valid_samples`` in the checkpoint, so a resume
   continues exactly. The final save of ``pretrain()`` reads ``cfg_container``, not ``args``.
+  Every rank sets its own ``args`` in its forward step (every pipeline stage runs one per
+  micro-batch), so all ranks take the collective save together. Not covered: an
+  ``--iterations-to-skip`` holding ``N1`` (the step ``N1 - 1`` has no forward).
 - **The phase-1 loss as its own series.** Phase 1 reports its multi-hot cross-entropy
   under ``mce loss``, phase 2 the next-token loss under ``lm loss`` (the names of
   :mod:`tst_megatron.plots` and the Slurm logs): TensorBoard has one series per phase, and
   ``lm loss`` stays the next-token loss a baseline run reports. ``training_log`` averages a
   key's sum over all iterations since the last log line, so a log interval holding the
   switch would divide each phase's sum by iterations of both phases: the log line forced at
-  ``N1`` keeps every interval inside one phase. ``training_log`` never forgets a key: after
-  the switch its lines still print ``mce loss: 0.000000E+00``.
+  ``N1`` keeps every interval inside one phase (except when ``N1`` is the first iteration
+  of a (re)start: Megatron-LM does not reset its sums after that one). ``training_log``
+  never forgets a key: after the switch its lines still print ``mce loss: 0.000000E+00``.
 - **Raw tokens per second.** Megatron-LM's throughput counts ``--seq-length`` tokens per
   sample; a phase-1 sample reads ``S*T``. On the last rank the forward step times the steps
   (host clock from the first forward of a step to the first forward of the next step or of
   a validation, skipping steps that ended with a checkpoint save) and, at each log line,
-  prints ``TST: raw tokens per second`` over the interval and writes the TensorBoard
-  scalars ``raw-tokens-per-second`` and ``tst-phase`` (the phase of each iteration).
+  prints ``TST: iteration N | raw tokens per second: ... | raw tokens per sample: ... |``
+  over the interval and writes ``raw-tokens-per-second`` (TensorBoard, W&B) and
+  ``tst-phase`` (TensorBoard, the phase of each iteration).
 
 Device: Megatron-LM has no ``--device`` flag; this launcher adds ``--device {auto,cuda,cpu}``
 (``auto``: CUDA when ``torch.cuda.is_available()``, else the CPU). A CPU run enables
