@@ -90,6 +90,15 @@ def _scalars(tb_dir: str) -> dict:
     return {tag: {e.step: e.value for e in events.Scalars(tag)} for tag in events.Tags()["scalars"]}
 
 
+def _recorded_args(path):
+    """The ``args`` namespace a torch_dist checkpoint directory records."""
+    from megatron.core import dist_checkpointing
+
+    with warnings.catch_warnings():  # read in this (non-distributed) process
+        warnings.simplefilter("ignore", UserWarning)
+        return dist_checkpointing.load_common_state_dict(str(path))["args"]
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """One spawn of 2 processes, four ``pretrain()`` runs in sequence: DP=2 with intervals that
@@ -132,16 +141,7 @@ def test_the_switch_is_saved_validated_and_logged_with_intervals_that_miss_it(ru
     assert "TST: at the switch (iteration 3): checkpoint, validation, log line" in first
     # what the checkpoints record: Megatron-LM pickles the live args, so the switch's holds
     # N1 for the intervals set for it (a resume reads the command line's, see below)
-    from megatron.core import dist_checkpointing
-
-    with warnings.catch_warnings():  # read in this (non-distributed) process
-        warnings.simplefilter("ignore", UserWarning)
-        recorded = {
-            it: dist_checkpointing.load_common_state_dict(str(root / "ckpt" / f"iter_{it:07d}"))[
-                "args"
-            ]
-            for it in (N1, 4)
-        }
+    recorded = {it: _recorded_args(root / "ckpt" / f"iter_{it:07d}") for it in (N1, 4)}
     intervals = {
         it: (a.save_interval, a.eval_interval, a.log_interval) for it, a in recorded.items()
     }
