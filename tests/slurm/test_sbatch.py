@@ -69,8 +69,10 @@ CPU_RESOURCES = [
 ]
 ITERATION = re.compile(  # Megatron-LM's training_log line
     r"^ \[[^\]]*\] iteration\s+(\d+)/\s*(\d+) \| consumed samples:\s+(\d+) \|"
-    r".*\| lm loss: (\S+) \|"
 )
+#: The launcher reports phase 1's bag loss as "mce loss" and phase 2's as "lm loss"
+#: (Megatron-LM keeps printing "mce loss: 0" after the switch).
+PHASE2_LOSS, PHASE1_LOSS = re.compile(r"\| lm loss: (\S+) \|"), re.compile(r"\| mce loss: (\S+) \|")
 SWITCH = f"TST: phase 2 (next-token) from iteration {N1} (switch at {N1})"
 
 
@@ -121,15 +123,20 @@ def finish(
 
 
 def iterations(log: str) -> dict:
-    """``{iteration: (consumed samples, loss string)}``; each iteration must appear once."""
+    """``{iteration: (consumed samples, loss string)}``; each iteration must appear once, with
+    the phase-1 loss up to ``N1`` and the next-token loss after."""
     seen = {}
     for line in log.splitlines():
         match = ITERATION.match(line)
         if match:
-            it, total, samples, loss = match.groups()
-            assert int(it) not in seen, f"iteration {it} was trained twice"
-            assert int(total) == N
-            seen[int(it)] = (int(samples), loss)
+            it, total, samples = map(int, match.groups())
+            assert it not in seen, f"iteration {it} was trained twice"
+            assert total == N
+            loss = (PHASE1_LOSS if it <= N1 else PHASE2_LOSS).search(line)
+            assert loss, f"iteration {it} has no {'mce' if it <= N1 else 'lm'} loss: {line}"
+            if it <= N1:
+                assert not PHASE2_LOSS.search(line), line
+            seen[it] = (samples, loss.group(1))
     return seen
 
 
