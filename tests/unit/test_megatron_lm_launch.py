@@ -25,7 +25,7 @@ SRUN_TASK = {
 
 def test_an_srun_task_gets_torchruns_variables():
     env = dict(SRUN_TASK)
-    exported = export_torchrun_env(env)
+    exported = export_torchrun_env(env, gpus=0)  # a CPU task
     expected = {
         "RANK": "5",
         "WORLD_SIZE": "8",
@@ -35,6 +35,13 @@ def test_an_srun_task_gets_torchruns_variables():
     }
     assert exported == expected
     assert {k: env[k] for k in expected} == expected
+
+
+@pytest.mark.parametrize("gpus, local_rank", [(4, "1"), (1, "0"), (0, "1")])
+def test_local_rank_is_the_tasks_own_gpu(gpus, local_rank):
+    """All 4 of the node's GPUs visible: GPU SLURM_LOCALID; one GPU bound to the task
+    (--gpus-per-task=1): device 0, the only one it sees; a CPU: SLURM_LOCALID."""
+    assert export_torchrun_env(dict(SRUN_TASK), gpus=gpus)["LOCAL_RANK"] == local_rank
 
 
 def test_torchrun_wins_and_nothing_is_set_outside_an_srun_step():

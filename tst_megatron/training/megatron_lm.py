@@ -817,7 +817,7 @@ def pick_device(argv: Sequence[str]) -> str:
     return device
 
 
-def export_torchrun_env(env: Optional[dict] = None) -> dict:
+def export_torchrun_env(env: Optional[dict] = None, *, gpus: Optional[int] = None) -> dict:
     """Make a task of an ``srun`` step look like a torchrun worker to Megatron-LM.
 
     Megatron-LM's ``parse_args`` and ``initialize_megatron`` read torchrun's variables
@@ -827,10 +827,15 @@ def export_torchrun_env(env: Optional[dict] = None) -> dict:
     ``SLURM_STEP_NUM_TASKS``, local rank ``SLURM_LOCALID``, rendezvous on the step's first host
     at a port derived from the job id: :func:`tst_megatron.runtime.slurm.slurm_rendezvous`) and
     exported under torchrun's names. torchrun's variables win (nothing is changed when ``RANK``
-    is set), and outside an ``srun`` step nothing is set.
+    is set), and outside an ``srun`` step nothing is set. Megatron-LM calls
+    ``torch.cuda.set_device(LOCAL_RANK)``: when Slurm binds fewer GPUs to the task than there
+    are tasks on the node (``--gpus-per-task=1``: each task sees one GPU, device 0),
+    ``LOCAL_RANK`` is ``SLURM_LOCALID`` modulo the visible GPUs, the task's own GPU.
 
     Args:
         env: the environment to update (default ``os.environ``).
+        gpus: the CUDA devices this task sees (default ``torch.cuda.device_count()``; 0 on a
+            CPU, where ``LOCAL_RANK`` is ``SLURM_LOCALID``).
 
     Returns:
         The variables set (empty when none).
@@ -844,6 +849,7 @@ def export_torchrun_env(env: Optional[dict] = None) -> dict:
     env = os.environ if env is None else env
     if "RANK" in env or not in_srun_step(env):
         return {}
+    gpus = torch.cuda.device_count() if gpus is None else gpus
     try:
         process = resolve_process(env, device="cpu")  # the device is not read here
     except ValueError as exc:  # a malformed node list
@@ -851,7 +857,7 @@ def export_torchrun_env(env: Optional[dict] = None) -> dict:
     exported = {
         "RANK": str(process.rank),
         "WORLD_SIZE": str(process.world_size),
-        "LOCAL_RANK": str(process.local_rank),
+        "LOCAL_RANK": str(process.local_rank % gpus if gpus else process.local_rank),
         "MASTER_ADDR": process.master_addr,
         "MASTER_PORT": str(process.master_port),
     }
