@@ -95,7 +95,8 @@ def test_phase2_masked_non_finite_loss_contributes_zero(bad):
     leaf = per_token.clone().requires_grad_(True)
     poisoned = torch.where(loss_mask > 0, leaf, torch.tensor(bad, dtype=torch.float64))
 
-    def model(tokens, position_ids, attention_mask, labels):
+    def model(tokens, position_ids, attention_mask, labels, loss_mask):
+        assert loss_mask is batch["loss_mask"]  # passed on, as pretrain_gpt.py does (MTP)
         return poisoned
 
     output, loss_func = make_phase2_step()(iter([batch]), model)
