@@ -144,7 +144,7 @@ def import_checkpoint(
         shutil.copyfile(
             os.path.join(hf_dir, "tokenizer.model"), os.path.join(tmp, "tokenizer.model")
         )
-    write_release(tmp, args, state)
+    write_release(tmp, args, state, saved_args=megatron_lm_args(args))
     if os.path.exists(save):
         shutil.rmtree(save)
     os.replace(tmp, save)
@@ -155,6 +155,30 @@ def import_checkpoint(
         "flags": trainer_flags(args),
         "tokenizer": tokenizer,
     }
+
+
+def megatron_lm_args(args: dict):
+    """Megatron-LM's ``args`` namespace for the converter's dict ``args`` (an imported
+    model): :func:`~tst_megatron.conversion.mlm.megatron_lm_namespace` of
+    :func:`trainer_flags` with ``--seq-length``, ``--max-position-embeddings`` and
+    ``--init-method-std``, the padded vocabulary of ``args``, and ``hf_dtype`` (the dtype
+    the Hugging Face model had, which a later export writes again) as an extra attribute."""
+    from tst_megatron.conversion.mlm import megatron_lm_namespace
+
+    m = args["model"]
+    flags = trainer_flags(args) + [
+        "--seq-length",
+        str(m["seq_length"]),
+        "--max-position-embeddings",
+        str(m["max_position_embeddings"]),
+        "--init-method-std",
+        str(m["init_method_std"]),
+    ]
+    ns = megatron_lm_namespace(
+        flags, padded_vocab_size=args["padded_vocab_size"], vocab_size=m["vocab_size"]
+    )
+    ns.hf_dtype = args.get("hf_dtype")
+    return ns
 
 
 def trainer_flags(args: dict) -> list:
