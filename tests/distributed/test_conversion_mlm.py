@@ -31,11 +31,13 @@ pytest.importorskip("safetensors")
 from tests.distributed.harness import run_distributed  # noqa: E402
 
 pytestmark = pytest.mark.slow
-V, H, I_MOE = 120, 32, 24  # vocabulary (padded to 128), hidden size, expert FFN width
+H, I_MOE = 32, 24  # hidden size, expert FFN width
+#: Vocabulary per case: 120 rows padded to 128 (the export drops the padding, the import
+#: zero-fills it), and 128 with no padding (the launcher's loss covers the padded rows too).
+VOCAB = {"llama-untied-tp2": 120, "mixtral-tied-ep2": 128}
 
 MODEL = [
-    "--tokenizer-type", "NullTokenizer", "--vocab-size", str(V),
-    "--make-vocab-size-divisible-by", "64",
+    "--tokenizer-type", "NullTokenizer", "--make-vocab-size-divisible-by", "64",
     "--num-layers", "2", "--hidden-size", str(H), "--num-attention-heads", "4",
     "--group-query-attention", "--num-query-groups", "2", "--kv-channels", "16",
     "--ffn-hidden-size", "64", "--seq-length", "16", "--max-position-embeddings", "16",
@@ -64,7 +66,7 @@ CASES = {
         ["--expert-model-parallel-size", "2"],
     ),
 }  # fmt: skip
-TOKENS = torch.randint(0, V, (2, 16), generator=torch.Generator().manual_seed(0))
+TOKENS = torch.randint(0, 120, (2, 16), generator=torch.Generator().manual_seed(0))
 _EVAL = re.compile(r"validation loss at iteration 0 on validation set \| lm loss value: (\S+) \|")
 
 
@@ -84,8 +86,8 @@ def _launcher_child(rank, world, *, runs):
     return printed
 
 
-def _reference_logits(path, tokens):
-    """Logits ``[b, s, V]`` (float64) of a 1-process megatron-core ``GPTModel`` built from
+def _reference_logits(path, tokens, vocab):
+    """Logits ``[b, s, vocab]`` (float64) of a 1-process megatron-core ``GPTModel`` built from
     the checkpoint's Megatron-LM ``args`` with Megatron-LM's config builder and megatron-core's
     local layer spec, its weights loaded by ``dist_checkpointing`` (which reshards)."""
     import copy
@@ -127,11 +129,11 @@ def _reference_logits(path, tokens):
             rotary_base=args.rotary_base,
             rotary_percent=args.rotary_percent,
         ).eval()
-        state = dist_checkpointing.load(model.sharded_state_dict(), path)
-        model.load_state_dict(state)
+        state = dist_checkpointing.load({"model": model.sharded_state_dict()}, path)
+        model.load_state_dict(state["model"])
         positions = torch.arange(tokens.shape[1]).unsqueeze(0).expand_as(tokens)
         with torch.no_grad():
-            return model(tokens, positions, None)[..., :V].double()
+            return model(tokens, positions, None)[..., :vocab].double()
     finally:
         parallel_state.destroy_model_parallel()
 
@@ -147,7 +149,7 @@ def _convert_child(rank, world, *, roots):
         with open(os.path.join(ckpt, "latest_checkpointed_iteration.txt")) as f:
             latest = os.path.join(ckpt, f"iter_{int(f.read()):07d}")
         exported = export_checkpoint(ckpt, os.path.join(root, "hf"))
-        logits = _reference_logits(latest, TOKENS)
+        logits = _reference_logits(latest, TOKENS, VOCAB[name])
         imported = import_checkpoint(
             os.path.join(root, "hf"),
             os.path.join(root, "imported"),
@@ -169,7 +171,8 @@ def converted(tmp_path_factory):
     then exported, imported back and exported again (1 process)."""
     roots = {name: str(tmp_path_factory.mktemp(name)) for name in CASES}
     runs = [
-        MODEL + arch + RUN + layout + ["--save", os.path.join(roots[name], "ckpt")]
+        MODEL + arch + RUN + layout + ["--vocab-size", str(VOCAB[name])]
+        + ["--save", os.path.join(roots[name], "ckpt")]
         + ["--save-interval", "3", "--ckpt-format", "torch_dist"]
         for name, (arch, layout) in CASES.items()
     ]  # fmt: skip
@@ -207,6 +210,7 @@ def _dcp_plain(path):
 @pytest.mark.parametrize("name", list(CASES))
 def test_exported_logits_equal_megatron_cores(converted, name):
     roots, out = converted
+    V = VOCAB[name]
     config = json.load(open(os.path.join(roots[name], "hf", "config.json")))
     expected = "MixtralForCausalLM" if name.startswith("mixtral") else "LlamaForCausalLM"
     assert config["architectures"] == [expected]
@@ -229,6 +233,7 @@ def test_exported_weights_are_the_checkpoint_tensors(converted):
 
     roots, out = converted
     name = "mixtral-tied-ep2"
+    V = VOCAB[name]
     plain = _dcp_plain(out[name]["latest"])
     assert any(k.startswith("optimizer.") for k in plain)  # Megatron-LM's full checkpoint
     hf = load_file(os.path.join(roots[name], "hf", "model.safetensors"))
@@ -269,7 +274,7 @@ def test_import_round_trip_is_bitwise(converted, name):
     from safetensors.torch import load_file
 
     roots, out = converted
-    root = roots[name]
+    root, V = roots[name], VOCAB[name]
     before = load_file(os.path.join(root, "hf", "model.safetensors"))
     after = load_file(os.path.join(root, "hf2", "model.safetensors"))
     assert sorted(before) == sorted(after)
@@ -298,7 +303,9 @@ def test_imported_release_loads_in_the_launcher(converted):
     """The launcher's --load (Megatron-LM's load_checkpoint) reads each imported release with
     the flags the import prints into another 2-process layout: its validation loss (first
     batch, no training: --skip-train) equals that of the launcher's own checkpoint loaded as
-    weights only (--finetune)."""
+    weights only (--finetune). Exactly without vocabulary padding; with it, the padded rows
+    (trained in the checkpoint, zero in the import, absent from Hugging Face) enter
+    Megatron-LM's softmax, so the losses differ slightly."""
     roots, out = converted
     runs = []
     for name, (arch, _) in CASES.items():
@@ -311,7 +318,8 @@ def test_imported_release_loads_in_the_launcher(converted):
             RUN + other + ["--skip-train", "--seq-length", "16", "--max-position-embeddings", "16"]
         )
         own = os.path.join(roots[name], "ckpt")
-        runs.append(MODEL + arch + run + ["--load", own, "--finetune"])
+        vocab = ["--vocab-size", str(VOCAB[name])]
+        runs.append(MODEL + arch + vocab + run + ["--load", own, "--finetune"])
         runs.append(out[name]["flags"] + run + ["--load", os.path.join(roots[name], "imported")])
     first, last = run_distributed(_launcher_child, 2, runs=runs)
     for i, name in enumerate(CASES):
@@ -319,4 +327,7 @@ def test_imported_release_loads_in_the_launcher(converted):
         own, imported = last[2 * i], last[2 * i + 1]
         a, b = _EVAL.findall(own), _EVAL.findall(imported)
         assert len(a) == len(b) == 1, (own[-2000:], imported[-2000:])
-        assert float(b[0]) == pytest.approx(float(a[0]), rel=1e-6), name
+        padded = VOCAB[name] % 128 != 0
+        assert float(b[0]) == pytest.approx(float(a[0]), rel=1e-3 if padded else 1e-6), name
+        if padded:
+            assert float(b[0]) != float(a[0])
