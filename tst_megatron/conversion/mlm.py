@@ -26,6 +26,7 @@ import copy
 import enum
 import io
 import os
+import re
 import sys
 from typing import Iterator, Optional, Sequence
 
@@ -91,7 +92,11 @@ def _layer_freq(value, num_layers: int) -> int:
     """
     if isinstance(value, int):
         return value
-    pattern = list(eval(value, {"__builtins__": {}}) if isinstance(value, str) else value)
+    if isinstance(value, str):  # Megatron-LM's moe_freq_type evaluates such a pattern too
+        if not re.fullmatch(r"[\[\]()0-9*+, ]+", value):
+            raise ValueError(f"--moe-layer-freq {value!r} is not a layer pattern")
+        value = eval(value, {"__builtins__": {}})
+    pattern = list(value)
     for n in range(1, num_layers + 1):
         if pattern == [int(i % n == 0) for i in range(num_layers)]:
             return n
@@ -127,8 +132,9 @@ def converter_args(ns) -> dict:
     """The converter's architecture dict for Megatron-LM checkpoint ``args`` ``ns``.
 
     Returns:
-        ``{"model": {...}, "moe": {...}, "padded_vocab_size": int, "params_dtype": "float32" |
-        "bfloat16" | "float16", "tokenizer": {"type", "model"}}``: the fields of
+        ``{"model": {...}, "moe": {...}, "hf_dtype": str | None, "padded_vocab_size": int,
+        "params_dtype": "float32" | "bfloat16" | "float16", "tokenizer": {"type", "model"}}``
+        (``hf_dtype``: the dtype of an imported Hugging Face model, else None): the fields of
         :class:`~tst_megatron.training.config.ModelArgs` / ``MoEArgs`` read from the
         Megatron-LM dests of the same name (``norm_epsilon`` from ``layernorm_epsilon``,
         ``apply_layernorm_1p`` from ``layernorm_zero_centered_gamma``,
