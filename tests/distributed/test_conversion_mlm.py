@@ -224,7 +224,7 @@ def test_exported_logits_equal_megatron_cores(converted, name):
     ours = out[name]["logits"]
     assert theirs.shape == ours.shape == (2, 16, V)
     assert ours.abs().max().item() > 0.1  # not a degenerate model
-    assert (theirs - ours).abs().max().item() <= 1e-4
+    assert (theirs - ours).abs().max().item() <= 1e-5  # measured: 0 (dense), 1.2e-7 (MoE)
 
 
 def test_exported_weights_are_the_checkpoint_tensors(converted):
