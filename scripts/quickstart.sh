@@ -6,13 +6,14 @@
 #   4. preprocess it into a Megatron .bin/.idx dataset;
 #   5. pretrain a small MoE GPT (4 layers, h=128, 8 experts top-2, RoPE, RMSNorm, SwiGLU)
 #      with TST (S=4, r=0.3) on 2 processes with expert parallelism (EP=2), through the
-#      phase switch to the end; checkpoints, TensorBoard logs;
+#      phase switch to the end, in Megatron-LM's own training loop
+#      (examples/pretrain_gpt_tst_mlm.py); checkpoints, TensorBoard logs;
 #   6. plot training and validation loss against steps with the switch marked;
 #   7. export the final checkpoint to Hugging Face (Mixtral) and continue a prompt with
 #      plain transformers.
 # Each step reuses its output when it is already there, so a second run starts training at
 # once (and, when the last checkpoint is at --train-iters, only redraws the plot).
-# Extra arguments are appended to the trainer's flags (e.g. --train-iters 800).
+# Extra arguments are appended to the launcher's flags (any Megatron-LM flag, e.g. --train-iters 800).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -27,17 +28,18 @@ data=$out/data
     --output-prefix "$data/stdlib" --tokenizer-type SentencePieceTokenizer \
     --tokenizer-model "$data/tokenizer.model" --append-eod --workers 2
 .venv/bin/torchrun --nproc_per_node 2 --master_port "${MASTER_PORT:-29533}" \
-    examples/pretrain_gpt_tst.py --device cpu \
+    examples/pretrain_gpt_tst_mlm.py --device cpu \
     --data-path "$data/stdlib_text_document" --split 98,2,0 --data-cache-path "$data/cache" \
     --tokenizer-type SentencePieceTokenizer --tokenizer-model "$data/tokenizer.model" \
-    --vocab-size 4096 --seq-length 128 \
+    --vocab-size 4096 --seq-length 128 --max-position-embeddings 128 \
     --num-layers 4 --hidden-size 128 --num-attention-heads 4 --ffn-hidden-size 256 \
     --swiglu --normalization RMSNorm --position-embedding-type rope --disable-bias-linear \
     --untie-embeddings-and-output-weights \
     --num-experts 8 --moe-ffn-hidden-size 128 --moe-router-topk 2 --moe-aux-loss-coeff 0.01 \
     --expert-model-parallel-size 2 \
     --micro-batch-size 4 --global-batch-size 8 --train-iters 600 \
-    --lr 2e-3 --min-lr 2e-4 --lr-decay-style WSD --lr-wsd-decay-style linear --lr-warmup-iters 30 \
+    --lr 2e-3 --min-lr 2e-4 --lr-decay-style WSD --lr-wsd-decay-style linear --lr-wsd-decay-iters 60 \
+    --lr-warmup-iters 30 \
     --adam-beta2 0.95 --moe-token-dispatcher-type alltoall --num-workers 0 \
     --hidden-dropout 0 --attention-dropout 0 \
     --tst-bag-size 4 --tst-phase1-fraction 0.3 \

@@ -2,13 +2,13 @@
 # Create a virtual environment (default ./.venv) and install tst-megatron into it; idempotent,
 # a second run is quick. Prints the combination it set up.
 #
-# Supported: Python 3.10-3.12 with megatron-core >=0.16.1,<0.20 (0.17 and later need Python
-# 3.12, so pip installs 0.16.1 on 3.10/3.11 and 0.19.x on 3.12). CI tests both ends: Python
-# 3.11 + megatron-core 0.16.1 and Python 3.12 + megatron-core 0.19.x (.ci/run).
+# Supported: Python 3.12 with megatron-core >=0.19,<0.20 (it ships Megatron-LM's training loop,
+# megatron.training, which the launcher runs; it needs Python 3.12). CI runs the suite with
+# megatron-core 0.19.x (.ci/run). Python 3.11 and megatron-core 0.16.1 are no longer supported.
 #
 # Settings (environment):
-#   PYTHON       interpreter for a new venv (default: the first of python3, python3.12,
-#                python3.11, python3.10 that is 3.10-3.12)
+#   PYTHON       interpreter for a new venv (default: python3.12, or python3 when it is 3.12;
+#                pyenv's 3.12 is found too)
 #   VENV         venv directory (default .venv)
 #   TORCH_SPEC   torch requirement installed first (default torch==2.13.0; where no CPU wheel
 #                is configured, PyPI's build is the CUDA one, ~5 GB, which also runs on a CPU)
@@ -18,13 +18,17 @@ cd "$(dirname "$0")/.."
 VENV="${VENV:-.venv}"
 TORCH_SPEC="${TORCH_SPEC:-torch==2.13.0}"
 
-supported() { # supported PYTHON -> exit 0 when it runs and is 3.10-3.12
-    "$1" -c 'import sys; sys.exit(not (3, 10) <= sys.version_info[:2] <= (3, 12))' 2>/dev/null
+supported() { # supported PYTHON -> exit 0 when it runs and is Python 3.12
+    "$1" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 12))' 2>/dev/null
 }
 
+if [ -x "$VENV/bin/python" ] && ! supported "$VENV/bin/python"; then
+    echo "setup.sh: $VENV is $("$VENV/bin/python" -V 2>&1), but tst_megatron needs Python 3.12 (megatron-core>=0.19); remove $VENV (or set VENV=another directory) and run again" >&2
+    exit 1
+fi
 if [ ! -x "$VENV/bin/python" ]; then
     if [ -z "${PYTHON:-}" ]; then
-        for candidate in python3 python3.12 python3.11 python3.10; do
+        for candidate in python3.12 python3 "$(pyenv root 2>/dev/null || echo "$HOME/.pyenv")"/versions/3.12*/bin/python3.12; do
             if command -v "$candidate" >/dev/null && supported "$candidate"; then
                 PYTHON="$candidate"
                 break
@@ -32,7 +36,7 @@ if [ ! -x "$VENV/bin/python" ]; then
         done
     fi
     if [ -z "${PYTHON:-}" ] || ! supported "$PYTHON"; then
-        echo "setup.sh: no Python 3.10-3.12 found${PYTHON:+ (PYTHON=$PYTHON)}; set PYTHON=/path/to/python3.12" >&2
+        echo "setup.sh: no Python 3.12 found${PYTHON:+ (PYTHON=$PYTHON is not 3.12)}; set PYTHON=/path/to/python3.12" >&2
         exit 1
     fi
     "$PYTHON" -m venv "$VENV"

@@ -1,5 +1,7 @@
-"""What differs between the supported megatron-core releases (``>=0.16.1,<0.20``), found by
-feature detection rather than by version number, in one place.
+"""What differs between megatron-core releases, found by feature detection rather than by
+version number, in one place. The supported range is ``>=0.19,<0.20``
+(:data:`tst_megatron.runtime.cpu.SUPPORTED_MEGATRON_CORE`); the older answers below are kept
+because they cost nothing and are tested by feature, not by version.
 
 - The null tokenizer's library is ``"null"`` up to 0.16 and ``"null-text"`` from 0.17.
 - Up to 0.17, ``NullTokenizer(n)`` has ``n + 1`` ids (it appends an EOD id); from 0.18 it has

@@ -33,6 +33,16 @@ def switch_iteration(phase_points) -> "int | None":
     return first_phase2 - 1
 
 
+#: TensorBoard tags of the validation loss: the hand-written trainer's, then Megatron-LM's
+#: (``evaluate_and_print_results`` writes ``"<key> validation"``).
+VALIDATION_TAGS = ("validation lm loss", "lm loss validation")
+
+
+def validation_tag(scalars: dict) -> "str | None":
+    """The first of :data:`VALIDATION_TAGS` in ``scalars`` (tag -> points), or None."""
+    return next((tag for tag in VALIDATION_TAGS if tag in scalars), None)
+
+
 def plot_losses(tensorboard_dir: str, output: str, *, title: str = "TST pretraining") -> str:
     """Write the loss plot to ``output`` (PNG); return its path.
 
@@ -56,9 +66,10 @@ def plot_losses(tensorboard_dir: str, output: str, *, title: str = "TST pretrain
         ax.plot(
             *zip(*scalars["lm loss"]), label="train: next-token loss (phase 2)", color="tab:blue"
         )
-    if "validation lm loss" in scalars:
+    valid = validation_tag(scalars)
+    if valid is not None:
         ax.plot(
-            *zip(*scalars["validation lm loss"]),
+            *zip(*scalars[valid]),
             "o-",
             label="validation: next-token loss",
             color="tab:green",

@@ -2,7 +2,7 @@
 
 Each test spawns processes with the harness and runs :func:`tst_megatron.training.megatron_lm.main`
 in-process, reading the losses Megatron-LM prints (``training_log``: last rank; the TST phase
-lines: rank 0). megatron-core releases without ``megatron.training`` (0.16) skip.
+lines: rank 0).
 """
 
 from __future__ import annotations
@@ -14,9 +14,7 @@ import re
 
 import pytest
 
-pytest.importorskip("megatron.training")
-
-from tests.distributed.harness import run_distributed  # noqa: E402
+from tests.distributed.harness import run_distributed
 
 #: A tiny GPT on mock data: 6 iterations, the switch after 3 (S = 2), validation at 3 and 6.
 BASE = [
@@ -48,6 +46,8 @@ def _without(argv, flag):
 
 
 _TRAIN = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?\| lm loss: ([0-9.E+-]+) \|")
+#: phase 1 reports its multi-hot cross-entropy as ``mce loss`` (no ``lm loss`` on its lines)
+_PHASE1 = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?\| mce loss: ([0-9.E+-]+) \|")
 _CONSUMED = re.compile(r"iteration\s+(\d+)/\s*\d+ \| consumed samples:\s+(\d+) \|")
 _VALID = re.compile(r"validation loss at iteration (\d+) \| lm loss value: ([0-9.E+-]+)")
 
@@ -69,8 +69,10 @@ def _pretrain_child(rank, world, *, runs):
 
 
 def _losses(text: str) -> tuple[dict, dict]:
-    """``({iteration: training loss text}, {iteration: validation loss text})``."""
-    train = {int(i): v for i, v in _TRAIN.findall(text)}
+    """``({iteration: training loss text}, {iteration: validation loss text})``: the training
+    loss is ``lm loss`` in phase 2, ``mce loss`` in phase 1."""
+    train = {int(i): v for i, v in _PHASE1.findall(text)}
+    train.update({int(i): v for i, v in _TRAIN.findall(text)})
     valid = {int(i): v for i, v in _VALID.findall(text)}
     return train, valid
 
@@ -179,3 +181,12 @@ def test_step_batch_size_schedule_switches_at_the_consumed_samples_of_n1(runs):
     assert all(math.isfinite(float(v)) for v in train.values())
     # a phase-2 micro-batch holding a phase-1 sample (S*T tokens) would fail to collate
     assert "TST: phase 2 (next-token) from iteration 3 (switch at 3)" in first
+
+
+@pytest.mark.slow
+def test_intervals_that_divide_n1_save_and_validate_the_switch_once(runs):
+    first, last = runs["dp2"]  # --save-interval 3 = --eval-interval 3 = N1
+    saves = re.findall(r"saving checkpoint at iteration\s+(\d+) to", first)
+    assert sorted(int(i) for i in saves) == [3, 6], first[-3000:]
+    assert re.findall(r"validation loss at iteration (\d+) \|", last) == ["3", "6"]
+    assert "TST: at the switch" not in first  # Megatron-LM's own intervals already hit it

@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-pytest.importorskip("megatron.training")
-
-from tests.distributed.harness import run_distributed  # noqa: E402
+from tests.distributed.harness import run_distributed
 
 S, T, B, V = 2, 8, 2, 128
 ARGS = [

@@ -1,6 +1,7 @@
-"""The sbatch template's trainer command line, without Slurm (``TST_DRY_RUN=1``): the H100
-defaults, a dense variant, a bigger layout and the CPU variant each parse with the trainer's
-own flags and pass its validation for their world size, and carry what preemption needs."""
+"""The sbatch template's launcher command line, without Slurm (``TST_DRY_RUN=1``): the H100
+defaults, a dense variant, a bigger layout and the CPU variant each pass the launcher's dry run
+(Megatron-LM's parser and ``validate_args``, its ``TransformerConfig``, the TST checks) for
+their world size, and carry what preemption needs."""
 
 import shlex
 import subprocess
@@ -8,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tst_megatron.training.config import parse_args, validate
+from tst_megatron.training.dry_run import check
 
 REPO = Path(__file__).resolve().parents[2]
 TEMPLATE = REPO / "slurm" / "pretrain_tst_moe.sbatch"
@@ -63,21 +64,31 @@ def dry_run(tmp_path, variables: dict) -> list:
     argv = shlex.split(out.stdout)
     assert argv[:2] == [
         str(REPO / ".venv" / "bin" / "python"),
-        str(REPO / "examples" / "pretrain_gpt_tst.py"),
+        str(REPO / "examples" / "pretrain_gpt_tst_mlm.py"),
     ]
     return argv[2:]
 
 
+def checked(argv: list, world: int, monkeypatch) -> object:
+    """The launcher's dry-run check of ``argv`` at ``world`` processes (as the template's
+    environment sets it for a CUDA run); fails with every problem found."""
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    args, problems, _ = check(argv)
+    assert not problems, problems
+    return args
+
+
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_template_command_line_is_valid(case, tmp_path):
+def test_template_command_line_is_valid(case, tmp_path, monkeypatch):
     variables, world, device = CASES[case]
     argv = dry_run(tmp_path, variables)
-    cfg = parse_args(argv)
-    validate(cfg, world, device)
+    args = checked(argv, world, monkeypatch)
     ckpt = str(tmp_path / "runs" / "tst-job" / "checkpoints")
-    assert cfg.checkpoint.save == cfg.checkpoint.load == ckpt  # resume where it saved, per job name
-    assert cfg.checkpoint.exit_signal_handler  # SIGTERM -> save after the step -> exit 0
-    assert cfg.train.sequence_parallel == (cfg.parallel.tensor_model_parallel_size > 1)
+    assert args.save == args.load == ckpt  # resume where it saved, per job name
+    assert args.exit_signal_handler  # SIGTERM -> save after the step -> exit 0
+    assert args.sequence_parallel == (args.tensor_model_parallel_size > 1)
+    assert args.lr_decay_style == "WSD" and args.lr_wsd_decay_iters == args.train_iters // 10
     gpu_flags = {
         "--bf16",
         "--transformer-impl",
@@ -89,10 +100,10 @@ def test_template_command_line_is_valid(case, tmp_path):
     assert (tmp_path / "runs" / "tst-job" / "tensorboard").is_dir()
 
 
-def test_extra_args_reach_the_trainer(tmp_path):
+def test_extra_args_reach_the_launcher(tmp_path, monkeypatch):
     argv = dry_run(tmp_path, DATA | {"EXTRA_ARGS": "--fp8-format hybrid --fp8-recipe delayed"})
     assert argv[-4:] == ["--fp8-format", "hybrid", "--fp8-recipe", "delayed"]
-    assert parse_args(argv).train.fp8_format == "hybrid"
+    assert checked(argv, 16, monkeypatch).fp8 == "hybrid"
 
 
 @pytest.mark.parametrize(

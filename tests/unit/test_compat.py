@@ -1,6 +1,5 @@
-"""One codebase for megatron-core >=0.16.1,<0.20: the differences found by feature detection
-(null tokenizer, lazily imported checkpoint writer) and the version range of the CPU runtime.
-These run on whichever release is installed; CI runs them on both ends of the range."""
+"""megatron-core >=0.19,<0.20: the differences found by feature detection (null tokenizer,
+lazily imported checkpoint writer) and the version range of the CPU runtime."""
 
 import subprocess
 import sys
@@ -18,12 +17,12 @@ def _run(code):
 @pytest.mark.parametrize(
     "version,ok",
     [
-        ("0.16.1", True),
-        ("0.17.1", True),
-        ("0.18.2", True),
+        ("0.19.0", True),
         ("0.19.2", True),
-        ("0.19.0rc1", True),
-        ("0.16.0", False),
+        ("0.19.9", True),
+        ("0.19.0rc1", False),
+        ("0.16.1", False),
+        ("0.18.2", False),
         ("0.20.0", False),
         ("0.20.0rc0", False),
         ("unknown", False),
@@ -38,7 +37,7 @@ def test_cpu_runtime_accepts_the_supported_range(monkeypatch, version, ok):
     if ok:
         assert cpu.check_version() == version
     else:
-        with pytest.raises(RuntimeError, match=r"supports megatron-core>=0\.16\.1,<0\.20 but"):
+        with pytest.raises(RuntimeError, match=r"supports megatron-core>=0\.19,<0\.20 but"):
             cpu.check_version()
 
 
@@ -109,7 +108,7 @@ def test_setup_refuses_an_unsupported_python(tmp_path):
 
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     old = tmp_path / "python3.9"
-    old.write_text("#!/bin/sh\nexec python3 -c 'import sys; sys.exit(1)'\n")  # not 3.10-3.12
+    old.write_text("#!/bin/sh\nexec python3 -c 'import sys; sys.exit(1)'\n")  # not 3.12
     old.chmod(0o755)
     result = subprocess.run(
         ["bash", os.path.join(root, "scripts", "setup.sh")],
@@ -119,5 +118,5 @@ def test_setup_refuses_an_unsupported_python(tmp_path):
         timeout=60,
     )
     assert result.returncode == 1
-    assert "no Python 3.10-3.12 found" in result.stderr and "PYTHON=" in result.stderr
+    assert "no Python 3.12 found" in result.stderr and "PYTHON=" in result.stderr
     assert not (tmp_path / "venv").exists()

@@ -298,7 +298,7 @@ def test_tools_are_thin_command_lines(tmp_path):
 def test_loss_plot_marks_the_switch(tmp_path):
     from torch.utils.tensorboard import SummaryWriter
 
-    from tst_megatron.plots import plot_losses, read_scalars, switch_iteration
+    from tst_megatron.plots import plot_losses, read_scalars, switch_iteration, validation_tag
 
     writer = SummaryWriter(str(tmp_path / "tb"))
     for i in range(1, 11):
@@ -310,6 +310,10 @@ def test_loss_plot_marks_the_switch(tmp_path):
     out = plot_losses(str(tmp_path / "tb"), str(tmp_path / "loss.png"))
     assert open(out, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
     assert switch_iteration([(1, 2.0), (2, 2.0)]) is None  # a baseline run has no switch
+    assert validation_tag({"lm loss validation": [(5, 4.5)], "lm loss": []}) == (
+        "lm loss validation"  # Megatron-LM's loop writes "<key> validation"
+    )
+    assert validation_tag({"lm loss": []}) is None
     with pytest.raises(ValueError, match="is not a directory of TensorBoard events"):
         plot_losses(str(tmp_path / "nothing"), str(tmp_path / "x.png"))
     (tmp_path / "empty").mkdir()

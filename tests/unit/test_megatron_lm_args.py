@@ -1,5 +1,5 @@
 """The launcher's ``--tst-*`` flags and TST checks on top of Megatron-LM's arguments
-(:mod:`tst_megatron.training.megatron_lm`). megatron-core without ``megatron.training`` skips."""
+(:mod:`tst_megatron.training.megatron_lm`)."""
 
 from __future__ import annotations
 
@@ -11,10 +11,8 @@ import sys
 
 import pytest
 
-pytest.importorskip("megatron.training")
-
-from tst_megatron.superposition.schedule import TSTConfig  # noqa: E402
-from tst_megatron.training import megatron_lm  # noqa: E402
+from tst_megatron.superposition.schedule import TSTConfig
+from tst_megatron.training import megatron_lm
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -28,6 +26,7 @@ def test_tst_flags_are_the_dataclass_fields():
     flags = sorted(o for a in parser._actions for o in a.option_strings if o.startswith("--"))
     assert flags == [
         "--device",
+        "--dry-run",
         "--help",
         "--no-tst-save-at-switch",
         "--tst-bag-size",
@@ -109,7 +108,6 @@ def test_the_switch_under_a_step_batch_size_schedule_counts_consumed_samples():
         ({"phase_transition_iterations": [50]}, "--phase-transition-iterations"),
         ({"dataloader_type": "cyclic"}, "--dataloader-type"),
         ({"tst_phase1_iters": 500}, "--tst-phase1-iters"),
-        ({"tst_save_at_switch": False}, "--no-tst-save-at-switch"),  # not wired yet: refused
     ],
 )
 def test_a_setting_tst_cannot_run_is_one_line_naming_the_flag(overrides, flag):
@@ -144,3 +142,62 @@ def test_launcher_refuses_before_any_work_with_one_error_line(tmp_path):
     # refused before pretrain(): no model, no data
     assert "number of parameters on" not in done.stdout
     assert "> building train, validation, and test datasets" not in done.stdout
+
+
+def _switch_args(**overrides):
+    """A run switching at N1 = 30 of 100 iterations, saving every 40, validating every 25
+    (2 iterations of the global batch 8), logging every 20."""
+    values = dict(
+        save="/ckpt",
+        save_interval=40,
+        eval_interval=25,
+        log_interval=20,
+        eval_iters=2,
+        do_valid=True,
+        skip_train=False,
+        start_eval_at_iter=None,
+        full_validation=False,
+    )
+    values.update(overrides)
+    return _megatron_args(**values)
+
+
+def test_switch_overrides_set_only_the_intervals_that_miss_n1():
+    n1 = megatron_lm.schedule(_switch_args()).n1
+    assert n1 == 30
+    every = {"save_interval": 30, "eval_interval": 30, "log_interval": 30}
+    assert megatron_lm.switch_overrides(_switch_args(), n1) == every
+    # an interval that already divides N1 is left alone: no second save or validation
+    divides = _switch_args(save_interval=10, eval_interval=15, log_interval=1)
+    assert megatron_lm.switch_overrides(divides, n1) == {}
+    # no checkpoint without --save or with --no-tst-save-at-switch; validation stays
+    for args in (_switch_args(save=None), _switch_args(tst_save_at_switch=False)):
+        assert megatron_lm.switch_overrides(args, n1) == {"eval_interval": 30, "log_interval": 30}
+    # no validation when it is off or starts later (Megatron-LM's own conditions)
+    for off in (
+        {"do_valid": False},
+        {"eval_iters": 0},
+        {"start_eval_at_iter": 31},
+    ):
+        assert "eval_interval" not in megatron_lm.switch_overrides(_switch_args(**off), n1), off
+    # --eval-interval / --save-interval unset: the switch still gets its own
+    unset = _switch_args(eval_interval=None, save_interval=None)
+    assert megatron_lm.switch_overrides(unset, n1) == every
+    # no switch inside the run: nothing
+    assert megatron_lm.switch_overrides(_switch_args(skip_train=True), n1) == {}
+    assert megatron_lm.switch_overrides(_switch_args(tst_phase1_iters=100), 100) == {}
+    assert megatron_lm.switch_overrides(_switch_args(tst_bag_size=1), 0) == {}
+
+
+def test_the_validation_set_is_sized_for_the_round_at_the_switch():
+    # Megatron-LM sizes (100 // 25 + 1) rounds of 2 iterations of 8; the switch adds one
+    assert megatron_lm.switch_validation_samples(_switch_args()) == 2 * 8
+    assert megatron_lm.switch_validation_samples(_switch_args(eval_interval=15)) == 0
+    assert megatron_lm.switch_validation_samples(_switch_args(eval_iters=0)) == 0
+    assert megatron_lm.switch_validation_samples(_switch_args(full_validation=True)) == 0
+    assert megatron_lm.switch_validation_samples(_switch_args(skip_train=True)) == 0
+    assert megatron_lm.switch_validation_samples(_switch_args(eval_global_batch_size=4)) == 8
+
+
+def test_no_tst_save_at_switch_is_accepted():
+    assert megatron_lm.tst_problems(_switch_args(tst_save_at_switch=False)) == []

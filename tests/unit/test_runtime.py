@@ -42,7 +42,6 @@ def test_cpu_enable_is_idempotent_and_scoped():
 
 
 def test_cpu_enable_for_megatron_training_loop_is_scoped():
-    pytest.importorskip("megatron.training")
     result = _run("""
         import torch
         from tst_megatron.runtime import cpu

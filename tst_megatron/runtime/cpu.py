@@ -47,10 +47,10 @@ import torch
 
 #: megatron-core releases whose CUDA assumptions this module handles: the range the package
 #: declares in pyproject.toml. Both ends run the whole test suite in CI (``.ci/run``).
-SUPPORTED_MEGATRON_CORE = ">=0.16.1,<0.20"
+SUPPORTED_MEGATRON_CORE = ">=0.19,<0.20"
 
 #: The releases the suite was last run with (the ends of :data:`SUPPORTED_MEGATRON_CORE`).
-TESTED_MEGATRON_CORE = ("0.16.1", "0.19.2")
+TESTED_MEGATRON_CORE = ("0.19.2",)
 
 #: megatron-core modules imported (so that they are redirected) by :func:`enable`.
 _MODULES = (

@@ -22,14 +22,58 @@ checkpointing and logging. This module supplies what ``pretrain()`` takes:
   phase-1/phase-2 steps (:mod:`tst_megatron.training.forward`).
 - :func:`tst_problems`: the TST checks on top of Megatron-LM's ``validate_args``.
 - :func:`main`: parse and validate (Megatron-LM's parser plus ``--tst-*``), check, then
-  ``pretrain(...)`` with the 0.19 config container.
+  ``pretrain(...)`` with the 0.19 config container; with ``--dry-run``, the checks and a
+  summary only (:mod:`tst_megatron.training.dry_run`: at ``WORLD_SIZE=N``, no processes, no
+  GPU, no data read).
 
 With a batch-size schedule (``--step-batch-size-schedule``) the switch is at the samples the
 first ``N1`` steps consume, counted with Megatron-LM's own calculator (:func:`switch_sample`);
 ``--rampup-batch-size`` is ignored by Megatron-LM 0.19 (deprecated), so the batch is constant.
-Not yet done here: a checkpoint and a validation at the switch of their own (Megatron-LM
-saves and validates at its intervals; ``--no-tst-save-at-switch`` has no effect yet and a
-note says when iteration ``N1`` will not be saved), the phase-1 loss as its own series.
+
+What Megatron-LM's loop lacks and TST needs, added without patching the loop
+(:class:`TSTForwardStep`, :func:`switch_overrides`):
+
+- **A checkpoint, a validation and a log line at the switch** (iteration ``N1``, the state
+  after ``N1`` optimizer steps). ``train()`` decides them each iteration from
+  ``args.save_interval``, ``args.eval_interval`` and ``args.log_interval``, read after the
+  step (``training_log``, then the evaluation, then ``checkpoint_and_decide_exit``), and
+  0.19 has no callback there (``process_non_loss_data_func`` / ``non_loss_data_func`` run
+  only inside ``evaluate()``; ``pretrain()`` takes no training hook). The forward step is the
+  one piece of ours called every iteration, so at the last phase-1 training step
+  (``curr_iteration == N1 - 1``) it sets each interval that does not already divide ``N1``
+  to ``N1``, and at the first phase-2 *training* forward it puts the user's values back
+  (``evaluate()`` at ``N1`` runs before the save check, in eval mode, and does not restore).
+  Megatron-LM then saves, validates and logs iteration ``N1`` with its own code. Only an
+  interval that does not already divide ``N1`` is touched (no double save or validation);
+  the save needs ``--save`` and no ``--no-tst-save-at-switch``, the validation Megatron-LM's
+  own conditions (``do_valid``, ``--eval-iters`` > 0, ``--start-eval-at-iter``); nothing
+  happens when the switch is not inside the run (``N1`` = 0 or ``N1 >= --train-iters``),
+  with ``--skip-train``, or on a resume at or after ``N1`` (the forward step of ``N1 - 1``
+  does not run). The switch checkpoint's recorded ``args`` hold ``N1`` for the intervals
+  so changed (Megatron-LM pickles the live namespace); neither ``--use-checkpoint-args``
+  nor the resume checks read them, so a resume from it takes the command line's values. The
+  validation dataset is sized for the extra validation round (:class:`TSTDatasets`), and
+  the validation position is ``consumed_valid_samples`` in the checkpoint, so a resume
+  continues exactly. The final save of ``pretrain()`` reads ``cfg_container``, not ``args``.
+  Every rank sets its own ``args`` in its forward step (every pipeline stage runs one per
+  micro-batch), so all ranks take the collective save together. Not covered: an
+  ``--iterations-to-skip`` holding ``N1`` (the step ``N1 - 1`` has no forward).
+- **The phase-1 loss as its own series.** Phase 1 reports its multi-hot cross-entropy
+  under ``mce loss``, phase 2 the next-token loss under ``lm loss`` (the names of
+  :mod:`tst_megatron.plots` and the Slurm logs): TensorBoard has one series per phase, and
+  ``lm loss`` stays the next-token loss a baseline run reports. ``training_log`` averages a
+  key's sum over all iterations since the last log line, so a log interval holding the
+  switch would divide each phase's sum by iterations of both phases: the log line forced at
+  ``N1`` keeps every interval inside one phase (except when ``N1`` is the first iteration
+  of a (re)start: Megatron-LM does not reset its sums after that one). ``training_log``
+  never forgets a key: after the switch its lines still print ``mce loss: 0.000000E+00``.
+- **Raw tokens per second.** Megatron-LM's throughput counts ``--seq-length`` tokens per
+  sample; a phase-1 sample reads ``S*T``. On the last rank the forward step times the steps
+  (host clock from the first forward of a step to the first forward of the next step or of
+  a validation, skipping steps that ended with a checkpoint save) and, at each log line,
+  prints ``TST: iteration N | raw tokens per second: ... | raw tokens per sample: ... |``
+  over the interval and writes ``raw-tokens-per-second`` (TensorBoard, W&B) and
+  ``tst-phase`` (TensorBoard, the phase of each iteration).
 
 Device: Megatron-LM has no ``--device`` flag; this launcher adds ``--device {auto,cuda,cpu}``
 (``auto``: CUDA when ``torch.cuda.is_available()``, else the CPU). A CPU run enables
@@ -41,6 +85,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import os
 import sys
 import types
@@ -113,6 +158,13 @@ def add_tst_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
             choices=choices,
             help=f"{text} (default: {field.default})",
         )
+    group.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="check the launch line for WORLD_SIZE processes (Megatron-LM's validation and "
+        "the TST checks), print the layout, model size and TST plan or every problem, and "
+        "exit (0: no problem, 2: problems) without starting any work",
+    )
     group.add_argument(
         "--device",
         choices=_DEVICES,
@@ -200,11 +252,6 @@ def tst_problems(args) -> list[str]:
     tst = tst_config(args)
     iters = train_iters(args)
     problems = tst.validate(max(iters, 1))
-    if not tst.save_at_switch:  # accepted only once it does what it says
-        problems.append(
-            "--no-tst-save-at-switch is not supported by this launcher yet: it has no checkpoint "
-            "at the switch to turn off (Megatron-LM saves at --save-interval); drop the flag"
-        )
     if problems or tst.phase1_steps(iters) == 0:
         return problems
     bags = "(--tst-bag-size > 1)"
@@ -239,6 +286,99 @@ def tst_problems(args) -> list[str]:
                 "--data-path with --split (or --mock-data)"
             )
     return problems
+
+
+def late_megatron_problems(args) -> list[str]:
+    """Settings Megatron-LM's ``validate_args`` accepts but its ``pretrain()`` refuses only
+    after building the model, one line each naming the flag (empty: none). Reads only.
+
+    - ``--lr-decay-style WSD`` without ``--lr-wsd-decay-iters`` (iteration-based run) or
+      ``--lr-wsd-decay-samples`` (sample-based run): ``get_optimizer_param_scheduler`` passes
+      ``wsd_decay_steps=None`` and ``OptimizerParamScheduler`` asserts on it.
+    """
+    problems = []
+    if args.lr_decay_style == "WSD":
+        flag, value = (
+            ("--lr-wsd-decay-iters", args.lr_wsd_decay_iters)
+            if args.train_iters
+            else ("--lr-wsd-decay-samples", args.lr_wsd_decay_samples)
+        )
+        if value is None:
+            problems.append(
+                f"--lr-decay-style WSD needs {flag} (the length of the decay; Megatron-LM's "
+                "scheduler has no default and would stop after building the model)"
+            )
+    return problems
+
+
+# --- the switch ----------------------------------------------------------------------------
+
+
+def _eval_iters(args) -> int:
+    """``--eval-iters`` summed over the validation sets (Megatron-LM allows a list)."""
+    iters = getattr(args, "eval_iters", 0) or 0
+    return sum(iters) if isinstance(iters, (list, tuple)) else iters
+
+
+def _switch_in_run(args, n1: int) -> bool:
+    """The run trains and switches inside it: ``0 < N1 < --train-iters``."""
+    return not getattr(args, "skip_train", False) and 0 < n1 < train_iters(args)
+
+
+def _validates_at(args, iteration: int) -> bool:
+    """Megatron-LM's own conditions for a validation at ``iteration`` other than its interval
+    (``train()``: ``--eval-iters`` > 0, ``--start-eval-at-iter``; ``do_valid`` is checked by
+    the caller once the data loaders exist)."""
+    start = getattr(args, "start_eval_at_iter", None)
+    return _eval_iters(args) > 0 and (start is None or iteration >= start)
+
+
+def _divides(interval, iteration: int) -> bool:
+    return bool(interval) and iteration % interval == 0
+
+
+def switch_overrides(args, n1: int) -> dict:
+    """The Megatron-LM intervals to set to ``N1`` for iteration ``N1`` only, so that
+    ``train()`` saves, validates and logs the switch with its own code.
+
+    ``save_interval`` when ``--save`` is given, ``--no-tst-save-at-switch`` is not, and
+    ``--save-interval`` does not divide ``N1``; ``eval_interval`` when validation is on
+    (``args.do_valid``, ``--eval-iters`` > 0, ``N1 >= --start-eval-at-iter``) and
+    ``--eval-interval`` does not divide ``N1``; ``log_interval`` when ``--log-interval``
+    does not divide ``N1`` (so no ``training_log`` average spans both phases). Empty when
+    the switch is not inside the run (``N1`` = 0, ``N1 >= --train-iters``, ``--skip-train``).
+
+    Returns:
+        ``{args attribute: N1}`` (each key one of ``save_interval``, ``eval_interval``,
+        ``log_interval``).
+    """
+    if not _switch_in_run(args, n1):
+        return {}
+    out = {}
+    if tst_config(args).save_at_switch and args.save and not _divides(args.save_interval, n1):
+        out["save_interval"] = n1
+    valid = getattr(args, "do_valid", False) and _validates_at(args, n1)
+    if valid and not _divides(args.eval_interval, n1):
+        out["eval_interval"] = n1
+    if not _divides(args.log_interval, n1):
+        out["log_interval"] = n1
+    return out
+
+
+def switch_validation_samples(args) -> int:
+    """Validation samples the round at the switch adds to Megatron-LM's count
+    (``get_train_valid_test_num_samples``: ``(train_iters // eval_interval + 1)`` rounds of
+    ``--eval-iters`` global batches): one round when :func:`switch_overrides` will add a
+    validation at ``N1``, else 0. Read before the data loaders exist (``do_valid`` unknown)."""
+    if getattr(args, "full_validation", False):
+        return 0  # every round reads the whole set from its start
+    n1 = schedule(args).n1
+    if not _switch_in_run(args, n1) or not _validates_at(args, n1):
+        return 0
+    if _divides(args.eval_interval, n1):
+        return 0
+    batch = getattr(args, "eval_global_batch_size", None) or args.global_batch_size
+    return _eval_iters(args) * batch
 
 
 # --- model ---------------------------------------------------------------------------------
@@ -394,6 +534,8 @@ class TSTDatasets:
             data, phase1_samples=switch, phase2_samples=total - switch, per_sample=per_sample
         )
         _, valid_n, test_n = num_samples
+        if valid_n is not None:  # the extra round at the switch (switch_overrides)
+            valid_n += switch_validation_samples(args)
         train, valid, test = build_datasets(
             data,
             tokenizer,
@@ -464,22 +606,34 @@ class TSTForwardStep:
     ``evaluate()`` runs (the model is in eval mode there; ``curr_iteration`` is stale).
     Every stage reads the micro-batch from its own iterator (:class:`TSTDatasets`); the
     steps split it for context parallelism themselves. The loss function returns
-    Megatron-LM's ``(loss, num_tokens, {"lm loss": [loss, num_tokens]})``.
+    Megatron-LM's ``(loss, num_tokens, {key: [loss, num_tokens]})`` with key ``mce loss``
+    in phase 1 and ``lm loss`` in phase 2 and validation.
+
+    Being the one piece of ours called every iteration, it also makes Megatron-LM save,
+    validate and log iteration ``N1`` (:func:`switch_overrides`, set at the last phase-1
+    training forward and undone at the first phase-2 training forward) and, on the last
+    rank, reports raw tokens per second (:class:`_RawTokenRate`).
     """
 
     def __init__(self):
         self._steps = None
         self._announced = -1  # the last phase announced on rank 0
+        self._switch = "before"  # "before" -> "set" (intervals at N1) -> "done"
+        self._saved_intervals: dict = {}
+        self._rate = None
 
     def _build(self, args):
         from megatron.core import mpu
+        from megatron.training.utils import is_last_rank
 
         tst = tst_config(args)
         cp = mpu.get_context_parallel_group() if args.context_parallel_size > 1 else None
         phase1 = make_phase1_step(
             bag_size=tst.bag_size, weighting=tst.bag_weighting, mode=tst.mode, cp_group=cp
         )
-        return schedule(args), phase1, make_phase2_step(cp_group=cp)
+        plan = schedule(args)
+        self._rate = _RawTokenRate(plan) if is_last_rank() else None
+        return plan, _reported_as(phase1, PHASE1_LOSS), make_phase2_step(cp_group=cp)
 
     def __call__(self, data_iterator, model):
         from megatron.training import get_args
@@ -490,12 +644,45 @@ class TSTForwardStep:
         plan, phase1, phase2 = self._steps
         training = unwrap(model).training
         in_phase1 = training and args.curr_iteration < plan.n1
+        if self._rate is not None:
+            self._rate.forward(args, training)
         if training:
             self._announce(1 if in_phase1 else 2, args.curr_iteration, plan.n1)
+            self._at_switch(args, plan.n1)
         phase = plan.phase1 if in_phase1 else plan.phase2
         what = f"phase-{phase.index} step {args.curr_iteration}" if training else "validation"
         batches = _OnDevice(data_iterator, _device(), length=phase.data_seq_length, what=what)
         return (phase1 if in_phase1 else phase2)(batches, model)
+
+    def _at_switch(self, args, n1: int) -> None:
+        """At the last phase-1 training step set the intervals of :func:`switch_overrides` to
+        ``N1`` (Megatron-LM reads them after the step); at the first phase-2 training step put
+        the user's values back. Idempotent over micro-batches, model chunks and stages."""
+        if args.curr_iteration < n1 - 1:  # (again) before the switch: a restart in-process
+            self._switch, self._saved_intervals = "before", {}
+        elif self._switch == "before" and args.curr_iteration == n1 - 1:
+            overrides = switch_overrides(args, n1)
+            self._saved_intervals = {k: getattr(args, k) for k in overrides}
+            for key, value in overrides.items():
+                setattr(args, key, value)
+            self._switch = "set"
+            if overrides and args.rank == 0:
+                what = {
+                    "save_interval": "checkpoint",
+                    "eval_interval": "validation",
+                    "log_interval": "log line",
+                }
+                added = [what[k] for k in overrides]
+                print(
+                    f"TST: at the switch (iteration {n1}): {', '.join(added)} "
+                    f"({', '.join('--' + k.replace('_', '-') for k in overrides)} {n1} "
+                    "for this iteration only)",
+                    flush=True,
+                )
+        elif self._switch != "done" and args.curr_iteration >= n1:
+            for key, value in self._saved_intervals.items():
+                setattr(args, key, value)
+            self._saved_intervals, self._switch = {}, "done"
 
     def _announce(self, phase: int, iteration: int, n1: int) -> None:
         """One line on rank 0 when training enters a phase (at the start, and at the switch)."""
@@ -508,6 +695,105 @@ class TSTForwardStep:
             print_rank_0(f"TST: phase 1 (bags) from iteration {iteration}, until {n1}")
         else:
             print_rank_0(f"TST: phase 2 (next-token) from iteration {iteration} (switch at {n1})")
+
+
+#: The key (log line, TensorBoard tag) of the phase-1 loss; phase 2 reports ``lm loss``.
+PHASE1_LOSS = "mce loss"
+
+
+def _reported_as(step, key: str):
+    """``step`` with its loss function reporting ``lm loss`` under ``key``."""
+
+    def forward_step(data_iterator, model):
+        output, loss_func = step(data_iterator, model)
+        return output, functools.partial(_rename_report, loss_func, key)
+
+    return forward_step
+
+
+def _rename_report(loss_func, key: str, output):
+    loss, num_tokens, report = loss_func(output)
+    return loss, num_tokens, {key if k == "lm loss" else k: v for k, v in report.items()}
+
+
+class _RawTokenRate:
+    """Raw tokens per second on the last rank: ``S*T`` tokens per phase-1 sample (``T`` with
+    ``--tst-mode output``), ``T`` per phase-2 sample, times the global batch of the step.
+
+    A step is timed on the host clock from its first training forward to the first forward
+    after it: the next step's, or a validation's (so a validation is not counted). A step
+    whose time holds a checkpoint save (``--save-interval``, the switch,
+    ``--non-persistent-save-interval``, ``pretrain()``'s final save) is left out. At each iteration Megatron-LM logs
+    (``--log-interval``, the switch) the rate over the counted steps since the last report
+    is printed (``TST: iteration ... | raw tokens per second: ...``) and written to
+    TensorBoard and W&B (``raw-tokens-per-second``); ``tst-phase`` (1 or 2) is written at every
+    iteration. The last iteration is reported when the final validation starts (none
+    without validation).
+    """
+
+    def __init__(self, plan: Schedule):
+        self.plan = plan
+        self.index = None  # 0-based index of the open step, None when none is open
+        self.start, self.tokens_in_step = 0.0, 0
+        self.tokens, self.seconds = 0, 0.0
+
+    def forward(self, args, training: bool) -> None:
+        import time
+
+        if training and args.curr_iteration == self.index:
+            return  # another micro-batch or chunk of the open step
+        if not training and self.index is None:
+            return
+        now = time.perf_counter()
+        if self.index is not None:
+            self._close(args, now, by_validation=not training)
+        if training:
+            self._open(args, now)
+
+    def _open(self, args, now: float) -> None:
+        from megatron.core.num_microbatches_calculator import (
+            get_current_running_global_batch_size,
+        )
+        from megatron.training.global_vars import get_tensorboard_writer
+
+        self.index, self.start = args.curr_iteration, now
+        phase = self.plan.phase_at(self.index)
+        self.tokens_in_step = get_current_running_global_batch_size() * phase.data_seq_length
+        writer = get_tensorboard_writer()
+        if writer is not None:
+            writer.add_scalar("tst-phase", phase.index, self.index + 1)
+
+    def _close(self, args, now: float, *, by_validation: bool) -> None:
+        from megatron.training.global_vars import get_tensorboard_writer, get_wandb_writer
+
+        iteration, self.index = self.index + 1, None
+        if by_validation:  # pretrain()'s final save comes before its final validation
+            final = iteration == args.train_iters and not _divides(args.eval_interval, iteration)
+            saved = args.save and final
+        else:
+            saved = args.save and (
+                _divides(args.save_interval, iteration)
+                or _divides(getattr(args, "non_persistent_save_interval", None), iteration)
+            )
+        if not saved:
+            self.tokens += self.tokens_in_step
+            self.seconds += now - self.start
+        logged = _divides(args.log_interval, iteration) or iteration == args.train_iters
+        if not logged or self.seconds <= 0:
+            return
+        rate = self.tokens / self.seconds
+        print(
+            f" TST: iteration {iteration:8d} | raw tokens per second: {rate:.1f} | "
+            f"raw tokens per sample: {self.plan.phase_at(iteration - 1).data_seq_length} |",
+            flush=True,
+        )
+        writer = get_tensorboard_writer()
+        if writer is not None:
+            writer.add_scalar("raw-tokens-per-second", rate, iteration)
+        wandb = get_wandb_writer()
+        if wandb is not None:
+            wandb.log({"raw-tokens-per-second": rate}, iteration)
+        self.tokens, self.seconds = 0, 0.0
 
 
 def _device() -> torch.device:
@@ -531,6 +817,54 @@ def pick_device(argv: Sequence[str]) -> str:
     return device
 
 
+def export_torchrun_env(env: Optional[dict] = None, *, gpus: Optional[int] = None) -> dict:
+    """Make a task of an ``srun`` step look like a torchrun worker to Megatron-LM.
+
+    Megatron-LM's ``parse_args`` and ``initialize_megatron`` read torchrun's variables
+    (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``; init method
+    ``env://``). A task started by ``srun`` without torchrun has Slurm's instead; they are read
+    by :func:`tst_megatron.runtime.distributed.resolve_process` (rank ``SLURM_PROCID``, world
+    ``SLURM_STEP_NUM_TASKS``, local rank ``SLURM_LOCALID``, rendezvous on the step's first host
+    at a port derived from the job id: :func:`tst_megatron.runtime.slurm.slurm_rendezvous`) and
+    exported under torchrun's names. torchrun's variables win (nothing is changed when ``RANK``
+    is set), and outside an ``srun`` step nothing is set. Megatron-LM calls
+    ``torch.cuda.set_device(LOCAL_RANK)``: when Slurm binds fewer GPUs to the task than there
+    are tasks on the node (``--gpus-per-task=1``: each task sees one GPU, device 0),
+    ``LOCAL_RANK`` is ``SLURM_LOCALID`` modulo the visible GPUs, the task's own GPU.
+
+    Args:
+        env: the environment to update (default ``os.environ``).
+        gpus: the CUDA devices this task sees (default ``torch.cuda.device_count()``; 0 on a
+            CPU, where ``LOCAL_RANK`` is ``SLURM_LOCALID``).
+
+    Returns:
+        The variables set (empty when none).
+
+    Raises:
+        ConfigError: a malformed Slurm node list or a rank outside the world.
+    """
+    from tst_megatron.runtime.distributed import resolve_process
+    from tst_megatron.runtime.slurm import in_srun_step
+
+    env = os.environ if env is None else env
+    if "RANK" in env or not in_srun_step(env):
+        return {}
+    gpus = torch.cuda.device_count() if gpus is None else gpus
+    try:
+        process = resolve_process(env, device="cpu")  # the device is not read here
+    except ValueError as exc:  # a malformed node list
+        raise ConfigError(str(exc)) from None
+    exported = {
+        "RANK": str(process.rank),
+        "WORLD_SIZE": str(process.world_size),
+        "LOCAL_RANK": str(process.local_rank % gpus if gpus else process.local_rank),
+        "MASTER_ADDR": process.master_addr,
+        "MASTER_PORT": str(process.master_port),
+    }
+    env.update(exported)
+    return exported
+
+
 def _use_prebuilt_dataset_helpers() -> None:
     """Megatron-LM's ``initialize_megatron`` runs ``make`` in megatron-core's datasets folder
     (``megatron.core.datasets.utils.compile_helpers``); the wheel ships the compiled helper
@@ -546,20 +880,6 @@ def _use_prebuilt_dataset_helpers() -> None:
         """The compiled dataset helper is already installed (megatron-core wheel)."""
 
     dataset_utils.compile_helpers = compile_helpers
-
-
-def _note_switch_checkpoint(args) -> None:
-    """Say on rank 0 when the switch will not be saved: this launcher has no checkpoint at
-    the switch of its own yet (``--no-tst-save-at-switch`` is refused); Megatron-LM saves
-    iteration ``N1`` only when ``--save-interval`` divides it."""
-    n1 = schedule(args).n1
-    saved = bool(args.save_interval) and n1 % args.save_interval == 0
-    if args.save and n1 > 0 and tst_config(args).save_at_switch and not saved and args.rank == 0:
-        print(
-            f"TST: note: no checkpoint at the switch (iteration {n1}): this launcher does not "
-            f"add one yet; use a --save-interval that divides {n1}",
-            flush=True,
-        )
 
 
 def parse(argv: Sequence[str]):
@@ -589,10 +909,12 @@ def parse(argv: Sequence[str]):
     try:
         args = parse_and_validate_args(extra_args_provider=add_tst_args)
     except (AssertionError, ValueError) as exc:  # validate_args raises both
-        raise ConfigError(f"Megatron-LM's argument validation: {exc}") from None
+        from tst_megatron.training.dry_run import validation_error
+
+        raise ConfigError(validation_error(exc)) from None
     finally:
         sys.argv = saved
-    problems = tst_problems(args)
+    problems = late_megatron_problems(args) + tst_problems(args)
     if problems:
         raise ConfigError("\n".join(problems))
     return args, device
@@ -602,12 +924,19 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     """Parse, check, then run Megatron-LM's ``pretrain()`` with TST's extension points.
 
     ``argv`` defaults to ``sys.argv[1:]``. On a problem, rank 0 prints one ``error:`` line per
-    problem and the process exits with status 2 before any work.
+    problem and the process exits with status 2 before any work. With ``--dry-run`` it
+    exits with :func:`tst_megatron.training.dry_run.dry_run`'s status (0 or 2) instead of
+    training.
     """
     from megatron.core.enums import ModelType
 
     argv = sys.argv[1:] if argv is None else list(argv)
+    if "--dry-run" in argv:
+        from tst_megatron.training.dry_run import dry_run
+
+        raise SystemExit(dry_run(argv))
     try:
+        export_torchrun_env()
         args, device = parse(argv)
     except ConfigError as exc:
         if os.environ.get("RANK", "0") == "0":
@@ -617,7 +946,6 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     from megatron.training.argument_utils import pretrain_cfg_container_from_args
     from megatron.training.training import pretrain
 
-    _note_switch_checkpoint(args)
     _use_prebuilt_dataset_helpers()
     if device == "cpu":
         from tst_megatron.runtime import cpu

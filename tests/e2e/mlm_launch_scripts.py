@@ -1,0 +1,287 @@
+"""Public Megatron-LM (0.19) launch scripts as the argument lists they pass to
+``pretrain_gpt.py``, for the Megatron-LM launcher (``examples/pretrain_gpt_tst_mlm.py``):
+changed only by the script name, ``--tst-bag-size`` added, and data, tokenizer and
+checkpoint paths pointing at local names (a dry run reads none of them).
+
+Each entry: ``world_size`` (a world size the script runs at), ``argv`` (in the script's
+order, after bash word splitting), ``env`` (what the script exports that Megatron-LM's
+validation reads) and where it comes from (the comment above it). Mixtral 8x7B and Llama 3
+8B FP8 are the transcriptions of :mod:`tests.e2e.launch_scripts` (identical in
+NVIDIA/Megatron-LM ``core_v0.19.0``).
+"""
+
+from tests.e2e.launch_scripts import CACHE, CKPT, DATA, HF_DIR, LLAMA3_FP8, MIXTRAL, TB, TST
+
+VOCAB = "data/gpt2-vocab.json"  # GPT-2 BPE files (the 175B script's $3/$4)
+MERGES = "data/gpt2-merges.txt"
+
+#: Every script below exports this (or sets it to 1 when unset); with TP or CP > 1 on a GPU
+#: before Blackwell, Megatron-LM's validate_args asserts it.
+CONNECTIONS = {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+
+
+def _without(argv: list, flag: str, values: int = 1) -> list:
+    """``argv`` without ``flag`` and the ``values`` words after it."""
+    i = argv.index(flag)
+    return argv[:i] + argv[i + 1 + values :]
+
+
+# NVIDIA/Megatron-LM core_v0.19.0 examples/gpt3/train_gpt3_175b_distributed.sh with
+# CHECKPOINT_PATH=$CKPT TENSORBOARD_LOGS_PATH=$TB VOCAB_FILE=$VOCAB MERGE_FILE=$MERGES
+# DATA_PATH=$DATA. TP 8 x PP 16 needs 128 ranks ("Change for multinode config": 16 nodes of
+# 8). The script passes both --global-batch-size 1536 and --step-batch-size-schedule, which
+# Megatron-LM 0.19's validate_args itself refuses ("Cannot specify both"; see
+# GPT3_175B_AS_PUBLISHED): the entry drops --global-batch-size, as that message asks (the
+# schedule's last batch is the same 1536).
+GPT3_175B_AS_PUBLISHED = {
+    "world_size": 128,
+    "env": CONNECTIONS,
+    "argv": [
+        # GPT_MODEL_ARGS
+        "--num-layers", "96", "--hidden-size", "12288", "--num-attention-heads", "96",
+        "--seq-length", "2048", "--max-position-embeddings", "2048",
+        "--attention-backend", "auto",
+        # TRAINING_ARGS
+        "--micro-batch-size", "1", "--global-batch-size", "1536",
+        "--step-batch-size-schedule", "0:16 2.4B:320 4.8B:624 7.2B:928 9.6B:1232 12B:1536",
+        "--train-iters", "500000", "--weight-decay", "0.1", "--adam-beta1", "0.9",
+        "--adam-beta2", "0.95", "--init-method-std", "0.006", "--clip-grad", "1.0", "--fp16",
+        "--lr", "6.0e-5", "--lr-decay-style", "cosine", "--min-lr", "6.0e-6",
+        "--lr-warmup-fraction", ".001", "--lr-decay-iters", "430000",
+        # MODEL_PARALLEL_ARGS
+        "--tensor-model-parallel-size", "8", "--pipeline-model-parallel-size", "16",
+        # DATA_ARGS
+        "--data-path", DATA, "--vocab-file", VOCAB, "--merge-file", MERGES,
+        "--split", "949,50,1",
+        # EVAL_AND_LOGGING_ARGS
+        "--log-interval", "100", "--save-interval", "10000", "--eval-interval", "1000",
+        "--save", CKPT, "--load", CKPT, "--eval-iters", "10", "--tensorboard-dir", TB,
+    ] + TST,
+}  # fmt: skip
+GPT3_175B = dict(
+    GPT3_175B_AS_PUBLISHED, argv=_without(GPT3_175B_AS_PUBLISHED["argv"], "--global-batch-size")
+)
+
+# NVIDIA/Megatron-LM core_v0.19.0 examples/gptoss/02_train.sh with GPUS_PER_NODE=4 (the
+# script reads it from the environment; "Adjust each value based on your setup"): one node,
+# PP_SIZE = WORLD_SIZE = 4. Its default of 8 GPUs makes PP 8, which Megatron-LM itself refuses
+# for the script's 12 layers ("Number of layers should be divisible by the
+# pipeline-model-parallel size"). TP 1, EP 1, DTYPE fp8, the mock-data branch
+# (TOKENIZER_ARG=MOCK), CHECKPOINT_PATH=$CKPT. As in the Llama script, "--split '99,1,0'" is
+# one array element, so the value keeps its quotes after word splitting. Two of its flags,
+# --export-force-local-attention and --enable-gpt-oss, are ModelOpt's (megatron.post_training,
+# added to pretrain_gpt.py's parser only when nvidia-modelopt is installed; they pick
+# ModelOpt's model builder), not Megatron-LM's: GPT_OSS leaves them out (see
+# GPT_OSS_AS_PUBLISHED).
+GPT_OSS_AS_PUBLISHED = {
+    "world_size": 4,
+    "env": CONNECTIONS,
+    "argv": [
+        # MODEL_ARGS
+        "--no-masked-softmax-fusion", "--transformer-impl", "transformer_engine",
+        "--disable-bias-linear", "--untie-embeddings-and-output-weights", "--no-rope-fusion",
+        "--normalization", "RMSNorm", "--num-layers", "12", "--hidden-size", "512",
+        "--ffn-hidden-size", "2048", "--num-attention-heads", "64", "--group-query-attention",
+        "--num-query-groups", "8", "--seq-length", "8192", "--max-position-embeddings", "8192",
+        "--use-mcore-models", "--rotary-percent", "1.0", "--rope-type", "rope",
+        "--position-embedding-type", "rope", "--rotary-base", "10000",
+        "--no-bias-gelu-fusion", "--export-force-local-attention", "--no-bias-dropout-fusion",
+        "--quick-geglu", "--glu-linear-offset", "1.0", "--softmax-type", "learnable",
+        "--window-attn-skip-freq", "2", "--activation-func-clamp-value", "7.0",
+        "--window-size", "127,0", "--enable-gpt-oss",
+        # MOE_ARGS
+        "--num-experts", "4", "--moe-router-topk", "2", "--moe-router-load-balancing-type",
+        "aux_loss", "--moe-aux-loss-coeff", "1e-3", "--moe-grouped-gemm",
+        "--moe-token-dispatcher-type", "alltoall", "--overlap-param-gather",
+        "--overlap-grad-reduce", "--moe-ffn-hidden-size", "2048", "--moe-router-dtype", "fp32",
+        "--moe-z-loss-coeff", "1e-3", "--moe-permute-fusion",
+        # DATA_ARGS_LIST (mock)
+        "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128256",
+        "--data-cache-path", CACHE, "--tiktoken-pattern", "v2", "--split", "'99,1,0'",
+        "--no-create-attention-mask-in-dataloader", "--no-mmap-bin-files", "--num-workers",
+        "1",
+        # TRAINING_ARGS
+        "--micro-batch-size", "1", "--global-batch-size", "128", "--lr", "1.0e-5",
+        "--train-samples", "1953125000", "--lr-decay-samples", "1949218748",
+        "--lr-decay-style", "cosine", "--min-lr", "1.0e-6", "--weight-decay", "0.1",
+        "--lr-warmup-fraction", "0.05", "--clip-grad", "1.0", "--bf16", "--use-flash-attn",
+        "--attention-softmax-in-fp32", "--accumulate-allreduce-grads-in-fp32",
+        "--disable-bf16-reduced-precision-matmul", "--recompute-activations",
+        # MODEL_PARALLEL_ARGS
+        "--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "4",
+        "--expert-model-parallel-size", "1", "--sequence-parallel", "--context-parallel-size",
+        "1", "--use-distributed-optimizer", "--fp8-format", "hybrid", "--fp8-param-gather",
+        "--fp8-amax-compute-algo", "max", "--fp8-amax-history-len", "1024",
+        # LOGGING_ARGS
+        "--log-interval", "1", "--save-interval", "10000", "--eval-interval", "50000000",
+        "--eval-iters", "0", "--save", CKPT, "--tensorboard-dir", f"{CKPT}/tensorboard",
+        "--moe-per-layer-logging", "--no-load-optim", "--no-load-rng", "--log-throughput",
+    ] + TST,
+}  # fmt: skip
+
+# NVIDIA/Megatron-LM core_v0.19.0 examples/megatron_fsdp/sbatch_mfsdp_deepseek_v3.sh (the
+# DeepSeek-V3 model: MLA, 256 experts with a shared expert, sigmoid routing with expert bias,
+# MTP), its PRETRAIN_ARGS with the defaults TP=1 EP=8 MBS=4 GBS=2048, USE_MEGATRON_FSDP=1
+# (Megatron-FSDP flags appended; the script unsets CUDA_DEVICE_MAX_CONNECTIONS), WANDB=0,
+# PROFILE=0, OUTPUT_PATH -> $CKPT, DATA_PATH=$DATA, tokenizer deepseek-ai/DeepSeek-V3 ->
+# $HF_DIR. The script leaves the node count to the user: 32 nodes of 8 = 256 ranks here.
+DEEPSEEK_V3 = {
+    "world_size": 256,
+    "env": {},
+    "argv": [
+        "--distributed-timeout-minutes", "60", "--tensor-model-parallel-size", "1",
+        "--expert-model-parallel-size", "8", "--expert-tensor-parallel-size", "1",
+        "--context-parallel-size", "1", "--use-distributed-optimizer", "--overlap-grad-reduce",
+        "--overlap-param-gather", "--use-mcore-models", "--sequence-parallel",
+        "--use-flash-attn", "--disable-bias-linear", "--micro-batch-size", "4",
+        "--global-batch-size", "2048", "--train-samples", "585937500",
+        "--exit-duration-in-mins", "220", "--no-check-for-nan-in-loss-and-grad", "--manual-gc",
+        "--manual-gc-interval", "10", "--recompute-granularity", "selective",
+        "--recompute-modules", "mlp", "moe", "mla_up_proj", "layernorm",
+        "--transformer-impl", "transformer_engine", "--seq-length", "4096",
+        "--data-cache-path", CACHE, "--tokenizer-type", "HuggingFaceTokenizer",
+        "--tokenizer-model", HF_DIR, "--data-path", DATA, "--split", "99,1,0",
+        "--no-mmap-bin-files", "--no-create-attention-mask-in-dataloader", "--num-workers", "6",
+        "--num-layers", "61", "--hidden-size", "7168", "--ffn-hidden-size", "18432",
+        "--num-attention-heads", "128", "--kv-channels", "128", "--max-position-embeddings",
+        "4096", "--position-embedding-type", "rope", "--rotary-base", "10000",
+        "--make-vocab-size-divisible-by", "3232", "--normalization", "RMSNorm",
+        "--norm-epsilon", "1e-6", "--swiglu", "--untie-embeddings-and-output-weights",
+        "--multi-latent-attention", "--attention-dropout", "0.0", "--hidden-dropout", "0.0",
+        "--clip-grad", "1.0", "--weight-decay", "0.1", "--qk-layernorm",
+        "--lr-decay-samples", "584765624", "--lr-warmup-samples", "1536000",
+        "--lr-warmup-init", "3.9e-7", "--lr", "3.9e-6", "--min-lr", "3.9e-7",
+        "--lr-decay-style", "cosine", "--adam-beta1", "0.9", "--adam-beta2", "0.95",
+        "--num-experts", "256", "--moe-layer-freq", "[0]*3+[1]*58",
+        "--moe-ffn-hidden-size", "2048", "--moe-shared-expert-intermediate-size", "2048",
+        "--moe-router-load-balancing-type", "seq_aux_loss", "--moe-router-topk", "8",
+        "--moe-token-dispatcher-type", "flex", "--moe-flex-dispatcher-backend", "hybridep",
+        "--moe-router-pre-softmax", "--moe-grouped-gemm", "--moe-aux-loss-coeff", "1e-4",
+        "--moe-router-group-topk", "4", "--moe-router-num-groups", "8",
+        "--moe-router-topk-scaling-factor", "2.5", "--moe-router-score-function", "sigmoid",
+        "--moe-router-enable-expert-bias", "--moe-router-bias-update-rate", "1e-3",
+        "--moe-router-dtype", "fp32", "--moe-permute-fusion",
+        "--moe-router-force-load-balancing", "--q-lora-rank", "1536", "--kv-lora-rank", "512",
+        "--qk-head-dim", "128", "--qk-pos-emb-head-dim", "64", "--v-head-dim", "128",
+        "--rotary-scaling-factor", "40", "--mscale", "1.0", "--mscale-all-dim", "1.0",
+        "--mtp-num-layers", "1", "--mtp-loss-scaling-factor", "0.1", "--eval-iters", "32",
+        "--eval-interval", "100", "--auto-detect-ckpt-format", "--load", CKPT, "--save", CKPT,
+        "--save-interval", "100", "--dist-ckpt-strictness", "log_all",
+        "--init-method-std", "0.02", "--log-timers-to-tensorboard",
+        "--log-memory-to-tensorboard", "--log-num-zeros-in-grad", "--log-params-norm",
+        "--log-validation-ppl-to-tensorboard", "--log-throughput", "--log-interval", "1",
+        "--logging-level", "40", "--tensorboard-dir", TB, "--bf16", "--enable-experimental",
+        # USE_MEGATRON_FSDP=1
+        "--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params",
+        "--no-gradient-accumulation-fusion", "--use-distributed-optimizer",
+        "--calculate-per-token-loss", "--init-model-with-meta-device", "--ckpt-format",
+        "fsdp_dtensor", "--fsdp-double-buffer", "--use-nccl-ub",
+        "--megatron-fsdp-grad-comm-dtype", "bf16", "--megatron-fsdp-main-grads-dtype", "bf16",
+    ] + TST,
+}  # fmt: skip
+#: The script's gpt-oss model without ModelOpt's two flags.
+GPT_OSS = dict(
+    GPT_OSS_AS_PUBLISHED,
+    argv=_without(
+        _without(GPT_OSS_AS_PUBLISHED["argv"], "--export-force-local-attention", 0),
+        "--enable-gpt-oss",
+        0,
+    ),
+)
+
+#: The same without MTP (``--mtp-num-layers``, ``--mtp-loss-scaling-factor``): MLA, the MoE
+#: and Megatron-FSDP on their own.
+DEEPSEEK_V3_NO_MTP = dict(
+    DEEPSEEK_V3,
+    argv=_without(_without(DEEPSEEK_V3["argv"], "--mtp-num-layers"), "--mtp-loss-scaling-factor"),
+)
+
+# yanring/Megatron-MoE-ModelZoo (e8650517) best_practice/qwen3/run_30b.sh, "EP + DP
+# solution": PP=1 VPP=1 TP=1 EP=8 NNODES=4 (32 ranks) sbatch_benchmarking.sh
+# --moe-router-force-load-balancing, i.e. model_configs/benchmarking/Qwen3-30B-A3B.yaml
+# turned into flags as sbatch_benchmarking.sh does (yq: "false" entries dropped, "true" ->
+# bare flag; LAYERS_PER_VP=false with VPP 1), runtime.conf's Qwen3-30B-A3B row (CP 1, MBS 1,
+# GBS 256, alltoall, grouped GEMM, SEQ_LEN 4096), then the appended flags: the command line's
+# --moe-router-force-load-balancing, DISPATCHER's default deepep (flex) and PR=fp8 (the
+# script's fp8 recipe; its default PR=bf16 appends --tp-comm-overlap, which Megatron-LM
+# itself refuses at TP 1). The config's --cross-entropy-fusion-impl te (added in August 2025)
+# is refused by Megatron-LM 0.19 itself ("Transformer Engine cross entropy loss fusion is
+# disabled due to stability issues. Use --cross-entropy-fusion-impl native ..."): QWEN3_30B_A3B
+# takes native, as that message says. LOAD_PATH/OUTPUT_PATH -> $CKPT, MCORE_RELEASE_VERSION=0.19.0 (in the
+# W&B project name; run_30b.sh's empty WANDB_PROJECT falls back to it), COMMENT=baseline.
+QWEN3_30B_A3B_AS_PUBLISHED = {
+    "world_size": 32,
+    "env": CONNECTIONS,
+    "argv": [
+        "--distributed-timeout-minutes", "60", "--tensor-model-parallel-size", "1",
+        "--pipeline-model-parallel-size", "1", "--expert-model-parallel-size", "8",
+        "--context-parallel-size", "1", "--expert-tensor-parallel-size", "1",
+        "--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather",
+        "--no-create-attention-mask-in-dataloader",
+        "--use-mcore-models", "--sequence-parallel", "--use-flash-attn", "--disable-bias-linear",
+        "--micro-batch-size", "1", "--global-batch-size", "256", "--train-samples",
+        "268554688", "--exit-duration-in-mins", "230", "--manual-gc", "--manual-gc-interval",
+        "5", "--cross-entropy-loss-fusion", "--cross-entropy-fusion-impl", "te",
+        "--enable-experimental",
+        "--transformer-impl", "transformer_engine",
+        "--data-cache-path", CACHE, "--tokenizer-type", "HuggingFaceTokenizer",
+        "--tokenizer-model", HF_DIR, "--data-path", DATA, "--split", "99,1,0",
+        "--no-mmap-bin-files", "--num-workers", "6",
+        "--untie-embeddings-and-output-weights", "--position-embedding-type", "rope",
+        "--rotary-percent", "1.0", "--rotary-base", "1000000",
+        "--rotary-seq-len-interpolation-factor", "1", "--normalization", "RMSNorm", "--swiglu",
+        "--norm-epsilon", "1e-06", "--num-layers", "48", "--hidden-size", "2048",
+        "--ffn-hidden-size", "6144", "--num-attention-heads", "32", "--group-query-attention",
+        "--num-query-groups", "4", "--kv-channels", "128", "--qk-layernorm", "--seq-length",
+        "4096", "--max-position-embeddings", "40960", "--make-vocab-size-divisible-by", "1187",
+        "--attention-dropout", "0.0", "--hidden-dropout", "0.0", "--clip-grad", "1.0",
+        "--weight-decay", "0.1",
+        "--lr-decay-samples", "255126953", "--lr-warmup-samples", "162761", "--lr", "1.2e-4",
+        "--min-lr", "1.2e-5", "--lr-decay-style", "cosine", "--adam-beta1", "0.9",
+        "--adam-beta2", "0.95",
+        "--num-experts", "128", "--moe-ffn-hidden-size", "768",
+        "--moe-router-load-balancing-type", "aux_loss", "--moe-router-topk", "8",
+        "--moe-grouped-gemm", "--moe-aux-loss-coeff", "1e-3", "--moe-token-dispatcher-type",
+        "alltoall", "--moe-permute-fusion", "--moe-router-dtype", "fp32",
+        "--moe-router-fusion",
+        "--eval-iters", "32", "--eval-interval", "500",
+        "--finetune", "--auto-detect-ckpt-format", "--load", CKPT, "--save",
+        f"{CKPT}/checkpoints", "--save-interval", "500", "--dist-ckpt-strictness", "log_all",
+        "--init-method-std", "0.02",
+        "--log-timers-to-tensorboard", "--log-memory-to-tensorboard", "--log-num-zeros-in-grad",
+        "--log-params-norm", "--log-validation-ppl-to-tensorboard", "--log-throughput",
+        "--log-interval", "1", "--tensorboard-dir", TB, "--wandb-project",
+        "moe-benchmarking-v0.19.0", "--wandb-exp-name",
+        "Qwen3-30B-A3B-TP1PP1EP8CP1VPP1-MBS1GBS256-baseline",
+        "--bf16",
+        # appended by the command line and sbatch_benchmarking.sh
+        "--moe-router-force-load-balancing",
+        "--moe-token-dispatcher-type", "flex", "--moe-flex-dispatcher-backend", "deepep",
+        "--fp8-recipe", "blockwise", "--fp8-format", "e4m3", "--fp8-param-gather",
+        "--use-precision-aware-optimizer", "--main-grads-dtype", "fp32", "--main-params-dtype",
+        "fp32", "--exp-avg-dtype", "bf16", "--exp-avg-sq-dtype", "bf16",
+        "--moe-router-padding-for-fp8",
+    ] + TST,
+}  # fmt: skip
+
+_i = QWEN3_30B_A3B_AS_PUBLISHED["argv"].index("--cross-entropy-fusion-impl")
+QWEN3_30B_A3B = dict(
+    QWEN3_30B_A3B_AS_PUBLISHED,
+    argv=QWEN3_30B_A3B_AS_PUBLISHED["argv"][: _i + 1]
+    + ["native"]
+    + QWEN3_30B_A3B_AS_PUBLISHED["argv"][_i + 2 :],
+)
+
+MIXTRAL_8X7B = dict(MIXTRAL, env=CONNECTIONS)
+LLAMA3_8B_FP8 = dict(LLAMA3_FP8, env=CONNECTIONS)
+
+#: The scripts that pass the dry run as they are (model families: dense GPT with a batch-size
+#: schedule, Llama, Mixtral, Qwen3-MoE, DeepSeek-V3 MLA + MoE, gpt-oss attention).
+SCRIPTS = {
+    "gpt3_175b": GPT3_175B,
+    "llama3_8b_fp8": LLAMA3_8B_FP8,
+    "mixtral_8x7b": MIXTRAL_8X7B,
+    "qwen3_30b_a3b": QWEN3_30B_A3B,
+    "deepseek_v3_no_mtp": DEEPSEEK_V3_NO_MTP,
+    "gpt_oss": GPT_OSS,
+}

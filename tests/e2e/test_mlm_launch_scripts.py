@@ -1,0 +1,115 @@
+"""Public Megatron-LM (0.19) launch scripts pass the Megatron-LM launcher's ``--dry-run`` at their
+own world size, with only the script name changed and ``--tst-bag-size`` added
+(:mod:`tests.e2e.mlm_launch_scripts`), on this CPU machine without CUDA or Transformer Engine;
+what they get wrong by Megatron-LM's own rules, or TST refuses, is one ``error:`` line."""
+
+import pytest
+
+from tests.e2e import mlm_launch_scripts as scripts
+from tests.unit.test_dry_run import _errors, dry
+
+pytest.importorskip("megatron.training")
+
+#: Published parameter counts: ``(reference, tolerance, embedding and output parameters to add
+#: to the dry run's count)``; the dry run counts no embedding where the vocabulary comes from a
+#: tokenizer file (``V x h`` each, untied).
+PUBLISHED = {
+    # mistralai/Mixtral-8x7B-v0.1: 46,702,792,704 parameters; V = 32000, h = 4096
+    "mixtral_8x7b": (46_702_792_704, 0, 2 * 32_000 * 4096),
+    # meta-llama/Meta-Llama-3-8B: 8,030,261,248 parameters (NullTokenizer, V = 128256: counted)
+    "llama3_8b_fp8": (8_030_261_248, 0, 0),
+    # Qwen/Qwen3-30B-A3B model card: "Number of Parameters (Non-Embedding): 29.9B"
+    "qwen3_30b_a3b": (29.9e9, 0.05e9, 0),
+    # DeepSeek-V3 technical report: 671B total parameters (the main model, without the MTP
+    # module); V = 129280, h = 7168
+    "deepseek_v3_no_mtp": (671e9, 0.5e9, 2 * 129_280 * 7168),
+}
+
+
+def _counted(out: str) -> int:
+    """The total of the dry run's ``parameters:`` line."""
+    line = next(x for x in out.splitlines() if x.strip().startswith("parameters:"))
+    return int(line.split("parameters:")[1].split()[0].replace(",", ""))
+
+
+def _run(script):
+    return dry(script["argv"], env={"WORLD_SIZE": str(script["world_size"]), **script["env"]})
+
+
+@pytest.mark.parametrize("name", sorted(scripts.SCRIPTS))
+def test_public_launch_script_passes_the_dry_run(name):
+    script = scripts.SCRIPTS[name]
+    result = _run(script)
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert f"layout: world {script['world_size']} = " in out
+    assert "TST: bag size 4," in out and "switch at sample" in out
+    assert out.rstrip().endswith("dry run: no problems found")
+    if name in PUBLISHED:
+        reference, tolerance, embedding = PUBLISHED[name]
+        assert abs(_counted(out) + embedding - reference) <= tolerance, out
+
+
+def test_the_batch_size_schedule_is_megatron_lm_s():
+    out = _run(scripts.GPT3_175B).stdout
+    # "0:16 2.4B:320 ..." in tokens of --seq-length 2048: 2.4e9 / 2048 = 1,171,875 samples
+    assert "global batch from sample 0: 16 (16 micro-batches)" in out
+    assert "from sample 1,171,875: 320" in out and "from sample 5,859,375: 1536" in out
+    # N1 = 0.3 x 500000 = 150000 steps; the samples they consume under the schedule, summed
+    # plainly: each step's batch is the schedule's at the samples consumed before it
+    schedule = [(0, 16), (1_171_875, 320), (2_343_750, 624), (3_515_625, 928)]
+    schedule += [(4_687_500, 1232), (5_859_375, 1536)]
+    consumed = 0
+    for _ in range(150_000):
+        consumed += [batch for threshold, batch in schedule if consumed >= threshold][-1]
+    assert f"N1 = 150,000 of 500,000 iterations; switch at sample {consumed:,};" in out
+
+
+def test_layouts_of_the_scripts():
+    gpt3 = _run(scripts.GPT3_175B).stdout
+    assert "world 128 = TP 8 x CP 1 x PP 16 x DP 1" in gpt3
+    mixtral = _run(scripts.MIXTRAL_8X7B).stdout
+    assert "world 32 = TP 1 x CP 1 x PP 4 x DP 8; VPP 1; EP 8, ETP 1, expert DP 1" in mixtral
+    assert "global batch 256 = micro-batch 1 x DP 8 x 32 micro-batches per step" in mixtral
+    oss = _run(scripts.GPT_OSS).stdout
+    assert "softmax learnable, window (127, 0)" in oss and "world 4 = TP 1 x CP 1 x PP 4" in oss
+
+
+@pytest.mark.parametrize(
+    "name,message",
+    [
+        (
+            "GPT3_175B_AS_PUBLISHED",
+            "error: Megatron-LM's argument validation: Cannot specify both "
+            "--step-batch-size-schedule and --global-batch-size",
+        ),
+        (
+            "QWEN3_30B_A3B_AS_PUBLISHED",
+            "error: Megatron-LM's argument validation: Transformer Engine cross entropy loss "
+            "fusion is disabled due to stability issues. Use --cross-entropy-fusion-impl "
+            "native, or omit --cross-entropy-loss-fusion.",
+        ),
+        (
+            "GPT_OSS_AS_PUBLISHED",
+            "error: Megatron-LM's argument parser: unrecognized arguments: "
+            "--export-force-local-attention --enable-gpt-oss",
+        ),
+    ],
+)
+def test_what_megatron_lm_itself_refuses_in_a_published_script_is_one_line(name, message):
+    result = _run(getattr(scripts, name))
+    assert result.returncode == 2
+    assert _errors(result.stderr) == [message]
+    assert "Traceback" not in result.stderr
+
+
+def test_deepseek_v3_with_mtp_is_refused_in_one_line_naming_the_flag_or_passes():
+    """DeepSeek-V3 as published has MTP (``--mtp-num-layers 1``). Refused with a TST phase 1
+    today; if the launcher comes to run MTP (e.g. in phase 2 only), the line passes."""
+    result = _run(scripts.DEEPSEEK_V3)
+    if result.returncode == 2:
+        (line,) = _errors(result.stderr)
+        assert line.startswith("error: --mtp-num-layers ")
+    else:
+        assert result.returncode == 0, result.stderr
+        assert "MTP 1 layer(s)" in result.stdout

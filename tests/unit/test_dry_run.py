@@ -1,0 +1,300 @@
+"""``--dry-run`` of the Megatron-LM launcher (:mod:`tst_megatron.training.dry_run`): Megatron-LM's
+validation as one ``error:`` line, the TST checks, and parameter counts that equal those of the
+model the launcher builds."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import subprocess
+import sys
+from types import SimpleNamespace
+from unittest import mock
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.training")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+#: A small valid launch line on mock data (no file is read by a dry run).
+SMALL = [
+    "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128",
+    "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+    "--seq-length", "16", "--max-position-embeddings", "16",
+    "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "10",
+    "--lr", "1e-3", "--tst-bag-size", "2",
+]  # fmt: skip
+
+
+def dry(argv, env=None):
+    """``dry_run(argv + --dry-run)`` in this process with ``env`` over a clean environment
+    (no RANK/WORLD_SIZE/CUDA_DEVICE_MAX_CONNECTIONS): ``(returncode, stdout, stderr)``."""
+    from tst_megatron.training.dry_run import dry_run
+
+    drop = ("RANK", "WORLD_SIZE", "SLURM_PROCID", "CUDA_DEVICE_MAX_CONNECTIONS")
+    environ = {k: v for k, v in os.environ.items() if k not in drop}
+    out, err = io.StringIO(), io.StringIO()
+    with mock.patch.dict(os.environ, {**environ, **(env or {})}, clear=True):
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = dry_run([*argv, "--dry-run"])
+    return SimpleNamespace(returncode=code, stdout=out.getvalue(), stderr=err.getvalue())
+
+
+def _errors(text):
+    return [line for line in text.splitlines() if line.startswith("error:")]
+
+
+def test_a_valid_line_prints_layout_model_and_plan():
+    r = dry(
+        SMALL + ["--tensor-model-parallel-size", "2"],
+        env={"WORLD_SIZE": "8", "CUDA_DEVICE_MAX_CONNECTIONS": "1"},
+    )
+    assert r.returncode == 0, r.stderr
+    out = r.stdout
+    assert "layout: world 8 = TP 2 x CP 1 x PP 1 x DP 4; VPP 1; EP 1, ETP 2" in out
+    assert "global batch 8 = micro-batch 2 x DP 4 x 1 micro-batches per step" in out
+    # 10 iterations, N1 = round(0.3 * 10) = 3; the switch after 3 global batches of 8
+    assert "N1 = 3 of 10 iterations; switch at sample 24;" in out
+    assert "phase 1: samples of 32 + 1 tokens, 16 positions; phase 2: samples of 16 + 1" in out
+    assert "padded vocabulary 256" in out  # 128 rounded up to 128 x TP 2
+    assert out.rstrip().endswith("dry run: no problems found")
+    assert r.stderr == ""
+
+
+def test_the_cpu_flags_are_not_added_unless_the_run_is_a_cpu_run():
+    auto = dry(SMALL)
+    cpu = dry(SMALL + ["--device", "cpu"])
+    assert auto.returncode == cpu.returncode == 0, auto.stderr + cpu.stderr
+    assert "checked as a CUDA run" in auto.stdout and ", transformer_engine," in auto.stdout
+    assert "checked as a CPU run" in cpu.stdout and ", local," in cpu.stdout
+
+
+@pytest.mark.parametrize(
+    "extra,world,expected",
+    [
+        # validate_args: a world size TP x PP does not divide
+        (["--pipeline-model-parallel-size", "2"], "3", "world size (3) is not divisible by"),
+        # validate_args' bare `assert args.hidden_size % args.num_attention_heads == 0`
+        (["--num-attention-heads", "5"], "1", "hidden_size % args.num_attention_heads == 0"),
+    ],
+)
+def test_an_assertion_in_megatron_validate_args_is_one_error_line(extra, world, expected):
+    r = dry(SMALL + extra, env={"WORLD_SIZE": world})
+    assert r.returncode == 2
+    (line,) = _errors(r.stderr)
+    assert line.startswith("error: Megatron-LM's argument validation: ") and expected in line
+    assert "Traceback" not in r.stderr and r.stdout == ""
+
+
+def test_a_tp_size_that_does_not_divide_the_heads_is_one_error_line():
+    # validate_args lets it through; megatron-core's TransformerConfig refuses it
+    r = dry(
+        SMALL + ["--tensor-model-parallel-size", "3"],
+        env={"WORLD_SIZE": "3", "CUDA_DEVICE_MAX_CONNECTIONS": "1"},
+    )
+    assert r.returncode == 2
+    (line,) = _errors(r.stderr)
+    assert line.startswith("error: Megatron-LM's TransformerConfig: "), line
+    assert "num_attention_heads (4) must be a multiple of tensor_model_parallel_size (3)" in line
+    assert "Traceback" not in r.stderr
+
+
+def test_tp_on_an_h100_without_cuda_device_max_connections_is_megatron_lm_s_error():
+    # no GPU here: validate_args is answered as for an H100, which asserts the variable with TP
+    bad = dry(SMALL + ["--tensor-model-parallel-size", "2"], env={"WORLD_SIZE": "2"})
+    assert bad.returncode == 2
+    (line,) = _errors(bad.stderr)
+    assert "CUDA_DEVICE_MAX_CONNECTIONS to 1" in line
+    good = dry(
+        SMALL + ["--tensor-model-parallel-size", "2"],
+        env={"WORLD_SIZE": "2", "CUDA_DEVICE_MAX_CONNECTIONS": "1"},
+    )
+    assert good.returncode == 0, good.stderr
+    # the stand-in was scoped to the call: the modules see torch again
+    import megatron.training.arguments as arguments
+    import megatron.training.utils.common_utils as common_utils
+    import torch
+
+    assert arguments.torch is torch and common_utils.torch is torch
+    import megatron.core.transformer.transformer_config as transformer_config
+
+    for module in (arguments, transformer_config):
+        assert module.is_te_min_version.__module__ == "megatron.core.utils"
+
+
+def test_an_unknown_flag_is_one_error_line():
+    r = dry(SMALL + ["--no-such-flag"])
+    assert r.returncode == 2
+    assert _errors(r.stderr) == [
+        "error: Megatron-LM's argument parser: unrecognized arguments: --no-such-flag"
+    ]
+
+
+def test_tst_problems_are_reported_one_line_each():
+    r = dry(SMALL + ["--reset-position-ids", "--dataloader-type", "cyclic"])
+    assert r.returncode == 2
+    errors = _errors(r.stderr)
+    assert len(errors) == 2, r.stderr
+    assert errors[0].startswith("error: --reset-position-ids is not supported in TST phase 1")
+    assert errors[1].startswith("error: --dataloader-type cyclic is not supported with TST")
+
+
+def test_a_bad_batch_size_schedule_is_megatron_lm_s_error():
+    # the schedule's batch 12 is not a multiple of micro-batch 2 x DP 4
+    argv = [a for a in SMALL if a not in ("--global-batch-size", "8")]
+    r = dry(argv + ["--step-batch-size-schedule", "0:8 64:12"], env={"WORLD_SIZE": "4"})
+    assert r.returncode == 2
+    assert _errors(r.stderr) == [
+        "error: --step-batch-size-schedule: global batch 12 (from sample 4) is not divisible "
+        "by --micro-batch-size 2 x data-parallel size 4; Megatron-LM asserts it when the run "
+        "gets there"
+    ]
+    # Megatron-LM's calculator refuses a schedule that does not start at 0
+    r = dry(argv + ["--step-batch-size-schedule", "16:8"], env={"WORLD_SIZE": "4"})
+    assert r.returncode == 2
+    (line,) = _errors(r.stderr)
+    assert line.startswith("error: Megatron-LM's batch-size schedule: first schedule entry")
+
+
+def test_only_rank_0_prints():
+    r = dry(SMALL + ["--reset-position-ids"], env={"RANK": "1"})
+    assert r.returncode == 2 and r.stdout == r.stderr == ""
+
+
+@pytest.mark.slow
+def test_entry_point_dry_run_exits_2_with_one_error_line_and_no_traceback():
+    """The example entry point, as a user runs it: an assertion inside Megatron-LM's
+    validate_args (4 heads do not divide hidden size 30) is one line on stderr, status 2."""
+    env = dict(os.environ, PYTHONPATH=ROOT, WORLD_SIZE="1", RANK="0")
+    result = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "examples", "pretrain_gpt_tst_mlm.py"), *SMALL,
+         "--hidden-size", "30", "--dry-run"],
+        capture_output=True, text=True, env=env, cwd=ROOT, timeout=600,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stdout + result.stderr
+    errors = _errors(result.stderr)
+    assert len(errors) == 1 and "Megatron-LM's argument validation:" in errors[0], result.stderr
+    assert "Traceback" not in result.stderr
+    assert "dry run:" not in result.stdout
+
+
+# --- parameter counts against the model the launcher builds ---------------------------------
+
+#: Small models of the features the count covers; each is built by the launcher's
+#: model_provider (megatron-core's local spec) and its parameters summed.
+MODELS = {
+    "gpt_layernorm_bias_learned_tied": [
+        "--normalization", "LayerNorm", "--position-embedding-type", "learned_absolute",
+    ],
+    "llama_gqa_qknorm_swiglu_untied": [
+        "--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear",
+        "--group-query-attention", "--num-query-groups", "2", "--kv-channels", "12",
+        "--qk-layernorm", "--untie-embeddings-and-output-weights", "--ffn-hidden-size", "40",
+    ],
+    "qkv_bias_only": ["--disable-bias-linear", "--add-qkv-bias"],
+    "moe_shared_gate_freq": [
+        "--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "24",
+        "--moe-shared-expert-intermediate-size", "16", "--moe-shared-expert-gate",
+        "--moe-layer-freq", "[0,1,1]", "--num-layers", "3", "--swiglu",
+        "--disable-bias-linear",  # megatron-core's shared expert has no biases
+    ],
+    "moe_bias": ["--num-experts", "4", "--moe-router-topk", "3", "--moe-ffn-hidden-size", "24"],
+    "mla_qlora_qknorm": [
+        "--multi-latent-attention", "--q-lora-rank", "16", "--kv-lora-rank", "8",
+        "--qk-head-dim", "8", "--qk-pos-emb-head-dim", "4", "--v-head-dim", "6",
+        "--qk-layernorm", "--disable-bias-linear", "--position-embedding-type", "rope",
+        "--normalization", "RMSNorm",
+    ],
+    "mla_no_qlora_moe": [
+        "--multi-latent-attention", "--kv-lora-rank", "8", "--qk-head-dim", "8",
+        "--qk-pos-emb-head-dim", "4", "--v-head-dim", "8", "--disable-bias-linear",
+        "--position-embedding-type", "rope", "--num-experts", "4", "--moe-router-topk", "2",
+    ],
+    "mtp_moe_last": [
+        "--mtp-num-layers", "2", "--num-experts", "4", "--moe-router-topk", "2",
+        "--moe-layer-freq", "[0,1]", "--disable-bias-linear", "--position-embedding-type",
+        "rope", "--untie-embeddings-and-output-weights",
+    ],
+    "sinks_quick_geglu_window": [
+        "--softmax-type", "learnable", "--quick-geglu", "--window-size", "7,0",
+        "--window-attn-skip-freq", "2", "--group-query-attention", "--num-query-groups", "2",
+    ],
+}  # fmt: skip
+
+BUILD_BASE = [
+    "--device", "cpu", "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "100",
+    "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+    "--seq-length", "16", "--max-position-embeddings", "16", "--micro-batch-size", "1",
+    "--global-batch-size", "1", "--train-iters", "4", "--lr", "1e-3",
+    "--make-vocab-size-divisible-by", "8",
+]  # fmt: skip
+
+
+class _NoCoreAttention(torch.nn.Module):
+    """A core attention without parameters that accepts MLA's arguments: megatron-core 0.19's
+    local ``DotProductAttention`` does not take MLA's ``k_channels`` (MLA needs Transformer
+    Engine), and core attention has no parameters without ``--softmax-type learnable``."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__()
+
+
+def _mla_buildable(build_spec):
+    """``gpt_block_spec`` whose MLA layers' core attention is :class:`_NoCoreAttention`."""
+    from megatron.core.transformer.multi_latent_attention import MLASelfAttention
+
+    def spec(*args, **kwargs):
+        block = build_spec(*args, **kwargs)
+        for layer in getattr(block, "layer_specs", [block]):
+            attention = layer.submodules.self_attention
+            if issubclass(attention.module, MLASelfAttention):
+                attention.submodules.core_attention = _NoCoreAttention
+        return block
+
+    return spec
+
+
+def _build_child(rank, world, *, models):
+    """For each model: the launcher's parse and model_provider; return the parameter count of
+    the built model, the parameters of its unrouted experts (per MoE layer, the experts'
+    parameters times (E - topk) / E), and the dry run's counts from the same arguments.
+    MLA models get :class:`_NoCoreAttention` (this spawned process only)."""
+    from megatron.training.global_vars import unset_global_variables
+
+    from tst_megatron.runtime import ParallelConfig, initialize_model_parallel, set_seed
+    from tst_megatron.training import dry_run, megatron_lm
+    from tst_megatron.training import model as model_module
+
+    model_module.gpt_block_spec = _mla_buildable(model_module.gpt_block_spec)
+
+    initialize_model_parallel(ParallelConfig())
+    set_seed(1)
+    results = {}
+    for name, extra in models.items():
+        args, _ = megatron_lm.parse(BUILD_BASE + extra)
+        model = megatron_lm.model_provider()
+        total = sum(p.numel() for p in model.parameters())
+        unrouted = 0
+        for module_name, module in model.named_modules():
+            if module_name.endswith("mlp.experts"):
+                experts = sum(p.numel() for p in module.parameters())
+                e, k = args.num_experts, args.moe_router_topk
+                assert experts % e == 0
+                unrouted += experts // e * (e - k)
+        counts = dry_run.parameter_counts(args, args.padded_vocab_size)
+        results[name] = (total, total - unrouted, counts.total, counts.active)
+        unset_global_variables()
+    return results
+
+
+@pytest.mark.slow
+def test_parameter_counts_equal_the_built_models():
+    from tests.distributed.harness import run_distributed
+
+    (results,) = run_distributed(_build_child, 1, models=MODELS)
+    for name, (built, built_active, counted, counted_active) in results.items():
+        assert counted == built, f"{name}: counted {counted}, the model has {built}"
+        assert counted_active == built_active, (name, counted_active, built_active)
