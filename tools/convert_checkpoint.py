@@ -1,9 +1,15 @@
-"""Convert checkpoints between Megatron torch_dist (this trainer) and Hugging Face.
+"""Convert checkpoints between Megatron torch_dist and Hugging Face.
 
-    # trainer checkpoint (any TP/PP/VPP/EP layout) -> Hugging Face directory
+    # Megatron checkpoint (any TP/PP/VPP/EP layout) -> Hugging Face directory
     python tools/convert_checkpoint.py export --load runs/quickstart/checkpoints --save hf/quickstart
     # Hugging Face directory -> weights-only torch_dist checkpoint for --load (any layout)
     python tools/convert_checkpoint.py import --load hf/Qwen3-30B-A3B --save ckpt/qwen3-moe
+
+export reads checkpoints of Megatron-LM's own loop (examples/pretrain_gpt_tst_mlm.py, or any
+megatron.training.pretrain() run: the model settings come from the Megatron-LM ``args`` the
+checkpoint stores) and of the hand-written trainer (examples/pretrain_gpt_tst.py). import
+writes Megatron-LM's ``release`` layout (tracker file, ``args`` namespace, iteration 0), which
+``--load`` reads as weights only: iteration 0, a new optimizer, no RNG state.
 
 The target architecture is chosen from the model's settings: Qwen3-MoE (experts and
 --qk-layernorm), Mixtral (experts), Qwen3 (--qk-layernorm) or Llama. Runs in one process on
@@ -50,7 +56,7 @@ def main(argv=None) -> int:
         "--make-vocab-size-divisible-by",
         type=int,
         default=128,
-        help="vocabulary padding, as the trainer's flag (default 128)",
+        help="vocabulary padding, as Megatron-LM's flag (default 128)",
     )
     i.add_argument(
         "--tensor-model-parallel-size",
@@ -99,6 +105,12 @@ def main(argv=None) -> int:
                 + (f", tokenizer {done['tokenizer']}" if done["tokenizer"] else "")
             )
             print("train from it with: --load " + args.save + " " + " ".join(done["flags"]))
+            print(
+                "note: a release checkpoint loads as weights only (iteration 0, a new optimizer "
+                "and RNG state; no --finetune, --no-load-optim or --no-load-rng needed); pass "
+                "the same --make-vocab-size-divisible-by and a --tensor-model-parallel-size "
+                "whose padding gives the same vocabulary rows"
+            )
     except (ValueError, FileExistsError, FileNotFoundError, ImportError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -380,14 +380,15 @@ def _reshard_child(rank, world, *, src, dst, layout):
     """Load a release checkpoint into a 2-process layout and save it again from there."""
     from megatron.core import dist_checkpointing
 
-    from tst_megatron.conversion.megatron import run_config
+    from tst_megatron.conversion.megatron import read_args, run_config
     from tst_megatron.runtime import initialize_model_parallel
     from tst_megatron.runtime.distributed import ParallelConfig
     from tst_megatron.training import checkpointing
     from tst_megatron.training.config import ParallelArgs, TrainArgs
     from tst_megatron.training.model import build_gpt_model, transformer_config
 
-    args = dist_checkpointing.load_common_state_dict(os.path.join(src, "release"))["args"]
+    saved = dist_checkpointing.load_common_state_dict(os.path.join(src, "release"))["args"]
+    args = read_args(os.path.join(src, "release"))  # the converter's dict of Megatron-LM's args
     sizes = {
         "tp2": dict(tensor_model_parallel_size=2),
         "pp2": dict(pipeline_model_parallel_size=2),
@@ -414,7 +415,7 @@ def _reshard_child(rank, world, *, src, dst, layout):
         post_process=ps.is_pipeline_last_stage(),
     )
     checkpointing.load_model_weights(os.path.join(src, "release"), [model])
-    checkpointing.save_release(dst, [model], args=args)
+    checkpointing.save_release(dst, [model], args=saved)
     return sum(p.numel() for p in model.parameters())
 
 
@@ -508,7 +509,7 @@ def test_imported_checkpoint_trains_with_the_printed_flags(tmp_path):
         "--make-vocab-size-divisible-by",
         "64",
     )
-    flags = proc.stdout.split("train from it with: ")[1].split()
+    flags = proc.stdout.split("train from it with: ")[1].splitlines()[0].split()
     argv = flags + [
         "--mock-data",
         "--seq-length",

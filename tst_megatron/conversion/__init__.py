@@ -1,9 +1,14 @@
 """Checkpoint conversion between Megatron ``torch_dist`` and Hugging Face ``transformers``.
 
-- :func:`export_checkpoint`: a trainer checkpoint (any TP/PP/VPP/EP layout, TST or not) ->
-  a Hugging Face directory (Qwen3-MoE, Mixtral, Qwen3 or Llama, chosen from the settings).
+- :func:`export_checkpoint`: a ``torch_dist`` checkpoint (any TP/PP/VPP/EP layout, TST or
+  not) of Megatron-LM's own loop (``megatron.training.pretrain()``, e.g. the launcher
+  ``examples/pretrain_gpt_tst_mlm.py``; the architecture from its saved Megatron-LM ``args``,
+  :mod:`.mlm`) or of the hand-written trainer -> a Hugging Face directory (Qwen3-MoE,
+  Mixtral, Qwen3 or Llama, chosen from the settings).
 - :func:`import_checkpoint`: a Hugging Face directory of those architectures -> a
-  weights-only ``release`` checkpoint the trainer loads with ``--load`` into any layout.
+  weights-only ``release`` checkpoint in Megatron-LM's layout (tracker file, Megatron-LM
+  ``args`` namespace, ``iteration`` 0) that Megatron-LM's ``load_checkpoint`` (the launcher's
+  ``--load``) and the trainer's ``--load`` read into any layout.
 
 The name and layout mapping is data (:mod:`.rules`); :mod:`.hf` and :mod:`.megatron` hold the
 file handling of each side. CLI: ``tools/convert_checkpoint.py``.
@@ -112,7 +117,7 @@ def import_checkpoint(
 
     Returns:
         ``{"architecture", "checkpoint", "args", "flags", "tokenizer"}``; ``flags`` are the
-        trainer flags that rebuild this architecture; ``tokenizer`` is the copied SentencePiece
+        Megatron-LM flags (the launcher's and the trainer's) that rebuild this architecture; ``tokenizer`` is the copied SentencePiece
         ``<save>/tokenizer.model`` (None when ``hf_dir`` has none), which a later export
         includes again.
 
@@ -144,7 +149,7 @@ def import_checkpoint(
         shutil.copyfile(
             os.path.join(hf_dir, "tokenizer.model"), os.path.join(tmp, "tokenizer.model")
         )
-    write_release(tmp, args, state)
+    write_release(tmp, args, state, saved_args=megatron_lm_args(args))
     if os.path.exists(save):
         shutil.rmtree(save)
     os.replace(tmp, save)
@@ -157,8 +162,33 @@ def import_checkpoint(
     }
 
 
+def megatron_lm_args(args: dict):
+    """Megatron-LM's ``args`` namespace for the converter's dict ``args`` (an imported
+    model): :func:`~tst_megatron.conversion.mlm.megatron_lm_namespace` of
+    :func:`trainer_flags` with ``--seq-length``, ``--max-position-embeddings`` and
+    ``--init-method-std``, the padded vocabulary of ``args``, and ``hf_dtype`` (the dtype
+    the Hugging Face model had, which a later export writes again) as an extra attribute."""
+    from tst_megatron.conversion.mlm import megatron_lm_namespace
+
+    m = args["model"]
+    flags = trainer_flags(args) + [
+        "--seq-length",
+        str(m["seq_length"]),
+        "--max-position-embeddings",
+        str(m["max_position_embeddings"]),
+        "--init-method-std",
+        str(m["init_method_std"]),
+    ]
+    ns = megatron_lm_namespace(
+        flags, padded_vocab_size=args["padded_vocab_size"], vocab_size=m["vocab_size"]
+    )
+    ns.hf_dtype = args.get("hf_dtype")
+    return ns
+
+
 def trainer_flags(args: dict) -> list:
-    """The trainer flags (Megatron names) that rebuild the architecture of ``args``."""
+    """The flags (Megatron-LM's names; the trainer and the launcher take them) that rebuild
+    the architecture of ``args``."""
     from tst_megatron.conversion.megatron import run_config
     from tst_megatron.training.checkpointing import ARCHITECTURE_FIELDS
 

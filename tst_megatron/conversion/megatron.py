@@ -159,20 +159,28 @@ def resolve_checkpoint(load: str, ckpt_step: Optional[int] = None) -> str:
 
 
 def read_args(path: str) -> dict:
-    """The ``args`` stored in the checkpoint directory ``path`` (no weights are read).
+    """The architecture stored in the checkpoint directory ``path`` (no weights are read), as
+    the converter's dict: the trainer's ``args`` as stored, Megatron-LM's ``args`` namespace
+    (a checkpoint of ``megatron.training.pretrain()``, e.g. the launcher
+    ``examples/pretrain_gpt_tst_mlm.py``, or an imported one) through
+    :func:`~tst_megatron.conversion.mlm.converter_args`.
 
     Raises:
-        ValueError: the checkpoint has no ``args`` (written before they were stored).
+        ValueError: the checkpoint has no ``args`` (written before they were stored), or
+            Megatron-LM ``args`` with a setting the converter cannot hold (named).
     """
     from megatron.core import dist_checkpointing
 
+    from tst_megatron.conversion.mlm import converter_args, is_megatron_lm
+
     common = dist_checkpointing.load_common_state_dict(path)
-    if "args" not in common:
+    if common.get("args") is None:
         raise ValueError(
-            f"{path} stores no model args (saved by an older version); "
-            "re-save it with this trainer (--load it, train one step, --save)"
+            f"{path} stores no model args (saved by an older version or with "
+            "Megatron-LM's args left out); re-save it (--load it, train one step, --save)"
         )
-    return common["args"]
+    args = common["args"]
+    return converter_args(args) if is_megatron_lm(args) else args
 
 
 def read_checkpoint(path: str) -> Tuple[dict, Dict[str, torch.Tensor]]:
@@ -194,9 +202,13 @@ def read_checkpoint(path: str) -> Tuple[dict, Dict[str, torch.Tensor]]:
     return args, state
 
 
-def write_release(root: str, args: dict, state: Dict[str, torch.Tensor]) -> str:
+def write_release(root: str, args: dict, state: Dict[str, torch.Tensor], *, saved_args=None) -> str:
     """Write ``state`` (``{megatron name: tensor}``, every weight of the model of ``args``)
     as ``<root>/release`` and point ``root``'s tracker at it. Returns the directory.
+
+    The checkpoint stores ``saved_args`` as its ``args`` (default: ``args``), with
+    Megatron-LM's ``iteration`` (0) and ``checkpoint_version`` (3.0), the common entries
+    Megatron-LM's ``load_checkpoint`` and ``load_args_from_checkpoint`` read.
 
     Raises:
         ValueError: ``state``'s names differ from the model's (listing them).
@@ -212,4 +224,9 @@ def write_release(root: str, args: dict, state: Dict[str, torch.Tensor]) -> str:
                 if name in state:
                     param.copy_(state[name])
         os.makedirs(root, exist_ok=True)
-        return checkpointing.save_release(root, [model], args=args)
+        return checkpointing.save_release(
+            root,
+            [model],
+            args=args if saved_args is None else saved_args,
+            extra={"iteration": 0, "checkpoint_version": 3.0},
+        )

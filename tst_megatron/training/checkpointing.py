@@ -273,8 +273,13 @@ def load_checkpoint(
         return None
     path = os.path.join(root, RELEASE) if iteration == RELEASE else checkpoint_dir(root, iteration)
     common = dist_checkpointing.load_common_state_dict(path)
-    if "args" in common:
-        check_architecture(common["args"], args, path)
+    if common.get("args") is not None:
+        saved = common["args"]
+        if not isinstance(saved, dict):  # Megatron-LM's namespace (e.g. an imported model)
+            from tst_megatron.conversion.mlm import converter_args
+
+            saved = converter_args(saved)
+        check_architecture(saved, args, path)
     if iteration == RELEASE or finetune:
         _load_model(model_chunks, path, strict=strict)
         return {"iteration": 0, "consumed_tokens": 0, "release": True}
@@ -395,13 +400,15 @@ def _load_model(model_chunks, path: str, strict: str = "assume_ok_unexpected") -
     _set_model(model_chunks, load_sharded(_model_sharded(model_chunks), path, strict=strict))
 
 
-def save_release(root: str, model_chunks, *, args: dict) -> str:
+def save_release(root: str, model_chunks, *, args, extra: Optional[dict] = None) -> str:
     """Write ``model_chunks``' weights as ``<root>/release`` (Megatron-LM's weights-only
-    layout) with ``args``, and point the tracker at it. Collective over all ranks.
+    layout) with ``args`` (this trainer's dict or Megatron-LM's namespace) and the common
+    entries ``extra``, and point the tracker at it. Collective over all ranks.
 
     Written to ``release.tmp`` and renamed when complete. Returns the directory.
     """
     state = dict(_model_sharded(model_chunks))
+    state.update(extra or {})
     state["args"] = args
     return _save_and_track(root, os.path.join(root, RELEASE), state, RELEASE)
 
