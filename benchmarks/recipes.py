@@ -1,4 +1,4 @@
-"""GPU recipes for ``benchmarks/tst_vs_baseline.py --preset NAME --device cuda`` (issue 16.3).
+"""GPU recipes for ``benchmarks/tst_vs_baseline.py --preset NAME --device cuda``.
 
 The paper's smallest row (``docs/design.md``; Peng et al., arXiv 2605.06546, table 1): a
 SmolLM2-135M-shaped dense GPT with untied embeddings, AdamW (0.9, 0.95), LR 2e-3, WSD with

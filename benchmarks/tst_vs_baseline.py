@@ -14,7 +14,7 @@ is regenerated to link every report in that folder.
     .venv/bin/python benchmarks/tst_vs_baseline.py --smoke    # ~1 min, for CI
     .venv/bin/python benchmarks/tst_vs_baseline.py --grid     # S in {2,4,6,8} x r in {0.2,0.3,0.5}; hours
 
-**Horizons** (``--horizons 600,1500,3000,6000``, issue 16): the same comparison at several
+**Horizons** (``--horizons 600,1500,3000,6000``): the same comparison at several
 run lengths, each arm with its own complete WSD schedule (warmup N/20, decay over the last
 10%). At every length: the baseline at its best LR among ``--lrs`` (or the one given by
 ``--baseline-lr STEPS=LR``; above ``--lr-sweep-max-steps``, the previous length's best LR and
@@ -468,7 +468,7 @@ def run_baselines(args, base_flags: list[str], lrs, prefix: str = "") -> tuple[l
     return baselines, min(baselines, key=lambda b: b["valid"][-1][1])
 
 
-# --- horizons (issue 16) --------------------------------------------------------------------
+# --- horizons --------------------------------------------------------------------
 
 
 def split_tokens(prefix: str, split: str = "98,2,0", index: int = 0) -> int:

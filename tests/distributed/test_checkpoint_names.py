@@ -1,4 +1,4 @@
-"""Checkpoint names across implementations (issue 14.5): a checkpoint saved with megatron-core's
+"""Checkpoint names across implementations: a checkpoint saved with megatron-core's
 Transformer Engine spec and ``--moe-grouped-gemm`` loads into the local spec (the trainer on a
 CPU, and the converter, which reads through ``load_model_weights``), and the reverse.
 

@@ -1,4 +1,4 @@
-"""Error lines are never lost (issue 21.5): a launcher stops every rank as soon as one exits
+"""Error lines are never lost: a launcher stops every rank as soon as one exits
 with an error, so no rank may exit before the ``error:`` line is out. Rank 0 prints the
 problems once; a problem found on some ranks only is printed by each of them, tagged."""
 

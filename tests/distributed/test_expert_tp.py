@@ -1,4 +1,4 @@
-"""Expert gradients under every expert layout equal the 1-process gradients (issue 21, item 1).
+"""Expert gradients under every expert layout equal the 1-process gradients.
 
 An expert's gradient is the sum over the ranks that run it on some tokens. megatron-core
 reduces an expert parameter over the data-parallel group when it is tagged ``allreduce``,

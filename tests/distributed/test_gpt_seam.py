@@ -202,7 +202,7 @@ def _copies_child(rank, world):
 
 
 def test_phase1_allocates_no_extra_logits_sized_tensor():
-    """Issue 12.1: the logits are scored where they are, sequence-first, in place."""
+    """The logits are scored where they are, sequence-first, in place."""
     (counts,) = run_distributed(_copies_child, 1)
     assert counts["phase2"] >= 1
     assert counts["phase1"] <= counts["phase2"], counts
@@ -272,7 +272,7 @@ def test_bag_embedding_at_s1_equals_language_model_embedding(world):
             torch.testing.assert_close(grad, ref_grad, rtol=1e-6, atol=1e-6, msg=str(case))
 
 
-# --- phase 2: masked positions with non-finite logits (issue 21.4) ------------------------
+# --- phase 2: masked positions with non-finite logits ------------------------
 
 
 def _phase2_batch():
@@ -379,12 +379,12 @@ def _check_masked(r):
 
 @pytest.mark.parametrize("world", [1, 2])
 def test_phase2_masked_nonfinite_logits_give_finite_loss_and_reference_gradients(world):
-    """Issue 21.4: masked positions contribute exactly zero to the loss and the gradients."""
+    """Masked positions contribute exactly zero to the loss and the gradients."""
     for r in run_distributed(_masked_child, world):
         _check_masked(r)
 
 
-# --- gathered logits are not a shard (issue 21.6) ---------------------------------------
+# --- gathered logits are not a shard ---------------------------------------
 
 
 def _gathered_child(rank, world):
@@ -412,7 +412,7 @@ def _gathered_child(rank, world):
 
 
 def test_gathered_logits_are_refused_by_the_seam():
-    """Issue 21.6: full-vocabulary logits at TP=2 scored as a shard read log 2 too high."""
+    """Full-vocabulary logits at TP=2 scored as a shard read log 2 too high."""
     for errors in run_distributed(_gathered_child, 2):
         for error in errors:
             assert error is not None and "\n" not in error

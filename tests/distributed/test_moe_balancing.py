@@ -5,9 +5,9 @@ zeroed (``loss * 0``: every other gradient is exactly 0), through the trainer's 
 (``build_gpt_model``, DDP, ``finalize_model_grads`` with per-token loss, megatron-core's
 schedule, the forward steps of ``training/forward.py``):
 
-- issue 13.5: TP=2 + SP equals TP=1 (megatron-core 0.16-0.18 halves it: it scales by the
+- TP=2 + SP equals TP=1 (megatron-core 0.16-0.18 halves it: it scales by the
   router's local, sequence-parallel token count);
-- issue 12.4: phase 1 equals phase 2 on the same latent batch (bags of S copies of the
+- phase 1 equals phase 2 on the same latent batch (bags of S copies of the
   phase-2 token, so the router sees identical inputs), per position.
 
 Same global weights in every layout: the embedding table is sliced per TP rank, attention's
@@ -163,7 +163,7 @@ def layouts():
 @pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
 def test_balancing_gradient_tp2_sp_equals_tp1(layouts, case):
-    """Issue 13.5: aux and z-loss router gradients independent of TP/SP (ratio 1.0000)."""
+    """Aux and z-loss router gradients independent of TP/SP (ratio 1.0000)."""
     ref = layouts[1][case, 2]["router"]
     assert ref.abs().max() > 0
     for rank in layouts[2]:
@@ -176,7 +176,7 @@ def test_balancing_gradient_tp2_sp_equals_tp1(layouts, case):
 @pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
 def test_balancing_gradient_per_position_equal_in_both_phases(layouts, case):
-    """Issue 12.4: same latent batch, main loss zeroed: phase 1 equals phase 2 (ratio 1.0000),
+    """Same latent batch, main loss zeroed: phase 1 equals phase 2 (ratio 1.0000),
     at TP=1 and at TP=2 + SP."""
     for tp, ranks in layouts.items():
         for r in ranks if tp == 2 else [ranks]:
@@ -192,7 +192,7 @@ def test_balancing_gradient_per_position_equal_in_both_phases(layouts, case):
 @pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
 def test_logged_balancing_loss_tp2_sp_equals_tp1(layouts, case):
-    """Issue 13.5, the logged value: ``moe aux loss`` at TP=2 + SP equals TP=1 on every rank
+    """The logged value: ``moe aux loss`` at TP=2 + SP equals TP=1 on every rank
     (megatron-core <= 0.18 logs the z-loss as each rank's mean over its half of the tokens)."""
     ref = layouts[1][case, 2]["logged"]
     assert ref > 0

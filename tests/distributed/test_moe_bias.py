@@ -1,4 +1,4 @@
-"""MoE with biases (Megatron-LM's default: no --disable-bias-linear) trains (issue 13, item 6).
+"""MoE with biases (Megatron-LM's default: no --disable-bias-linear) trains.
 
 megatron-core's expert MLP adds the probability-scaled fc2 bias in place; at expert TP =
 EP = 1 the fc2 output was a view of an identity autograd function and the first step

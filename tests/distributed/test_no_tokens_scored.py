@@ -1,5 +1,5 @@
-"""A step or validation round that scores no token says so (issue 13, item 2), and
-``--eval-iters 0`` skips validation (issue 15): never a made-up loss of 0.000 / PPL 1.0.
+"""A step or validation round that scores no token says so, and
+``--eval-iters 0`` skips validation: never a made-up loss of 0.000 / PPL 1.0.
 
 Input: every token is the end-of-document id and ``--eod-mask-loss`` masks every label,
 through the TST switch (phase 1 and phase 2, validation in both).

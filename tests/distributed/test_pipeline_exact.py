@@ -1,4 +1,4 @@
-"""Pipeline layouts train on exactly the numbers of one process (issue 13, item 0).
+"""Pipeline layouts train on exactly the numbers of one process.
 
 With PP = 2 the previous and the next pipeline stage are the same rank. Under the interleaved
 schedule (virtual stages) a rank sends that peer activations *and* gradients in one call,

@@ -1,4 +1,4 @@
-"""Issue 12.2: no device-to-host read per micro-batch from the TST step.
+"""No device-to-host read per micro-batch from the TST step.
 
 One phase-1 and one phase-2 training step of the trainer (an MoE model, 3 micro-batches)
 run under a ``TorchFunctionMode`` that records every host read of a tensor value

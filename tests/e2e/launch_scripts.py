@@ -1,5 +1,5 @@
 """Three public Megatron-LM launch scripts, as the argument lists they pass to
-``pretrain_gpt.py``, with only what issue 15 allows changed: the script name (the tests run
+``pretrain_gpt.py``, with only what a TST user changes: the script name (the tests run
 ``examples/pretrain_gpt_tst.py``), ``--tst-bag-size`` added, and data, tokenizer and
 checkpoint paths pointing at local files.
 

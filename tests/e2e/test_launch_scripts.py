@@ -1,4 +1,4 @@
-"""Issue 15: real Megatron-LM launch scripts pass ``--dry-run`` at their own world size with
+"""Real Megatron-LM launch scripts pass ``--dry-run`` at their own world size with
 only the script name changed, ``--tst-bag-size`` added and paths made local."""
 
 import os

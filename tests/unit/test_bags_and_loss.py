@@ -180,7 +180,7 @@ def test_multi_target_ce_inplace_matches_reference(inplace):
 
 @pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan")])
 def test_masked_position_with_non_finite_logit_gets_zero_gradient(bad):
-    """Issue 13.1, phase 1: a non-finite logit at a latent position whose slots are all masked
+    """Phase 1: a non-finite logit at a latent position whose slots are all masked
     contributes exactly zero to the loss and to every gradient (selection, not 0 * nan)."""
     g = torch.Generator().manual_seed(3)
     logits = torch.randn(2, 4, 30, generator=g)

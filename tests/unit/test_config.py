@@ -293,7 +293,7 @@ def test_bad_settings_give_a_line_naming_the_flag(extra, world, device, message)
     assert any(message in line for line in lines), lines
 
 
-# --- issue 21: expert biases need expert TP 1; SP splits each CP rank's positions --------
+# --- expert biases need expert TP 1; SP splits each CP rank's positions --------
 
 BIAS_ETP = (
     "MoE with biases (no --disable-bias-linear) needs --expert-tensor-parallel-size 1, got {} "
@@ -363,7 +363,7 @@ def test_programmatic_config_is_validated_too():
 
 
 def test_choices_are_checked_by_the_parser():
-    # a ConfigError, so main reports it as every other bad setting (issue 21.5)
+    # a ConfigError, so main reports it as every other bad setting
     with pytest.raises(ConfigError) as info:
         parse_args(GOOD + ["--tst-bag-weighting", "cubic"])
     message = str(info.value)
@@ -408,7 +408,7 @@ def test_cli_error_is_one_line_and_exit_code_2(tmp_path):
     assert not (tmp_path / "ckpt").exists()  # nothing was written
 
 
-# --- issue 11.3: choices declared once; validation collects every problem ----------------
+# --- choices declared once; validation collects every problem ----------------
 
 
 def test_parser_choices_come_from_the_literal_declarations():
@@ -466,7 +466,7 @@ def test_required_flags_are_named():
     assert "--tokenizer-type is required" in text
 
 
-# --- issue 13.3: interleaved-pipeline micro-batch rule, up front --------------------------
+# --- interleaved-pipeline micro-batch rule, up front --------------------------
 
 VPP = [
     "--pipeline-model-parallel-size",
@@ -494,7 +494,7 @@ def test_interleaved_pipeline_needs_a_multiple_of_pp_micro_batches(gbs, ok):
         assert word in line
 
 
-# --- issue 15.2: Megatron-LM's defaults ----------------------------------------------------
+# --- Megatron-LM's defaults ----------------------------------------------------
 
 # Megatron-LM core_v0.16.1, megatron/training/arguments.py: the default of each flag we share
 # (read from its argparse actions; None = no default, required or derived there).
@@ -654,7 +654,7 @@ def test_moe_layer_freq_list_expression():
     )
 
 
-# --- issue 15.1: --dry-run -----------------------------------------------------------------
+# --- --dry-run -----------------------------------------------------------------
 
 
 def _dry(argv, env=None):
@@ -756,7 +756,7 @@ TINY = [
     "--num-experts",
     "4",
     "--untie-embeddings-and-output-weights",
-    "--disable-bias-linear",  # MoE with biases: issue 13.6
+    "--disable-bias-linear",  # MoE with biases
     "--device",
     "cpu",
     "--log-interval",

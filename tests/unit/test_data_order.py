@@ -1,4 +1,4 @@
-"""What the training batches contain, checked on an index-coded corpus (issue 20).
+"""What the training batches contain, checked on an index-coded corpus.
 
 Every token of the corpus is a distinct id, so a window is known by its first token and two
 windows are adjacent in the text when the first one's last label is the second one's first

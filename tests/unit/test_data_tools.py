@@ -115,7 +115,7 @@ def test_preprocess_errors(tmp_path, tiny):
 
 def test_preprocess_counts_the_pad_id_so_start_up_reads_nothing(tiny, monkeypatch):
     """The stamp holds the SentencePiece pad id's count (never written: a control piece), so
-    the start-up check of a pad-holding tokenizer needs no scan (issue 21.7)."""
+    the start-up check of a pad-holding tokenizer needs no scan."""
     from tst_megatron.data.files import read_stamp
     from tst_megatron.training import data as data_mod
 

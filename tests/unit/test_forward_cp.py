@@ -79,7 +79,7 @@ def test_cp_chunks_hold_whole_bags_and_their_targets():
 
 @pytest.mark.parametrize("bad", [float("inf"), float("nan")])
 def test_phase2_masked_non_finite_loss_contributes_zero(bad):
-    """Issue 13.1, phase 2 (training and validation use this step): a per-token loss of inf or
+    """Phase 2 (training and validation use this step): a per-token loss of inf or
     nan where the loss mask is 0 leaves the loss and its gradient exactly as without it."""
     g = torch.Generator().manual_seed(1)
     b, T = 2, 6
@@ -123,7 +123,7 @@ class _PerSlotModel:
 
 
 def test_phase1_step_loss_and_gradient_are_the_papers_mce():
-    """Issue 12.4: counting scored positions (not slots) leaves the MCE as the paper defines
+    """Counting scored positions (not slots) leaves the MCE as the paper defines
     it: uniform weights, no masking inside bags -> the step's ``sum loss / sum num_tokens`` is
     the mean over all scored slots of all micro-batches (the last bag of each row has only
     slot 0), and so is its gradient."""

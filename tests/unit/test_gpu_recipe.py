@@ -1,4 +1,4 @@
-"""The GPU recipes of the paper's smallest row (benchmarks/recipes.py, issue 16.3) are
+"""The GPU recipes of the paper's smallest row (benchmarks/recipes.py) are
 configurations the trainer accepts for CUDA, and their cost estimate is what the docs say."""
 
 import os

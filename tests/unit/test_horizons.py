@@ -1,4 +1,4 @@
-"""benchmarks/tst_vs_baseline.py --horizons (issue 16.2): the crossing arithmetic, and the
+"""benchmarks/tst_vs_baseline.py --horizons: the crossing arithmetic, and the
 whole script in --smoke mode, so the 2-hour measurement cannot rot."""
 
 import math

@@ -1,4 +1,4 @@
-"""Every accepted model flag reaches the model as Megatron-LM maps it (issue 21.3).
+"""Every accepted model flag reaches the model as Megatron-LM maps it.
 
 Megatron-LM builds the model from ``core_transformer_config_from_args`` (every argument whose
 name is a ``TransformerConfig`` field, plus explicit ones, after ``validate_args`` derived

@@ -1,4 +1,4 @@
-"""A tokenizer's pad id in the data (issue 21.7): megatron-core's ``GPTDataset`` replaces every
+"""A tokenizer's pad id in the data: megatron-core's ``GPTDataset`` replaces every
 token equal to its pad id by 0 and masks its loss. A pad id that occurs in the data is refused
 at start-up, one line naming the file and the flag; the dataset's cached loss mask is never
 written by a sample. Hugging Face tokenizers are built here, from a BPE trained on a few

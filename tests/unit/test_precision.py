@@ -1,4 +1,4 @@
-"""Shapes FP8 can run (issue 14.4): with --fp8-format, the tokens per rank and every GEMM width
+"""Shapes FP8 can run: with --fp8-format, the tokens per rank and every GEMM width
 must be multiples of 16 (32 for MXFP8), checked by validate() before any work."""
 
 import pytest

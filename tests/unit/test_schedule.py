@@ -50,7 +50,7 @@ EVAL = [
     (3, 5, 2, True, True),  # at the switch too
     (5, None, 2, False, False),  # no --eval-interval: never
     (3, None, 2, True, False),
-    (5, 5, 0, False, False),  # --eval-iters 0: no batches, so no validation (issue 15)
+    (5, 5, 0, False, False),  # --eval-iters 0: no batches, so no validation
     (3, 5, 0, True, False),
 ]
 

@@ -1,4 +1,4 @@
-"""The phase-1 superposition modes (``--tst-mode``, issue 16.1): inputs, targets, weights,
+"""The phase-1 superposition modes (``--tst-mode``): inputs, targets, weights,
 data length, and configuration, against plain references written from the token sequence."""
 
 import pytest
