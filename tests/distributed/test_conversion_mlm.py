@@ -15,8 +15,6 @@ layer spec (not the converter's model builder); the checkpoint's tensors read wi
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import os
 import re
@@ -29,6 +27,7 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
 from tests.distributed.harness import run_distributed  # noqa: E402
+from tests.distributed.test_megatron_lm import _pretrain_child as _launcher_child  # noqa: E402
 
 pytestmark = pytest.mark.slow
 H, I_MOE = 32, 24  # hidden size, expert FFN width
@@ -68,22 +67,6 @@ CASES = {
 }  # fmt: skip
 TOKENS = torch.randint(0, 120, (2, 16), generator=torch.Generator().manual_seed(0))
 _EVAL = re.compile(r"validation loss at iteration 0 on validation set \| lm loss value: (\S+) \|")
-
-
-def _launcher_child(rank, world, *, runs):
-    """Run the launcher's ``main(argv)`` for each argv in ``runs``; return what each printed."""
-    from megatron.training.training import destroy_global_state
-
-    from tst_megatron.training import megatron_lm
-
-    printed = []
-    for argv in runs:
-        out = io.StringIO()
-        with contextlib.redirect_stdout(out):
-            megatron_lm.main(argv)
-        destroy_global_state()
-        printed.append(out.getvalue())
-    return printed
 
 
 def _reference_logits(path, tokens, vocab):
