@@ -47,6 +47,39 @@ from tst_megatron.training.index_cache import CachedGPTDatasetConfig, build_spli
 
 
 @dataclasses.dataclass(frozen=True)
+class DataSettings:
+    """The data settings :func:`build_datasets` and :func:`check_data_files` read: Megatron-LM's
+    flags of the same names and defaults (``--data-path`` words joined by spaces; ``mock_data``
+    also when no ``--data-path`` is given, as in Megatron-LM). Built from Megatron-LM's
+    arguments by :func:`data_settings`."""
+
+    mock_data: bool = False
+    data_path: Optional[str] = None
+    split: Optional[str] = "969,30,1"
+    data_cache_path: Optional[str] = None
+    reset_position_ids: bool = False
+    reset_attention_mask: bool = False
+    eod_mask_loss: bool = False
+    create_attention_mask_in_dataloader: bool = True
+    mmap_bin_files: bool = True
+
+
+def data_settings(args) -> DataSettings:
+    """:class:`DataSettings` from a Megatron-LM argument namespace (``get_args()``)."""
+    return DataSettings(
+        mock_data=bool(args.mock_data or not args.data_path),
+        data_path=" ".join(args.data_path) if args.data_path else None,
+        split=args.split,
+        data_cache_path=args.data_cache_path,
+        reset_position_ids=args.reset_position_ids,
+        reset_attention_mask=args.reset_attention_mask,
+        eod_mask_loss=args.eod_mask_loss,
+        create_attention_mask_in_dataloader=args.create_attention_mask_in_dataloader,
+        mmap_bin_files=getattr(args, "mmap_bin_files", True),
+    )
+
+
+@dataclasses.dataclass(frozen=True)
 class BatchLayout:
     """How samples map to micro-batches on this rank."""
 

@@ -88,7 +88,6 @@ import dataclasses
 import functools
 import os
 import sys
-import types
 import typing
 from typing import Optional, Sequence
 
@@ -96,7 +95,7 @@ import torch
 
 from tst_megatron.errors import ConfigError
 from tst_megatron.superposition.schedule import Schedule, TSTConfig
-from tst_megatron.training.config import _flag, _unwrap, field_choices, field_docs
+from tst_megatron.training import fields
 from tst_megatron.training.forward import make_phase1_step, make_phase2_step, unwrap
 
 #: Flags appended to the command line of a CPU run: Megatron-LM's defaults assume CUDA
@@ -135,23 +134,23 @@ def add_tst_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """
     group = parser.add_argument_group("TST (token superposition training)")
     hints = typing.get_type_hints(TSTConfig)
-    docs = field_docs(TSTConfig)
+    docs = fields.field_docs(TSTConfig)
     for field in dataclasses.fields(TSTConfig):
         dest, text = f"tst_{field.name}", docs.get(field.name, "")
-        kind = _unwrap(hints[field.name])
+        kind = fields.unwrap(hints[field.name])
         if kind is bool:
             negate = field.default is True
             group.add_argument(
-                _flag(field.name, prefix="tst-", negate=negate),
+                fields.flag_name(field.name, prefix="tst-", negate=negate),
                 dest=dest,
                 action="store_false" if negate else "store_true",
                 default=field.default,
                 help=text,
             )
             continue
-        choices = field_choices(TSTConfig, field.name)
+        choices = fields.field_choices(TSTConfig, field.name)
         group.add_argument(
-            _flag(field.name, prefix="tst-"),
+            fields.flag_name(field.name, prefix="tst-"),
             dest=dest,
             type=type(choices[0]) if choices else kind,
             default=field.default,
@@ -519,6 +518,7 @@ class TSTDatasets:
             build_datasets,
             check_data_files,
             check_mock_data,
+            data_settings,
             dataset_pad_id,
             training_windows,
         )
@@ -526,7 +526,7 @@ class TSTDatasets:
         args, tokenizer = get_args(), get_tokenizer()
         tst = tst_config(args)
         switch, total = switch_sample(args), consumed_samples(args, train_iters(args))
-        data = _data_settings(args)
+        data = data_settings(args)
         if data.mock_data:
             check_mock_data(tokenizer, tokenizer.vocab_size)
         else:
@@ -552,22 +552,6 @@ class TSTDatasets:
         )
         stream = TrainStream(train, bag_size=per_sample, phase1_samples=switch, seed=args.seed)
         return PhasedTrainDataset(stream, switch=switch, total=total), valid, test
-
-
-def _data_settings(args) -> types.SimpleNamespace:
-    """The data settings :func:`~tst_megatron.training.data.build_datasets` reads, from
-    Megatron-LM's arguments (same names; ``--data-path`` joined into one string)."""
-    return types.SimpleNamespace(
-        mock_data=bool(args.mock_data or not args.data_path),
-        data_path=" ".join(args.data_path) if args.data_path else None,
-        split=args.split,
-        data_cache_path=args.data_cache_path,
-        reset_position_ids=args.reset_position_ids,
-        reset_attention_mask=args.reset_attention_mask,
-        eod_mask_loss=args.eod_mask_loss,
-        create_attention_mask_in_dataloader=args.create_attention_mask_in_dataloader,
-        mmap_bin_files=getattr(args, "mmap_bin_files", True),
-    )
 
 
 # --- forward step --------------------------------------------------------------------------
