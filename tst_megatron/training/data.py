@@ -11,27 +11,24 @@ shuffle undone), its samples are consecutive windows of the packed token stream:
   through the data instead of rereading what phase 1 consumed, and its micro-batches hold
   independent windows (``docs/design.md``, "The schedule").
 A blend has one stream per dataset (:func:`stream_parts`); a block never straddles two.
-The data position is a pure function of the iteration: micro-batch ``m`` of phase-local
-step ``k`` on data-parallel rank ``r`` holds samples ``(k*M + m)*b*DP + r*b + [0, b)``
-(megatron-core's pretraining sampler order). Validation reads its own split in the
-dataset's own (shuffled) sample order, so its batches hold independent windows too.
+Training sample ``i`` of the run is read by Megatron-LM's own sampler and ``DataLoader``
+(``--num-workers``; :class:`~tst_megatron.training.megatron_lm.PhasedTrainDataset` maps it to
+a phase-1 or phase-2 sample), so the data position is a pure function of the consumed
+samples. Validation reads its own split in the dataset's own (shuffled) sample order, so its
+batches hold independent windows too.
 
 The data boundary: token ids are checked once, where data enters (:func:`check_data_files`
 at start-up, remembered in a stamp; :func:`check_mock_data`), so no training step reads
 values back to check them. Index caches are built once per cache directory and written
-atomically (:mod:`.index_cache`). With ``--num-workers N`` a ``DataLoader`` reads the
-training micro-batches ahead (:class:`BatchReader`); validation reads in this process.
+atomically (:mod:`.index_cache`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import itertools
-import multiprocessing.util
 import os
-import signal
 import struct
-from typing import Callable, Iterator, Optional
+from typing import Optional
 
 import numpy as np
 import torch
@@ -77,24 +74,6 @@ def data_settings(args) -> DataSettings:
         create_attention_mask_in_dataloader=args.create_attention_mask_in_dataloader,
         mmap_bin_files=getattr(args, "mmap_bin_files", True),
     )
-
-
-@dataclasses.dataclass(frozen=True)
-class BatchLayout:
-    """How samples map to micro-batches on this rank."""
-
-    micro_batch_size: int
-    """b: samples per micro-batch."""
-    data_parallel_size: int
-    """DP."""
-    data_parallel_rank: int
-    """This rank's DP index."""
-    num_microbatches: int
-    """M = global batch / (b * DP)."""
-
-    @property
-    def global_batch_size(self) -> int:
-        return self.micro_batch_size * self.data_parallel_size * self.num_microbatches
 
 
 def build_tokenizer(
@@ -558,19 +537,13 @@ class TrainStream:
         bag_size: ``S`` (windows per phase-1 sample).
         phase1_samples: samples phase 1 consumes in the whole run (``N1 * global batch``).
         seed: seeds both shuffles.
-        num_workers: DataLoader worker processes that read samples ahead (``--num-workers``;
-            0 = read in this process when a step needs them).
 
     Raises:
         ConfigError: fewer blocks of ``S`` windows than phase-1 samples.
     """
 
-    def __init__(
-        self, dataset, *, bag_size: int, phase1_samples: int, seed: int, num_workers: int = 0
-    ):
+    def __init__(self, dataset, *, bag_size: int, phase1_samples: int, seed: int):
         self.bag_size, self.phase1_samples = bag_size, phase1_samples
-        self.num_workers = num_workers
-        self._reader: Optional[tuple[int, BatchReader]] = None  # (phase, its reader)
         self.parts = stream_parts(dataset)
         sizes = np.array([len(order) for _, order in self.parts])
         self.offsets = np.concatenate([[0], np.cumsum(sizes)])  # global window g -> part
@@ -615,200 +588,3 @@ class TrainStream:
                 "past them"
             )
         return self.window(int(self.phase2[i]))
-
-    def batches(
-        self, phase: int, step: int, layout: BatchLayout, *, device: torch.device
-    ) -> list[dict]:
-        """The ``M`` micro-batches of phase-local step ``step`` of ``phase`` (1 or 2) on this
-        rank, as :func:`microbatches` gives them. Steps of a phase are read in order, ahead
-        of time by the workers; a step out of order (a new phase, a resumed run) starts
-        a new reader there.
-
-        Raises:
-            IndexError: the data has too few samples for the step.
-        """
-        if self._reader is None or self._reader[0] != phase or self._reader[1].next_step != step:
-            self.close()
-            get_sample = self.phase1_sample if phase == 1 else self.phase2_sample
-            reader = BatchReader(
-                get_sample,
-                layout,
-                first_step=step,
-                num_workers=self.num_workers,
-                pin_memory=device.type == "cuda",
-            )
-            self._reader = (phase, reader)
-        return [
-            {k: v.to(device, non_blocking=True) for k, v in batch.items()}
-            for batch in self._reader[1].next()
-        ]
-
-    def close(self) -> None:
-        """Stop the reader's workers (also done at exit)."""
-        if self._reader is not None:
-            self._reader[1].close()
-            self._reader = None
-
-    def __getstate__(self) -> dict:  # what a spawned DataLoader worker receives
-        return {**self.__dict__, "_reader": None}
-
-    def samples(self, phase: int) -> "PhaseSamples":
-        """Phase ``phase``'s samples, to bind to the phase (see :func:`read_step`)."""
-        return PhaseSamples(self, phase)
-
-
-@dataclasses.dataclass(frozen=True)
-class PhaseSamples:
-    """One phase of a :class:`TrainStream`: callable as ``get_sample(i)``, and read by step
-    through the stream's reader (DataLoader workers when ``--num-workers`` > 0)."""
-
-    stream: TrainStream
-    phase: int
-    """1 or 2."""
-
-    def __call__(self, i: int) -> dict:
-        return self.stream.phase1_sample(i) if self.phase == 1 else self.stream.phase2_sample(i)
-
-
-def read_step(
-    get_sample: Callable[[int], dict], layout: BatchLayout, *, step: int, device: torch.device
-) -> list[dict]:
-    """The ``M`` micro-batches of step ``step`` on this rank: through the stream's reader for
-    a :class:`PhaseSamples` (read ahead by workers), else :func:`microbatches` in this process
-    (e.g. validation's ``dataset.__getitem__``).
-
-    Raises:
-        IndexError: the data has too few samples for the step.
-    """
-    if isinstance(get_sample, PhaseSamples):
-        return get_sample.stream.batches(get_sample.phase, step, layout, device=device)
-    return list(microbatches(get_sample, layout, step=step, device=device))
-
-
-#: The sample fields a forward step reads (Megatron-LM's ``get_batch``); others, such as
-#: the ``dataset_id`` (a numpy scalar) of a blend's samples, are not batched.
-BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids", "attention_mask")
-
-
-def _collate(samples: list[dict]) -> dict:
-    return {k: torch.stack([s[k] for s in samples]) for k in BATCH_KEYS if k in samples[0]}
-
-
-def microbatches(
-    get_sample: Callable[[int], dict], layout: BatchLayout, *, step: int, device: torch.device
-) -> Iterator[dict]:
-    """The ``M`` micro-batches of phase-local step ``step`` for this DP rank.
-
-    Yields dicts of ``tokens``/``labels``/``loss_mask`` (and ``position_ids`` and, when the
-    dataset makes one, ``attention_mask``) batched to ``[b, L]``.
-
-    Raises:
-        IndexError: the data has too few samples for the step.
-    """
-    b, dp = layout.micro_batch_size, layout.data_parallel_size
-    for m in range(layout.num_microbatches):
-        start = (step * layout.num_microbatches + m) * b * dp + layout.data_parallel_rank * b
-        batch = _collate([get_sample(i) for i in range(start, start + b)])
-        yield {k: v.to(device) for k, v in batch.items()}
-
-
-class _Microbatches(torch.utils.data.Dataset):
-    """Micro-batch ``k = step * M + m`` of this DP rank, collated on the host (a map-style
-    dataset for ``torch.utils.data.DataLoader``)."""
-
-    def __init__(self, get_sample: Callable[[int], dict], layout: BatchLayout):
-        self.get_sample, self.layout = get_sample, layout
-
-    def __getitem__(self, k: int) -> dict:
-        b, dp = self.layout.micro_batch_size, self.layout.data_parallel_size
-        start = k * b * dp + self.layout.data_parallel_rank * b
-        return _collate([self.get_sample(i) for i in range(start, start + b)])
-
-
-class _WorkerSignals:
-    """``worker_init_fn`` of the readers' DataLoader workers: SIGTERM is ignored until the
-    reader is closed (``stop`` set).
-
-    Slurm signals every process of a step; a worker that died of it would make the next batch
-    fail before ``--exit-signal-handler`` could save. Once ``stop`` is set (the reader is
-    closed, or the process exits: a ``multiprocessing`` finalizer), SIGTERM ends the worker
-    as usual, so ``multiprocessing``'s terminate-and-join at exit cannot hang.
-    """
-
-    def __init__(self, stop):
-        self.stop = stop
-
-    def __call__(self, worker_id: int) -> None:
-        stop = self.stop
-
-        def on_sigterm(signum, frame):
-            if stop.is_set():
-                os._exit(0)
-
-        signal.signal(signal.SIGTERM, on_sigterm)
-
-
-def _release(stop) -> None:
-    stop.set()
-
-
-class BatchReader:
-    """The micro-batches of consecutive steps from ``first_step`` on, in the order of
-    :func:`microbatches`.
-
-    With ``num_workers > 0`` a ``torch.utils.data.DataLoader`` (as Megatron-LM builds for
-    ``--num-workers``) reads them in worker processes, up to ``2 * num_workers``
-    micro-batches ahead, so reading overlaps the step's compute (``pin_memory``: page-locked
-    host batches, for a CUDA device). The workers outlive a SIGTERM sent to the whole job
-    step (see :class:`_WorkerSignals`) until :meth:`close`. With 0 they are read in this process when asked for.
-    """
-
-    def __init__(
-        self,
-        get_sample: Callable[[int], dict],
-        layout: BatchLayout,
-        *,
-        first_step: int,
-        num_workers: int,
-        pin_memory: bool = False,
-    ):
-        self.layout, self.next_step = layout, first_step
-        first = first_step * layout.num_microbatches
-        dataset = _Microbatches(get_sample, layout)
-        self._stop = None
-        if num_workers > 0:
-            self._stop = torch.multiprocessing.Event()
-            # multiprocessing's exit runs finalizers of priority >= 0 before it terminates and
-            # joins daemonic children (the workers), in torchrun/srun processes (atexit) and
-            # in spawned ones alike; an atexit hook would not run first in the latter.
-            multiprocessing.util.Finalize(self, _release, args=(self._stop,), exitpriority=10)
-            loader = torch.utils.data.DataLoader(
-                dataset,
-                batch_size=None,
-                sampler=itertools.count(first),
-                num_workers=num_workers,
-                pin_memory=pin_memory,
-                worker_init_fn=_WorkerSignals(self._stop),
-            )
-            self._batches = iter(loader)
-        else:
-            self._batches = (dataset[k] for k in itertools.count(first))
-
-    def next(self) -> list[dict]:
-        """The ``M`` micro-batches of step ``next_step`` (host tensors); advances it.
-
-        Raises:
-            IndexError: the data has too few samples for the step.
-        """
-        self.next_step += 1
-        return [next(self._batches) for _ in range(self.layout.num_microbatches)]
-
-    def close(self) -> None:
-        """Stop the workers (if any); the reader gives no more batches. Also on garbage
-        collection: ``stop`` must be set before the DataLoader iterator shuts its workers
-        down, which ends a stuck worker with SIGTERM."""
-        if getattr(self, "_stop", None) is not None:
-            self._stop.set()
-        self._batches = iter(())  # the DataLoader iterator goes: it shuts its workers down
-
-    __del__ = close
