@@ -8,7 +8,9 @@ token. The properties are of the batches, not of the code that makes them:
   micro-batches hold adjacent windows no more often than chance (phase 2 on the old code
   served the ``S`` windows of each unused block back to back: at ``S = 4`` three pairs in
   four were adjacent);
-- the order is the same on every DP rank, after a resume and with ``--num-workers``;
+- Megatron-LM's sampler and ``DataLoader`` (what the launcher's ``pretrain()`` reads through)
+  give every DP rank its share of the same global batches, the same after a resume and with
+  ``--num-workers``, and never mix the phases in a micro-batch;
 - a blend's phase-1 samples are contiguous text of one dataset.
 """
 
@@ -18,12 +20,11 @@ import numpy as np
 import pytest
 import torch
 
-from tests.unit.test_data_boundary import write_dataset
-from tst_megatron.training.config import DataArgs
-from tst_megatron.training.data import BatchLayout, TrainStream, build_datasets, build_tokenizer
+from tests.unit.test_data_boundary import null_tokenizer, write_dataset
+from tst_megatron.training.data import DataSettings, TrainStream, build_datasets
+from tst_megatron.training.megatron_lm import PhasedTrainDataset
 
 T = 8
-CPU = torch.device("cpu")
 
 
 def index_coded_documents(n_docs, first_id=0, seed=0):
@@ -40,8 +41,9 @@ def index_coded_documents(n_docs, first_id=0, seed=0):
 
 def _datasets(tmp_path, prefixes, samples):
     vocab = 1 << 20
-    tok = build_tokenizer("NullTokenizer", vocab_size=vocab, model=None)
-    data = DataArgs(data_path=prefixes, split="100,0,0", data_cache_path=str(tmp_path / "cache"))
+    tok = null_tokenizer(vocab)
+    cache = str(tmp_path / "cache")
+    data = DataSettings(data_path=prefixes, split="100,0,0", data_cache_path=cache)
     train, _, _ = build_datasets(data, tok, seq_length=T, samples=(samples, 0, 0), seed=1)
     return train
 
@@ -70,6 +72,8 @@ def test_phase2_reads_unused_windows_once_each_in_an_uncorrelated_order(corpus):
         assert torch.equal(sample["tokens"][1:], sample["labels"][:-1])  # contiguous S*T+1
         used |= {int(t) for t in sample["tokens"][::T]}  # first tokens of its S windows
     assert len(used) == n1 * S
+    with pytest.raises(IndexError, match=f"phase-1 sample {n1} is past the {n1} planned"):
+        stream.phase1_sample(n1)
     all_windows = {first_token(corpus[j]) for j in range(len(corpus))}
     unused = all_windows - used
     phase2 = []
@@ -94,29 +98,77 @@ def test_phase2_reads_unused_windows_once_each_in_an_uncorrelated_order(corpus):
     assert share <= 5 * chance, f"{share:.3f} of pairs are adjacent windows (chance {chance:.4f})"
 
 
-@pytest.mark.parametrize("bag", [1, 2])
-def test_phase2_order_same_on_dp_ranks_after_resume_and_with_workers(corpus, bag):
-    def step_samples(stream, layout, phase, step):
-        batches = stream.batches(phase, step, layout, device=CPU)
-        return [t for b in batches for t in b["tokens"][:, 0].tolist()]
+def megatron_loader(dataset, *, consumed, micro_batch_size, dp_rank, dp_size, num_workers):
+    """The training ``DataLoader`` Megatron-LM's ``build_pretraining_data_loader`` builds for
+    ``--dataloader-type single`` (its ``MegatronPretrainingSampler`` from ``consumed``
+    samples, ``--num-workers`` processes), for one data-parallel rank; no pinned memory on a
+    CPU."""
+    from megatron.training.datasets.data_samplers import MegatronPretrainingSampler
 
-    n1 = 16
-    one = BatchLayout(2, 1, 0, 4)  # DP 1: 8 samples per step
-    ranks = [BatchLayout(2, 2, r, 2) for r in range(2)]  # DP 2: the same 8 samples per step
-    # a stream per rank, as each rank builds its own; the resumed one first reads at step 2
-    # and reads ahead with DataLoader workers
-    streams = [TrainStream(corpus, bag_size=bag, phase1_samples=n1, seed=3) for _ in range(3)]
-    resumed = TrainStream(corpus, bag_size=bag, phase1_samples=n1, seed=3, num_workers=2)
-    try:
-        for step in range(4):
-            want = step_samples(streams[0], one, 2, step)
-            got = [step_samples(s, lay, 2, step) for s, lay in zip(streams[1:], ranks)]
-            assert sorted(got[0] + got[1]) == sorted(want) and not set(got[0]) & set(got[1])
-            if step >= 2:
-                assert step_samples(resumed, one, 2, step) == want
-    finally:
-        for s in streams + [resumed]:
-            s.close()
+    sampler = MegatronPretrainingSampler(
+        total_samples=len(dataset),
+        consumed_samples=consumed,
+        micro_batch_size=micro_batch_size,
+        data_parallel_rank=dp_rank,
+        data_parallel_size=dp_size,
+    )
+    return torch.utils.data.DataLoader(
+        dataset, batch_sampler=sampler, num_workers=num_workers, persistent_workers=num_workers > 0
+    )
+
+
+def _steps(loader, micro_batches: int, first_step: int, last_step: int):
+    """``{step: [first token of each sample]}`` and the token lengths of each step, reading
+    ``micro_batches`` micro-batches per step from ``first_step`` to ``last_step``."""
+    batches = iter(loader)
+    firsts, lengths = {}, {}
+    for step in range(first_step, last_step):
+        micro = [next(batches) for _ in range(micro_batches)]
+        firsts[step] = [int(t) for m in micro for t in m["tokens"][:, 0]]
+        lengths[step] = {int(m["tokens"].shape[1]) for m in micro}
+    return firsts, lengths
+
+
+@pytest.mark.parametrize("bag", [1, 2])
+def test_megatron_lm_loader_same_on_dp_ranks_after_resume_and_with_workers(corpus, bag):
+    """Global batch 8, 6 steps, the switch after 2 (16 samples). A DP=1 run (micro-batch 2,
+    4 micro-batches per step) against two DP ranks (2 micro-batches each), a run resumed at
+    step 3 (consumed samples 24) and one with 2 DataLoader workers."""
+    n1, steps, gbs = 2, 6, 8
+    switch = n1 * gbs if bag > 1 else 0
+    stream = TrainStream(corpus, bag_size=bag, phase1_samples=switch, seed=3)
+    dataset = PhasedTrainDataset(stream, switch=switch, total=steps * gbs)
+
+    def read(*, consumed=0, dp_rank=0, dp_size=1, num_workers=0):
+        loader = megatron_loader(
+            dataset,
+            consumed=consumed,
+            micro_batch_size=2,
+            dp_rank=dp_rank,
+            dp_size=dp_size,
+            num_workers=num_workers,
+        )
+        micro = gbs // (2 * dp_size)
+        return _steps(loader, micro, consumed // gbs, steps)
+
+    one, lengths = read()
+    # the reference, written plainly: step k holds samples [8k, 8k + 8) of the run, phase-1
+    # samples of the stream before the switch, then its phase-2 samples
+    for step in range(steps):
+        want = []
+        for i in range(step * gbs, (step + 1) * gbs):
+            s = stream.phase1_sample(i) if i < switch else stream.phase2_sample(i - switch)
+            want.append(int(s["tokens"][0]))
+        assert one[step] == want, step
+        assert lengths[step] == {T * bag if step < n1 and bag > 1 else T}, step  # one phase
+    ranks = [read(dp_rank=r, dp_size=2)[0] for r in range(2)]
+    for step in range(steps):
+        a, b = ranks[0][step], ranks[1][step]
+        assert sorted(a + b) == sorted(one[step]) and not set(a) & set(b), step
+    resumed, _ = read(consumed=3 * gbs, num_workers=2)
+    assert resumed == {k: v for k, v in one.items() if k >= 3}
+    workers, _ = read(num_workers=2)
+    assert workers == one
 
 
 def test_blend_phase1_samples_are_contiguous_text_of_one_dataset(tmp_path):
@@ -141,36 +193,10 @@ def test_blend_phase1_samples_are_contiguous_text_of_one_dataset(tmp_path):
     phase2 = [stream.phase2_sample(i) for i in range(64)]
     pairs = list(zip(phase2[:-1], phase2[1:]))
     assert sum(adjacent(x, y) for x, y in pairs) <= 3
-
-
-def _train_child(rank, world, *, argv):
-    from tst_megatron.training.config import parse_args
-    from tst_megatron.training.trainer import train
-
-    return train(parse_args(argv))
-
-
-@pytest.mark.slow
-def test_full_validation_reads_the_whole_split_every_time(tmp_path):
-    """--full-validation (Megatron-LM's flag): every evaluation scores the same, whole split,
-    so at LR 0 every round gives one number; --eval-iters rounds read other samples."""
-    from tests.defaults import TEST_DEFAULTS
-    from tests.distributed.harness import run_distributed
-
-    docs, vocab = index_coded_documents(400)
-    prefix = write_dataset(tmp_path / "v", [[t % 250 for t in d] for d in docs])
-    argv = [
-        *TEST_DEFAULTS,
-        "--data-path", prefix, "--split", "80,20,0", "--data-cache-path", str(tmp_path),
-        "--vocab-size", "256", "--num-layers", "1", "--hidden-size", "32",
-        "--seq-length", "16", "--global-batch-size", "4", "--train-iters", "3",
-        "--lr", "0", "--min-lr", "0", "--eval-interval", "1", "--eval-iters", "1",
-        "--device", "cpu",
-    ]  # fmt: skip
-    (short,) = run_distributed(_train_child, 1, argv=argv)
-    (full,) = run_distributed(_train_child, 1, argv=argv + ["--full-validation"])
-    rounds = [full["valid"][i] for i in (1, 2, 3)]
-    assert rounds[0] == rounds[1] == rounds[2]
-    assert len({short["valid"][i] for i in (1, 2, 3)}) == 3  # one step of other samples each
-    # the whole split: ~20% of ~8,800 tokens in 16-token windows, 4 per step
-    assert not any(abs(full["valid"][1] - short["valid"][i]) < 1e-9 for i in (1, 2, 3))
+    # through Megatron-LM's loader: micro-batches of one phase, S*T then T tokens
+    dataset = PhasedTrainDataset(stream, switch=n1, total=n1 + 8)
+    loader = megatron_loader(
+        dataset, consumed=n1 - 4, micro_batch_size=4, dp_rank=0, dp_size=1, num_workers=0
+    )
+    shapes = [tuple(batch["tokens"].shape) for batch in loader]
+    assert shapes == [(4, S * T), (4, T), (4, T)]
