@@ -6,18 +6,26 @@ import os
 import pytest
 import torch
 
-from tests.defaults import TEST_DEFAULTS
 from tst_megatron.conversion import hf, rules
-from tst_megatron.training.checkpointing import checkpoint_args
-from tst_megatron.training.config import parse_args
+from tst_megatron.conversion.mlm import converter_args, megatron_lm_namespace
 
 transformers = pytest.importorskip("transformers")
 
 ARGV = [
-    *TEST_DEFAULTS,
-    "--mock-data",
+    "--tokenizer-type",
+    "NullTokenizer",
     "--vocab-size",
     "100",
+    "--seq-length",
+    "128",
+    "--max-position-embeddings",
+    "128",
+    "--position-embedding-type",
+    "rope",
+    "--normalization",
+    "RMSNorm",
+    "--transformer-impl",
+    "local",
     "--num-layers",
     "2",
     "--hidden-size",
@@ -43,7 +51,9 @@ ARGV = [
 
 
 def _args(extra=()):
-    return checkpoint_args(parse_args(ARGV + list(extra)), vocab_size=100, padded_vocab_size=128)
+    """The converter's architecture dict of the Megatron-LM arguments of ``ARGV + extra``."""
+    flags = ARGV + list(extra)
+    return converter_args(megatron_lm_namespace(flags, padded_vocab_size=128, vocab_size=100))
 
 
 def _megatron_state(args, seed=0):

@@ -11,7 +11,6 @@ import sentencepiece as spm
 import torch
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 
-from tests.defaults import TEST_DEFAULTS
 from tst_megatron.data.corpus import build_corpus, jsonl_documents
 from tst_megatron.data.preprocess import preprocess
 from tst_megatron.data.tokenizer import train_tokenizer
@@ -145,16 +144,14 @@ def test_check_data_files(tmp_path, tiny):
 
 
 def _stream(tiny, bag, phase1_samples, seq_length=16):
-    from megatron.core.tokenizers import MegatronTokenizer
-
-    from tst_megatron.training.config import DataArgs
-    from tst_megatron.training.data import TrainStream, build_datasets
+    from tests.unit.test_data_boundary import megatron_tokenizer
+    from tst_megatron.training.data import DataSettings, TrainStream, build_datasets
 
     d, model, prefix = tiny
-    tok = MegatronTokenizer.from_pretrained(
-        tokenizer_path=model, metadata_path={"library": "sentencepiece"}
+    tok = megatron_tokenizer(
+        "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", model
     )
-    data = DataArgs(data_path=prefix, split="100,0,0", data_cache_path=str(d / "cache"))
+    data = DataSettings(data_path=prefix, split="100,0,0", data_cache_path=str(d / "cache"))
     train, _, _ = build_datasets(data, tok, seq_length=seq_length, samples=(400, 0, 0), seed=3)
     return train, TrainStream(train, bag_size=bag, phase1_samples=phase1_samples, seed=3)
 
@@ -191,84 +188,42 @@ def test_stream_too_small_is_a_clear_error(tiny):
         _stream(tiny, 4, 100000)
 
 
-def _e2e_child(rank, world, *, argv):
-    from tst_megatron.training.config import parse_args
-    from tst_megatron.training.trainer import train
-
-    return train(parse_args(argv))
-
-
 @pytest.mark.slow
-def test_end_to_end_on_a_slice_of_the_real_corpus(tiny, tmp_path):
+def test_launcher_on_a_slice_of_the_real_corpus_workers_read_the_same_batches(tiny, tmp_path):
+    """Megatron-LM's loop through the launcher on the real corpus (SentencePiece tokenizer,
+    --data-path, --split) through the switch, once with --num-workers 0 and once with 2
+    DataLoader workers (forked after gloo started): the same losses at every iteration, and
+    the switch checkpoint."""
     from tests.distributed.harness import run_distributed
+    from tests.distributed.test_megatron_lm import _losses, _pretrain_child
 
     d, model, prefix = tiny
-    ranks = run_distributed(
-        _e2e_child,
-        2,
-        argv=[
-            *TEST_DEFAULTS,
-            "--device",
-            "cpu",
-            "--data-path",
-            prefix,
-            "--split",
-            "95,5,0",
-            "--data-cache-path",
-            str(d / "cache"),
-            "--tokenizer-type",
-            "SentencePieceTokenizer",
-            "--tokenizer-model",
-            model,
-            "--vocab-size",
-            "512",
-            "--seq-length",
-            "32",
-            "--num-layers",
-            "2",
-            "--hidden-size",
-            "64",
-            "--num-attention-heads",
-            "4",
-            "--swiglu",
-            "--disable-bias-linear",
-            "--untie-embeddings-and-output-weights",
-            "--num-experts",
-            "4",
-            "--moe-ffn-hidden-size",
-            "64",
-            "--expert-model-parallel-size",
-            "2",
-            "--micro-batch-size",
-            "2",
-            "--global-batch-size",
-            "4",
-            "--train-iters",
-            "8",
-            "--tst-bag-size",
-            "4",
-            "--tst-phase1-iters",
-            "3",
-            "--eval-interval",
-            "4",
-            "--eval-iters",
-            "1",
-            "--lr",
-            "3e-3",
-            "--save",
-            str(tmp_path / "ckpt"),
-            "--log-interval",
-            "1",
-            "--num-workers",
-            "2",  # samples read ahead by DataLoader workers, forked after gloo started
-        ],
-    )
-    for history in ranks:
-        assert sorted(history["train"]) == list(range(1, 9))
-        assert all(np.isfinite(v) for v in history["train"].values())
-        assert sorted(history["valid"]) == [3, 4, 8]
-    assert (tmp_path / "ckpt" / "iter_0000003").is_dir()  # the switch checkpoint
-    assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text() == "8"
+    argv = [
+        "--device", "cpu", "--data-path", prefix, "--split", "95,5,0",
+        "--data-cache-path", str(d / "cache"), "--tokenizer-type", "SentencePieceTokenizer",
+        "--tokenizer-model", model, "--seq-length", "32", "--max-position-embeddings", "32",
+        "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+        "--swiglu", "--disable-bias-linear", "--untie-embeddings-and-output-weights",
+        "--position-embedding-type", "rope", "--normalization", "RMSNorm",
+        "--hidden-dropout", "0", "--attention-dropout", "0",
+        "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "6",
+        "--tst-bag-size", "4", "--tst-phase1-iters", "3", "--eval-interval", "3",
+        "--eval-iters", "1", "--lr", "3e-3", "--log-interval", "1", "--seed", "1234",
+    ]  # fmt: skip
+    save = str(tmp_path / "ckpt")
+    runs = [
+        argv + ["--num-workers", "0"],
+        argv + ["--num-workers", "2", "--save", save, "--save-interval", "100"],
+    ]
+    ((plain, workers),) = run_distributed(_pretrain_child, 1, runs=runs)
+    train_0, valid_0 = _losses(plain)
+    train_2, valid_2 = _losses(workers)
+    assert sorted(train_0) == list(range(1, 7)), plain[-3000:]
+    assert train_2 == train_0 and valid_2 == valid_0 and sorted(valid_0) == [3, 6]
+    assert all(np.isfinite(float(v)) for v in train_0.values())
+    assert os.path.isdir(os.path.join(save, "iter_0000003"))  # the switch checkpoint
+    with open(os.path.join(save, "latest_checkpointed_iteration.txt")) as f:
+        assert f.read().strip() == "6"
 
 
 def test_tools_are_thin_command_lines(tmp_path):

@@ -142,6 +142,37 @@ def test_tst_problems_are_reported_one_line_each():
     assert errors[1].startswith("error: --dataloader-type cyclic is not supported with TST")
 
 
+def test_every_problem_is_reported_at_once():
+    """The launcher's own checks after Megatron-LM's validation passed: every problem found,
+    one line each naming the flag, in one run (Megatron-LM's late refusals, then TST's)."""
+    r = dry(
+        SMALL
+        + ["--reset-position-ids", "--reset-attention-mask", "--dataloader-type", "cyclic"]
+        + ["--lr-decay-style", "WSD"]
+    )
+    assert r.returncode == 2
+    errors = _errors(r.stderr)
+    expected = [
+        "error: --lr-decay-style WSD needs --lr-wsd-decay-iters",
+        "error: --reset-position-ids is not supported in TST phase 1",
+        "error: --reset-attention-mask is not supported in TST phase 1",
+        "error: --dataloader-type cyclic is not supported with TST",
+    ]
+    assert len(errors) == len(expected), r.stderr
+    for line, want in zip(errors, expected):
+        assert line.startswith(want), (line, want)
+    assert "dry run: 4 problem(s) for world size 1" in r.stderr and r.stdout == ""
+
+
+def test_output_mode_reads_t_token_samples_in_phase_1():
+    """--tst-mode output feeds single tokens and predicts the next S: phase 1 reads T-token
+    samples, as the baseline does, not S*T."""
+    r = dry(SMALL + ["--tst-mode", "output"])
+    assert r.returncode == 0, r.stderr
+    assert "mode output" in r.stdout
+    assert "phase 1: samples of 16 + 1 tokens, 16 positions" in r.stdout
+
+
 def test_a_bad_batch_size_schedule_is_megatron_lm_s_error():
     # the schedule's batch 12 is not a multiple of micro-batch 2 x DP 4
     argv = [a for a in SMALL if a not in ("--global-batch-size", "8")]

@@ -4,7 +4,6 @@ data length, and configuration, against plain references written from the token 
 import pytest
 import torch
 
-from tst_megatron.errors import ConfigError
 from tst_megatron.superposition.bags import (
     following_token_targets,
     phase1_inputs,
@@ -100,14 +99,20 @@ def test_schedule_reads_t_tokens_in_output_mode():
         assert tst.windows_per_sample() == data // T
 
 
-def test_mode_configuration_errors():
-    from tst_megatron.training.config import parse_args
+def test_mode_configuration_errors(capsys):
+    import argparse
+
+    from tst_megatron.training.megatron_lm import add_tst_args, tst_config
 
     assert TSTConfig(bag_size=1, mode="output").validate(10) == [
         "--tst-mode output needs --tst-bag-size > 1 (S = 1 has no phase 1)"
     ]
     assert TSTConfig(bag_size=2, mode="output").validate(10) == []
-    assert parse_args(["--tst-bag-size", "2", "--tst-mode", "input"]).tst.mode == "input"
-    assert parse_args([]).tst.mode == "full"
-    with pytest.raises(ConfigError, match="argument --tst-mode: invalid choice: 'both'"):
-        parse_args(["--tst-mode", "both"])
+    parser = add_tst_args(argparse.ArgumentParser())
+    assert tst_config(parser.parse_args(["--tst-bag-size", "2", "--tst-mode", "input"])).mode == (
+        "input"
+    )
+    assert tst_config(parser.parse_args([])).mode == "full"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--tst-mode", "both"])
+    assert "argument --tst-mode: invalid choice: 'both'" in capsys.readouterr().err

@@ -509,8 +509,9 @@ def check(argv: Sequence[str]) -> tuple[Optional[argparse.Namespace], list[str],
 
     Megatron-LM's ``parse_args``, ``validate_args`` and ``core_transformer_config_from_args``
     (prints and warnings captured, GPU and TE questions answered as the module docstring
-    says), then, when those pass, Megatron-LM's batch-size schedule calculator and the TST
-    checks. ``--device cpu`` appends the
+    says), then, when those pass, Megatron-LM's batch-size schedule calculator and the
+    launcher's checks (:func:`~tst_megatron.training.megatron_lm.tst_problems`: TST, and FP8
+    shapes from that ``TransformerConfig``). ``--device cpu`` appends the
     launcher's CPU flags first, as a CPU run does; otherwise nothing is appended.
 
     Returns:
@@ -551,7 +552,7 @@ def check(argv: Sequence[str]) -> tuple[Optional[argparse.Namespace], list[str],
             return None, [validation_error(exc)], notes
         try:  # TransformerConfig.__post_init__ checks more (heads divisible by TP, MoE, MLA)
             with contextlib.redirect_stdout(captured):
-                core_transformer_config_from_args(_without_te_kernels(args, notes))
+                config = core_transformer_config_from_args(_without_te_kernels(args, notes))
         except (AssertionError, ValueError) as exc:
             line = validation_error(exc).replace("argument validation", "TransformerConfig")
             return None, [line], notes
@@ -560,7 +561,7 @@ def check(argv: Sequence[str]) -> tuple[Optional[argparse.Namespace], list[str],
     except (AssertionError, ValueError) as exc:  # Megatron-LM's calculator refused it
         problems.append(validation_error(exc).replace("argument validation", "batch-size schedule"))
         return args, problems, notes
-    problems += late_megatron_problems(args) + tst_problems(args)
+    problems += late_megatron_problems(args) + tst_problems(args, config=config)
     return args, problems, notes
 
 

@@ -245,9 +245,45 @@ def switch_sample(args) -> int:
     return consumed_samples(args, schedule(args).n1)
 
 
-def tst_problems(args) -> list[str]:
-    """Every setting TST cannot run, one line each naming the flag (empty: none). Reads only;
-    call after Megatron-LM's ``validate_args``."""
+def tst_problems(args, *, config=None) -> list[str]:
+    """Every setting this launcher refuses before any work on top of Megatron-LM's
+    ``validate_args``, one line each naming the flag (empty: none): what TST cannot run
+    (:func:`_tst_setting_problems`), then with ``--fp8-format`` the GEMM shapes Transformer
+    Engine would refuse in the first step
+    (:func:`~tst_megatron.training.fp8.fp8_shape_problems`). Reads only.
+
+    Args:
+        args: Megatron-LM's arguments after ``validate_args``.
+        config: the model's ``TransformerConfig`` when the caller built it (the dry run);
+            otherwise, with ``--fp8-format``, built here by Megatron-LM's
+            ``core_transformer_config_from_args`` (the sizes FP8 checks are Megatron-LM's).
+    """
+    return _tst_setting_problems(args) + _fp8_problems(args, config)
+
+
+def _fp8_problems(args, config) -> list[str]:
+    """:func:`~tst_megatron.training.fp8.fp8_shape_problems` of the run (empty without FP8)."""
+    if not getattr(args, "fp8", None):
+        return []
+    from tst_megatron.training.fp8 import fp8_shape_problems
+
+    if config is None:
+        from megatron.training.argument_utils import core_transformer_config_from_args
+
+        try:
+            config = core_transformer_config_from_args(args)
+        except (AssertionError, ValueError) as exc:
+            from tst_megatron.training.dry_run import validation_error
+
+            line = validation_error(exc).replace("argument validation", "TransformerConfig")
+            return [line]
+    return fp8_shape_problems(
+        config, seq_length=args.seq_length, micro_batch_size=args.micro_batch_size
+    )
+
+
+def _tst_setting_problems(args) -> list[str]:
+    """The settings TST cannot run, one line each naming the flag. Reads only."""
     tst = tst_config(args)
     iters = train_iters(args)
     problems = tst.validate(max(iters, 1))
