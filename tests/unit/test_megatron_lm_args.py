@@ -213,3 +213,19 @@ def test_the_validation_set_is_sized_for_the_round_at_the_switch():
 
 def test_no_tst_save_at_switch_is_accepted():
     assert megatron_lm.tst_problems(_switch_args(tst_save_at_switch=False)) == []
+
+
+def test_help_lists_megatron_lms_flags_and_ours():
+    """``--help`` works (Megatron-LM 0.19.2's own fails on a ``%`` in one help text) and lists
+    Megatron-LM's flags with ours."""
+    done = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "examples", "pretrain_gpt_tst_mlm.py"), "--help"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "PYTHONPATH": ROOT},
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    for flag in ("--tst-bag-size", "--num-layers", "--step-batch-size-schedule", "--dry-run"):
+        assert flag in done.stdout
+    assert "(e.g. 1.10 = 10%)" in " ".join(done.stdout.split())

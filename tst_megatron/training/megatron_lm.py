@@ -171,7 +171,22 @@ def add_tst_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="cuda, cpu (gloo; megatron-core's CUDA assumptions redirected, the flags of "
         "CPU_FLAGS added), or auto: cuda when torch.cuda.is_available() (default: auto)",
     )
+    _escape_broken_help(parser)
     return parser
+
+
+def _escape_broken_help(parser: argparse.ArgumentParser) -> None:
+    """Make ``--help`` work: double the ``%`` of each help text of ``parser`` that argparse
+    cannot expand (Megatron-LM 0.19.2's ``--moe-paged-stash-buffer-size-factor-cuda`` help
+    says ``10%)``, so its own ``--help`` stops with ``ValueError: unsupported format
+    character``). Only this parser's actions are edited; a text that expands is left as is."""
+    formatter = parser._get_formatter()
+    for action in parser._actions:
+        if action.help:
+            try:
+                formatter._expand_help(action)
+            except (ValueError, TypeError, KeyError):
+                action.help = action.help.replace("%", "%%")
 
 
 def tst_config(args) -> TSTConfig:
