@@ -46,10 +46,11 @@ def _rope_child(rank, world, *, cases):
     its ``model_provider`` with fixed weights; returns ``{name: (logits, RoPE table)}``."""
     from megatron.training.global_vars import unset_global_variables
 
-    from tst_megatron.runtime import ParallelConfig, initialize_model_parallel
+    from tst_megatron.runtime import ParallelConfig, initialize_model_parallel, set_seed
     from tst_megatron.training import megatron_lm
 
     initialize_model_parallel(ParallelConfig())
+    set_seed(1)  # megatron-core's RNG tracker (read by the attention's dropout region)
     tokens = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(5))
     positions = torch.arange(16).expand(2, 16)
     results = {}
