@@ -40,7 +40,7 @@ ARGV = (
     "--normalization RMSNorm --position-embedding-type rope "
     "--disable-bias-linear --untie-embeddings-and-output-weights --micro-batch-size 2 "
     "--global-batch-size 6 --train-iters 4 --tst-bag-size 4 --tst-phase1-iters 2 "
-    "--lr 1e-3 --hidden-dropout 0 --attention-dropout 0 --log-interval 1 --eval-iters 0 "
+    "--lr 1e-3 --hidden-dropout 0 --attention-dropout 0 --log-interval 1 --eval-iters 0 --eval-interval 4 "
     "--num-workers 0 --seed 5 --num-experts 4 --moe-ffn-hidden-size 32 --moe-router-topk 2 "
     "--moe-aux-loss-coeff 0.01 --moe-z-loss-coeff 0.001 --moe-token-dispatcher-type alltoall"
 ).split()
