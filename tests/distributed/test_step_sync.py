@@ -11,6 +11,8 @@ iterations 1 (phase 1) and 3 (phase 2): the schedule, the launcher's forward ste
 backward and the optimizer.
 
 Allowed, because they are not the TST step's:
+- reads in the data pipeline (megatron-core's datasets, the project's ``data.py``): host
+  tensors, before the forward step moves the batch to the device;
 - reads outside megatron-core's pipeline schedule: once per step (the optimizer's grad
   norm and inf check, ``train_step``'s loss reductions);
 - inside the schedule, megatron-core's own: the MoE token dispatcher's split sizes, the
@@ -74,6 +76,13 @@ MEGATRON_OWN = (
     "megatron/core/rerun_state_machine.py",
 )
 
+#: Megatron-LM's own loop (``train_step``'s reductions across the model-parallel group, once
+#: per step, outside the schedule)
+LOOP = "megatron/training/"
+#: the data pipeline: the datasets build each sample from host tensors (a read there is no
+#: device sync); the forward step moves the batch to the device after
+DATA_PIPELINE = ("megatron/core/datasets/", "tst_megatron/training/data.py")
+
 
 def _child(rank, world):
     from megatron.training import get_args
@@ -132,7 +141,9 @@ def _verdict(name, files):
     frame of this project or of megatron-core (helpers like ``contextlib`` are skipped)."""
     paths = [f.replace(os.sep, "/") for f, _ in files]
     where = " < ".join(f"{os.path.basename(f)}:{fn}" for f, fn in reversed(files[-6:]))
-    owners = [p for p in paths if "tst_megatron/" in p or "megatron/core/" in p]
+    if any(mark in p for p in paths for mark in DATA_PIPELINE):
+        return None  # host tensors, before the forward step moves the batch to the device
+    owners = [p for p in paths if any(m in p for m in ("tst_megatron/", "megatron/core/", LOOP))]
     owner = owners[-1] if owners else ""
     if any(mark in owner for mark in TST_STEP):
         return f"TST step: {name} at {where}"
