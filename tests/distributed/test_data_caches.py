@@ -1,5 +1,7 @@
 """Index caches and the token-id check on 2 gloo processes: a shared cache directory and
-two "nodes" with a cache directory each, built once per directory, never seen half-written."""
+two "nodes" with a cache directory each, built once per directory, never seen half-written;
+a bad data file found by the launcher's datasets provider inside ``pretrain()`` is one
+``error:`` line and status 2 on every rank."""
 
 import contextlib
 import io
@@ -9,18 +11,34 @@ import numpy as np
 import pytest
 import torch
 
-from tests.defaults import TEST_DEFAULTS
 from tests.distributed.harness import run_distributed
-from tests.unit.test_data_boundary import VOCAB, random_documents, write_dataset
+
+VOCAB = 64
+
+
+def write_dataset(prefix, documents):
+    """Megatron .bin/.idx of ``documents`` (lists of ids) through megatron-core's builder."""
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    builder = IndexedDatasetBuilder(str(prefix) + ".bin", dtype=np.int32)
+    for doc in documents:
+        builder.add_document(torch.tensor(doc, dtype=torch.int32), [len(doc)])
+    builder.finalize(str(prefix) + ".idx")
+    return str(prefix)
+
+
+def random_documents(n, seed=0):
+    """``n`` documents of 5 to 39 random ids and the EOD id (``VOCAB - 1``)."""
+    rng = np.random.default_rng(seed)
+    return [list(rng.integers(0, VOCAB - 1, rng.integers(5, 40))) + [VOCAB - 1] for _ in range(n)]
 
 
 def _build(prefix, cache, local_rank):
-    from tst_megatron.training.config import DataArgs
-    from tst_megatron.training.data import build_datasets, build_tokenizer
+    from tst_megatron.training.data import DataSettings, build_datasets, build_tokenizer
 
     os.environ["LOCAL_RANK"] = str(local_rank)
     tok = build_tokenizer("NullTokenizer", vocab_size=VOCAB, model=None)
-    data = DataArgs(data_path=prefix, split="90,10,0", data_cache_path=cache)
+    data = DataSettings(data_path=prefix, split="90,10,0", data_cache_path=cache)
     train, valid, _ = build_datasets(data, tok, seq_length=16, samples=(60, 8, 0), seed=1)
     return {
         # megatron-core maps a cache it loads (np.memmap); what it computed is in memory
@@ -43,6 +61,7 @@ def _child(rank, world, *, prefix, bad_prefix, root):
     own = os.path.join(root, f"node{rank}")  # 2 nodes of 1 rank, each its own disk
     out["node_local"] = _build(prefix, own, local_rank=0)
     out["node_local_again"] = _build(prefix, own, local_rank=0)
+    os.environ["LOCAL_RANK"] = str(rank)
     dist.barrier()
     # token ids: the first start reads half of the .bin on each rank, rank 0 stamps it
     check_data_files(prefix, VOCAB, cache_path=shared)
@@ -53,20 +72,30 @@ def _child(rank, world, *, prefix, bad_prefix, root):
         out["bad"] = None
     except ConfigError as exc:
         out["bad"] = str(exc)
-    # the same through the trainer at TP=2: one line from rank 0, status 2 on every rank
-    from tst_megatron.training.trainer import main
+    # the same through the launcher at TP=2, found by its datasets provider inside
+    # pretrain(): one line from rank 0, status 2 on every rank
+    from megatron.training.training import destroy_global_state
+
+    from tst_megatron.training.megatron_lm import main
 
     argv = [
-        *TEST_DEFAULTS,
         *("--device", "cpu", "--data-path", bad_prefix, "--data-cache-path", shared),
-        *("--vocab-size", str(VOCAB), "--tensor-model-parallel-size", "2", "--seq-length", "16"),
-        *("--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4"),
-        *("--micro-batch-size", "2", "--train-iters", "4", "--tst-bag-size", "2"),
-        *("--tst-phase1-iters", "2", "--lr", "1e-3"),
+        *("--tokenizer-type", "NullTokenizer", "--vocab-size", str(VOCAB)),
+        *("--tensor-model-parallel-size", "2", "--seq-length", "16"),
+        *("--max-position-embeddings", "16", "--num-layers", "2", "--hidden-size", "32"),
+        *("--num-attention-heads", "4", "--micro-batch-size", "2", "--train-iters", "4"),
+        *("--tst-bag-size", "2", "--tst-phase1-iters", "2", "--lr", "1e-3"),
+        *("--eval-interval", "2"),
     ]
-    err = io.StringIO()
-    with contextlib.redirect_stderr(err):
-        out["main"] = (main(argv), err.getvalue())
+    err, code = io.StringIO(), None
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        try:
+            main(argv)
+        except SystemExit as exc:
+            code = exc.code
+    destroy_global_state()
+    errors = [line for line in err.getvalue().splitlines() if "error:" in line]
+    out["main"] = (code, errors)  # (not the warnings of Megatron-LM's first imports)
     return out
 
 
@@ -94,4 +123,5 @@ def test_index_caches_shared_and_node_local(tmp_path):
         assert [n for n in os.listdir(tmp_path / d) if n.startswith(".")] == []
     assert r0["stamps"] == r1["stamps"] and len(r0["stamps"]) == 1
     assert r0["bad"] == r1["bad"] and "bad.bin holds token id -1, outside" in r0["bad"]
-    assert r0["main"] == (2, f"error: {r0['bad']}\n") and r1["main"] == (2, "")
+    assert r0["main"] == (2, [f"error: {line}" for line in r0["bad"].splitlines()])
+    assert r1["main"] == (2, []), r1["main"]

@@ -1,6 +1,8 @@
 """Error lines are never lost: a launcher stops every rank as soon as one exits
 with an error, so no rank may exit before the ``error:`` line is out. Rank 0 prints the
-problems once; a problem found on some ranks only is printed by each of them, tagged."""
+problems once; a problem found on some ranks only is printed by each of them, tagged.
+Through the launcher (:func:`tst_megatron.training.megatron_lm.main`), in-process and under
+torchrun with ``examples/pretrain_gpt_tst_mlm.py``."""
 
 import contextlib
 import io
@@ -11,19 +13,26 @@ import time
 
 import pytest
 
-from tests.defaults import TEST_DEFAULTS
 from tests.distributed.harness import run_distributed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-#: One bad setting; every rank finds it in validation, before any work.
-BAD = [
-    *TEST_DEFAULTS,
-    *("--device", "cpu", "--mock-data", "--vocab-size", "64", "--num-layers", "2"),
-    *("--hidden-size", "32", "--seq-length", "16", "--train-iters", "4", "--lr", "1e-3"),
-    *("--reset-position-ids", "--tst-bag-size", "4"),
+_SETTINGS = [
+    *("--device", "cpu", "--mock-data", "--tokenizer-type", "NullTokenizer"),
+    *("--vocab-size", "64", "--num-layers", "2", "--hidden-size", "32"),
+    *("--num-attention-heads", "4", "--seq-length", "16", "--max-position-embeddings", "16"),
+    *("--micro-batch-size", "2", "--train-iters", "4", "--lr", "1e-3"),
 ]
-MESSAGE = "--reset-position-ids is not supported in TST phase 1"
+#: One bad setting each; every rank finds it in the checks, before any work: a TST check on
+#: top of Megatron-LM's validation, and a TSTConfig field out of range.
+BAD = {
+    "tst_check": [*_SETTINGS, "--reset-position-ids", "--tst-bag-size", "4"],
+    "bag_size_0": [*_SETTINGS, "--tst-bag-size", "0"],
+}
+MESSAGE = {
+    "tst_check": "--reset-position-ids is not supported in TST phase 1",
+    "bag_size_0": "--tst-bag-size",
+}
 
 
 class _Stamped(io.TextIOBase):
@@ -39,27 +48,46 @@ class _Stamped(io.TextIOBase):
 
 
 def _main_with_rank0_late(rank, world, *, delay):
-    """The trainer's main on a bad setting, rank 0 starting ``delay`` seconds late."""
-    from tst_megatron.training.trainer import main
+    """The launcher's main on each bad setting, rank 0 starting ``delay`` seconds late."""
+    from megatron.training.training import destroy_global_state
 
-    if rank == 0:
-        time.sleep(delay)
-    err = _Stamped()
-    with contextlib.redirect_stderr(err):
-        code = main(BAD)
-    return {"code": code, "stderr": err.parts, "returned": time.time()}
+    from tst_megatron.training.megatron_lm import main
+
+    out = {}
+    for name, argv in BAD.items():
+        destroy_global_state()  # Megatron-LM's global args of the previous case
+        if rank == 0:
+            time.sleep(delay)
+        err = _Stamped()
+        code = None
+        with contextlib.redirect_stderr(err):
+            try:
+                main(argv)
+            except SystemExit as exc:
+                code = exc.code
+        out[name] = {"code": code, "stderr": err.parts, "returned": time.time()}
+    return out
 
 
-def test_no_rank_returns_before_rank0_printed_the_error():
-    r0, r1 = run_distributed(_main_with_rank0_late, 2, delay=1.5)
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_no_rank_returns_before_rank0_printed_the_error(case, rank0_late):
+    r0, r1 = (r[case] for r in rank0_late)
     assert (r0["code"], r1["code"]) == (2, 2)
-    lines = "".join(text for _, text in r0["stderr"]).splitlines()
-    assert len(lines) == 1 and lines[0].startswith(f"error: {MESSAGE}"), lines
-    assert r1["stderr"] == []  # the same problem: printed once, by rank 0
-    printed = r0["stderr"][0][0]
+    # (the first import of Megatron-LM's modules warns on stderr too)
+    errors = [(t, text) for t, text in r0["stderr"] if text.startswith("error:")]
+    lines = "".join(text for _, text in errors).splitlines()
+    assert len(lines) == 1, lines
+    assert MESSAGE[case] in lines[0], lines
+    assert not [text for _, text in r1["stderr"] if "error:" in text]  # once, by rank 0
+    printed = errors[0][0]
     assert r1["returned"] >= printed, (
         f"rank 1 returned {printed - r1['returned']:.2f} s before rank 0 printed the error"
     )
+
+
+@pytest.fixture(scope="module")
+def rank0_late():
+    return run_distributed(_main_with_rank0_late, 2, delay=1.5)
 
 
 def _report(rank, world, *, cases):
@@ -106,12 +134,15 @@ def test_torchrun_launch_with_a_slow_rank0_prints_the_error_once(tmp_path):
         "import os, runpy, sys, time\n"
         "if os.environ['RANK'] == '0':\n"
         "    time.sleep(5)\n"
-        f"sys.argv[0] = {os.path.join(ROOT, 'examples', 'pretrain_gpt_tst.py')!r}\n"
+        f"sys.argv[0] = {os.path.join(ROOT, 'examples', 'pretrain_gpt_tst_mlm.py')!r}\n"
         "runpy.run_path(sys.argv[0], run_name='__main__')\n"
     )
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
     proc = subprocess.run(
-        [torchrun, "--nproc_per_node", "2", "--master_port", str(free_port()), str(wrapper), *BAD],
+        [
+            *(torchrun, "--nproc_per_node", "2", "--master_port", str(free_port())),
+            *(str(wrapper), *BAD["tst_check"]),
+        ],
         capture_output=True,
         text=True,
         env={**os.environ, "PYTHONPATH": ROOT},
@@ -119,4 +150,4 @@ def test_torchrun_launch_with_a_slow_rank0_prints_the_error_once(tmp_path):
     )
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert proc.returncode != 0
-    assert len(errors) == 1 and MESSAGE in errors[0], proc.stderr[-3000:]
+    assert len(errors) == 1 and MESSAGE["tst_check"] in errors[0], proc.stderr[-3000:]

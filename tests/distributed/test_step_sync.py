@@ -1,41 +1,51 @@
-"""No device-to-host read per micro-batch from the TST step.
+"""No device-to-host read per micro-batch from the TST step of the launcher.
 
-One phase-1 and one phase-2 training step of the trainer (an MoE model, 3 micro-batches)
-run under a ``TorchFunctionMode`` that records every host read of a tensor value
-(``.item()``, ``.tolist()``, ``bool()``, ``int()``, ``float()``, ``.numpy()``, and the
-data-dependent shapes ``nonzero``/``masked_select``/boolean indexing) with its call stack.
-On a GPU each of these waits for the stream.
+One phase-1 and one phase-2 training step of Megatron-LM's loop (``pretrain()`` through
+:func:`tst_megatron.training.megatron_lm.main`: an MoE model, 3 micro-batches) run under a
+``TorchFunctionMode`` that records every host read of a tensor value (``.item()``,
+``.tolist()``, ``bool()``, ``int()``, ``float()``, ``.numpy()``, and the data-dependent
+shapes ``nonzero``/``masked_select``/boolean indexing) with its call stack. On a GPU each of
+these waits for the stream. The mode is on for the whole of Megatron-LM's ``train_step`` of
+iterations 1 (phase 1) and 3 (phase 2): the schedule, the launcher's forward step
+(:class:`~tst_megatron.training.megatron_lm.TSTForwardStep`) and its loss function, the
+backward and the optimizer.
 
 Allowed, because they are not the TST step's:
+- reads in the data pipeline (megatron-core's datasets, the project's ``data.py``): host
+  tensors, before the forward step moves the batch to the device;
 - reads outside megatron-core's pipeline schedule: once per step (the optimizer's grad
-  norm and inf check, the trainer's logging reductions);
+  norm and inf check, ``train_step``'s loss reductions);
 - inside the schedule, megatron-core's own: the MoE token dispatcher's split sizes, the
   RNG tracker's comparison of host RNG states, ``finalize_model_grads``'s token count,
   the boolean-mask fill in its cross-entropy (phase 2, as in any baseline run).
 Not allowed: any read made by the TST step itself (``superposition/``,
-``training/forward.py``, ``training/gpt.py`` as the innermost project or megatron-core
-frame) or any other read inside the schedule.
+``training/forward.py``, ``training/gpt.py``, ``training/megatron_lm.py`` as the innermost
+project or megatron-core frame) or any other read inside the schedule.
 """
 
+import contextlib
+import io
 import os
 import traceback
 
+import pytest
 import torch
 
-from tests.defaults import TEST_DEFAULTS
 from tests.distributed.harness import run_distributed
 
+pytest.importorskip("megatron.training")
+
 ARGV = (
-    TEST_DEFAULTS
-    + (
-        "--mock-data --vocab-size 128 --make-vocab-size-divisible-by 64 --num-layers 2 "
-        "--hidden-size 32 --num-attention-heads 4 --ffn-hidden-size 64 --seq-length 16 --swiglu "
-        "--disable-bias-linear --untie-embeddings-and-output-weights --micro-batch-size 2 "
-        "--global-batch-size 6 --train-iters 4 --tst-bag-size 4 --tst-phase1-iters 2 "
-        "--hidden-dropout 0 --attention-dropout 0 --device cpu --log-interval 1 "
-        "--num-experts 4 --moe-ffn-hidden-size 32 --moe-aux-loss-coeff 0.01 --moe-z-loss-coeff 0.001"
-    ).split()
-)
+    "--device cpu --mock-data --tokenizer-type NullTokenizer --vocab-size 128 "
+    "--make-vocab-size-divisible-by 64 --num-layers 2 --hidden-size 32 --num-attention-heads 4 "
+    "--ffn-hidden-size 64 --seq-length 16 --max-position-embeddings 16 --swiglu "
+    "--normalization RMSNorm --position-embedding-type rope "
+    "--disable-bias-linear --untie-embeddings-and-output-weights --micro-batch-size 2 "
+    "--global-batch-size 6 --train-iters 4 --tst-bag-size 4 --tst-phase1-iters 2 "
+    "--lr 1e-3 --hidden-dropout 0 --attention-dropout 0 --log-interval 1 --eval-iters 0 --eval-interval 4 "
+    "--num-workers 0 --seed 5 --num-experts 4 --moe-ffn-hidden-size 32 --moe-router-topk 2 "
+    "--moe-aux-loss-coeff 0.01 --moe-z-loss-coeff 0.001 --moe-token-dispatcher-type alltoall"
+).split()
 
 HOST_READS = {
     "item",
@@ -50,7 +60,12 @@ HOST_READS = {
     "is_nonzero",
     "equal",
 }
-TST_STEP = ("tst_megatron/superposition/", "tst_megatron/training/forward.py", "training/gpt.py")
+TST_STEP = (
+    "tst_megatron/superposition/",
+    "tst_megatron/training/forward.py",
+    "tst_megatron/training/gpt.py",
+    "tst_megatron/training/megatron_lm.py",
+)
 MEGATRON_OWN = (
     "megatron/core/transformer/moe/",
     "megatron/core/tensor_parallel/random.py",
@@ -61,12 +76,21 @@ MEGATRON_OWN = (
     "megatron/core/rerun_state_machine.py",
 )
 
+#: Megatron-LM's own loop (``train_step``'s reductions across the model-parallel group, once
+#: per step, outside the schedule)
+LOOP = "megatron/training/"
+#: the data pipeline: the datasets build each sample from host tensors (a read there is no
+#: device sync); the forward step moves the batch to the device after
+DATA_PIPELINE = ("megatron/core/datasets/", "tst_megatron/training/data.py")
+
 
 def _child(rank, world):
+    from megatron.training import get_args
+    from megatron.training import training as mlm_training
+    from megatron.training.training import destroy_global_state
     from torch.overrides import TorchFunctionMode
 
-    from tst_megatron.training import trainer
-    from tst_megatron.training.config import parse_args
+    from tst_megatron.training import megatron_lm
 
     class HostReads(TorchFunctionMode):
         def __init__(self):
@@ -90,15 +114,25 @@ def _child(rank, world):
                 self.stacks.append((name, files))
             return func(*args, **(kwargs or {}))
 
-    cfg = parse_args(ARGV)
-    run = trainer.setup(cfg)
+    real_step = mlm_training.train_step
     result = {}
-    for first in (0, 2):
-        phase = run.schedule.phase_at(first)
-        trainer.train_step(run, phase, first)  # warm-up
+
+    def recorded_step(*args, **kwargs):
+        iteration = get_args().curr_iteration  # 0-based, set by train() before the step
+        if iteration not in (1, 3):  # 0 and 2 warm each phase up
+            return real_step(*args, **kwargs)
         with HostReads() as reads:
-            trainer.train_step(run, phase, first + 1)
-        result[phase.index] = reads.stacks
+            out = real_step(*args, **kwargs)
+        result[1 if iteration < 2 else 2] = reads.stacks
+        return out
+
+    mlm_training.train_step = recorded_step  # this spawned test process only
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            megatron_lm.main(ARGV)
+    finally:
+        mlm_training.train_step = real_step
+        destroy_global_state()
     return result
 
 
@@ -107,7 +141,9 @@ def _verdict(name, files):
     frame of this project or of megatron-core (helpers like ``contextlib`` are skipped)."""
     paths = [f.replace(os.sep, "/") for f, _ in files]
     where = " < ".join(f"{os.path.basename(f)}:{fn}" for f, fn in reversed(files[-6:]))
-    owners = [p for p in paths if "tst_megatron/" in p or "megatron/core/" in p]
+    if any(mark in p for p in paths for mark in DATA_PIPELINE):
+        return None  # host tensors, before the forward step moves the batch to the device
+    owners = [p for p in paths if any(m in p for m in ("tst_megatron/", "megatron/core/", LOOP))]
     owner = owners[-1] if owners else ""
     if any(mark in owner for mark in TST_STEP):
         return f"TST step: {name} at {where}"

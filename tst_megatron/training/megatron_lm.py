@@ -965,10 +965,13 @@ def parse(argv: Sequence[str]):
 def main(argv: Optional[Sequence[str]] = None) -> None:
     """Parse, check, then run Megatron-LM's ``pretrain()`` with TST's extension points.
 
-    ``argv`` defaults to ``sys.argv[1:]``. On a problem, rank 0 prints one ``error:`` line per
-    problem and the process exits with status 2 before any work. With ``--dry-run`` it
-    exits with :func:`tst_megatron.training.dry_run.dry_run`'s status (0 or 2) instead of
-    training.
+    ``argv`` defaults to ``sys.argv[1:]``. On a problem (the checks before any work, or a
+    :class:`ConfigError` raised inside ``pretrain()``: a data file the datasets provider
+    refuses) the job prints one ``error:`` line per problem, once
+    (:func:`tst_megatron.runtime.report_error`: rank 0, and every other rank returns only
+    after it printed, so a launcher that stops all ranks when one exits does not lose the
+    line), and every rank exits with status 2. With ``--dry-run`` it exits with
+    :func:`tst_megatron.training.dry_run.dry_run`'s status (0 or 2) instead of training.
     """
     from megatron.core.enums import ModelType
 
@@ -981,10 +984,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         export_torchrun_env()
         args, device = parse(argv)
     except ConfigError as exc:
-        if os.environ.get("RANK", "0") == "0":
-            for line in str(exc).splitlines():
-                print(f"error: {line}", file=sys.stderr)
-        raise SystemExit(2) from None
+        _exit_on(exc)
     from megatron.training.argument_utils import pretrain_cfg_container_from_args
     from megatron.training.training import pretrain
 
@@ -994,10 +994,22 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
 
         cpu.enable(training=True)  # again: modules imported since
     cfg = pretrain_cfg_container_from_args(args)
-    pretrain(
-        cfg,
-        TSTDatasets(),
-        ModelType.encoder_or_decoder,
-        TSTForwardStep(),
-        model_provider=model_provider,
-    )
+    try:
+        pretrain(
+            cfg,
+            TSTDatasets(),
+            ModelType.encoder_or_decoder,
+            TSTForwardStep(),
+            model_provider=model_provider,
+        )
+    except ConfigError as exc:  # found inside: the datasets provider's data checks
+        _exit_on(exc)
+
+
+def _exit_on(exc: ConfigError) -> typing.NoReturn:
+    """Report ``exc`` once for the job (:func:`tst_megatron.runtime.report_error`) and exit
+    with status 2."""
+    from tst_megatron.runtime import report_error
+
+    report_error(str(exc))
+    raise SystemExit(2) from None
