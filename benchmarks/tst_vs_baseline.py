@@ -5,6 +5,12 @@ length T, WSD schedule and number of steps; they differ only in TST (S, r). The 
 rate of *both* arms is the one that is best for the baseline among ``--lrs`` (tried first).
 Validation is next-token loss on a held-out split, at regular intervals and at the end.
 
+Every arm is one ``torchrun`` of the launcher, ``examples/pretrain_gpt_tst_mlm.py``
+(Megatron-LM's own ``pretrain()`` with TST; ``--device cpu``: gloo), with Megatron-LM's
+flags (WSD decay over the last 10 %: ``--lr-wsd-decay-iters``). The curves are read from its
+TensorBoard events: Megatron-LM's ``lm loss validation`` and the launcher's ``tst-phase`` (the
+phase of every iteration: the switch, and the raw tokens read, ``S*T`` per phase-1 sample).
+
 Outputs (written by this script, under ``--output-dir``, default ``docs/results``):
 ``tst_vs_baseline.md`` (table + commands + machine) and ``tst_vs_baseline.png`` (both
 validation curves against steps, equal FLOPs per step, switch marked); ``docs/results.md``
@@ -50,7 +56,12 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from tst_megatron.plots import read_scalars, save_figure, switch_iteration  # noqa: E402
+from tst_megatron.plots import (  # noqa: E402
+    read_scalars,
+    save_figure,
+    switch_iteration,
+    validation_tag,
+)
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from measure import write, write_index  # noqa: E402
@@ -125,7 +136,7 @@ def ensure_data(  # noqa: C901
 
 
 def model_flags(args, data_prefix: str) -> list[str]:
-    """The trainer flags shared by every arm (model, data, batch, schedule, evaluation)."""
+    """The launcher flags shared by every arm (model, data, batch, schedule, evaluation)."""
     if args.preset:
         from recipes import RECIPES
 
@@ -208,6 +219,8 @@ def _common_flags(args, data_prefix: str, tok: str) -> list[str]:
         str(args.vocab_size),
         "--num-attention-heads",
         "4",
+        "--max-position-embeddings",
+        str(batch_shape(args)[1]),
         "--swiglu",
         "--disable-bias-linear",
         "--untie-embeddings-and-output-weights",
@@ -233,6 +246,9 @@ def _common_flags(args, data_prefix: str, tok: str) -> list[str]:
         "0",
         "--lr-warmup-iters",
         str(max(1, args.train_iters // 20)),
+        # Megatron-LM's WSD has no default decay length: the last 10 % of the run
+        "--lr-wsd-decay-iters",
+        str(max(1, args.train_iters // 10)),
         "--hidden-dropout",
         "0",
         "--attention-dropout",
@@ -245,6 +261,8 @@ def _common_flags(args, data_prefix: str, tok: str) -> list[str]:
         str(args.eval_iters),
         "--log-interval",
         str(args.eval_interval),
+        # Megatron-LM's --full-validation: every evaluation scores the whole validation split
+        # (one window per data-parallel rank and evaluation step)
     ] + (["--full-validation"] if args.horizons else [])
 
 
@@ -271,9 +289,50 @@ def launcher(args) -> list[str]:
     return options
 
 
+LAUNCHER = "examples/pretrain_gpt_tst_mlm.py"
+"""The launcher every arm runs: Megatron-LM's ``pretrain()`` with TST."""
+
+
+def flag_value(flags: list, name: str, default=None):
+    """The value after the last ``name`` in ``flags`` (``default`` when absent)."""
+    if name not in flags:
+        return default
+    return flags[len(flags) - 1 - flags[::-1].index(name) + 1]
+
+
+def raw_tokens(flags: list, phases: list) -> int:
+    """Tokens an arm read: for each iteration of the ``tst-phase`` series (``(step, phase)``),
+    the global batch times ``S*T`` in phase 1 (``T`` with ``--tst-mode output``, which reads
+    ordinary windows) or ``T`` in phase 2, as the launcher's raw-tokens-per-second counts."""
+    gbs = int(flag_value(flags, "--global-batch-size"))
+    seq = int(flag_value(flags, "--seq-length"))
+    bag = int(flag_value(flags, "--tst-bag-size", 1))
+    phase1 = seq if flag_value(flags, "--tst-mode", "full") == "output" else bag * seq
+    return sum(gbs * (phase1 if phase == 1.0 else seq) for _, phase in phases)
+
+
+def read_arm(tensorboard_dir: str, flags: list) -> dict:
+    """An arm's curves from the launcher's TensorBoard events: ``valid`` (Megatron-LM's
+    ``lm loss validation``: ``[(iteration, loss)]``, the final evaluation replacing a
+    validation at the same iteration), ``switch`` (from ``tst-phase``), ``tokens``
+    (:func:`raw_tokens`), ``steps``."""
+    scalars = read_scalars(tensorboard_dir)
+    phases = scalars.get("tst-phase", [])
+    tag = validation_tag(scalars)
+    if tag is None or not phases:
+        raise RuntimeError(f"{tensorboard_dir}: no validation loss or tst-phase series")
+    return {
+        "valid": scalars[tag],
+        "switch": switch_iteration(phases),
+        "tokens": raw_tokens(flags, phases),
+        "steps": phases[-1][0],
+    }
+
+
 def run_arm(args, name: str, flags: list[str]) -> dict:
-    """Train one arm with torchrun; return its curves and wall-clock time (node 0), or None
-    on the other nodes. With ``--reuse``, an arm whose ``arm.json`` exists is read back."""
+    """Train one arm with torchrun and the launcher (:data:`LAUNCHER`); return its curves and
+    wall-clock time (node 0), or None on the other nodes. With ``--reuse``, an arm whose
+    ``arm.json`` exists is read back."""
     import json
     import shutil
 
@@ -286,7 +345,7 @@ def run_arm(args, name: str, flags: list[str]) -> dict:
     if os.path.isdir(arm_dir) and args.node_rank == 0:
         shutil.rmtree(arm_dir)
     options = launcher(args)
-    command = [TORCHRUN, *options, "examples/pretrain_gpt_tst.py", *flags, "--tensorboard-dir", tb]
+    command = [TORCHRUN, *options, LAUNCHER, *flags, "--tensorboard-dir", tb]
     env = dict(os.environ, PYTHONWARNINGS="ignore")
     start = time.perf_counter()
     result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
@@ -295,17 +354,11 @@ def run_arm(args, name: str, flags: list[str]) -> dict:
         raise RuntimeError(f"arm {name} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
     if args.node_rank != 0:
         return None
-    scalars = read_scalars(tb)
-    phases = scalars.get("tst-phase", [])
-    tokens = scalars.get("tst-phase vs tokens", [])
     arm = {
         "name": name,
         "wall_s": wall,
         "command": shlex.join(["torchrun", *options[:2], *command[1 + len(options) :]]),
-        "valid": scalars["validation lm loss"],
-        "switch": switch_iteration(phases),
-        "tokens": int(tokens[-1][0]) if tokens else None,
-        "steps": phases[-1][0] if phases else None,
+        **read_arm(tb, flags),
     }
     with open(saved, "w") as f:
         json.dump(arm, f)
@@ -618,7 +671,7 @@ def horizon_lrs(args, steps: int, previous_best) -> list:
 
 
 def arm_lr(arm: dict) -> float:
-    """The ``--lr`` of an arm's trainer command."""
+    """The ``--lr`` of an arm's launcher command."""
     words = shlex.split(arm["command"])
     return float(words[len(words) - 1 - words[::-1].index("--lr") + 1])
 
@@ -650,7 +703,7 @@ def gap_cell(values: list) -> str:
 
 
 def horizons_report(args, rows: list, labels: list, train_tokens: int, name: str) -> str:
-    gbs, seq = batch_shape(args)
+    _, seq = batch_shape(args)
     header = "| steps | baseline LR | baseline final validation loss (passes) | " + " | ".join(
         f"{label}: TST - baseline (passes)" for label in labels
     )
@@ -665,8 +718,9 @@ def horizons_report(args, rows: list, labels: list, train_tokens: int, name: str
         f"{train_tokens:,} tokens; a *pass* is the tokens an arm read divided by that "
         "(more than 1: the data was repeated).",
         "",
-        "Validation: next-token loss on the whole validation split (`--full-validation`: "
-        f"{args.valid_tokens:,} held-out tokens, scored in global batches of {gbs} x {seq}) "
+        "Validation: next-token loss on the whole validation split (Megatron-LM's "
+        f"`--full-validation`: {args.valid_tokens:,} held-out tokens in windows of {seq}, one "
+        "window per data-parallel rank and evaluation step) "
         f"at every evaluation, every N/{4 if args.smoke else EVAL_ROUNDS} steps and at the "
         "switch, so every arm and every round is scored on the same tokens and the gaps are "
         f"paired. Seed {args.seed}"
@@ -734,7 +788,7 @@ def horizons_report(args, rows: list, labels: list, train_tokens: int, name: str
         for r in rows
         for b in r["baselines"]
     ]
-    lines += ["", f"Command: `.venv/bin/python {invocation()}`; each arm's trainer command:", ""]
+    lines += ["", f"Command: `.venv/bin/python {invocation()}`; each arm's launcher command:", ""]
     for r in rows:
         lines.append(f"    {r['best']['command']}")
         lines += [f"    {arm['command']}" for arm in r["arms"].values()]
