@@ -48,6 +48,7 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import re
 import shlex
 import subprocess
 import sys
@@ -68,7 +69,7 @@ from measure import write, write_index  # noqa: E402
 
 PY = sys.executable
 EVAL_ROUNDS = 6
-"""--horizons: evaluations per run (every N/6 steps), each on the whole validation split."""
+"""--horizons: evaluations per run (every N/6 steps); the final one scores the whole split."""
 TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
 
 
@@ -261,9 +262,7 @@ def _common_flags(args, data_prefix: str, tok: str) -> list[str]:
         str(args.eval_iters),
         "--log-interval",
         str(args.eval_interval),
-        # Megatron-LM's --full-validation: every evaluation scores the whole validation split
-        # (one window per data-parallel rank and evaluation step)
-    ] + (["--full-validation"] if args.horizons else [])
+    ]
 
 
 def launcher(args) -> list[str]:
@@ -329,6 +328,46 @@ def read_arm(tensorboard_dir: str, flags: list) -> dict:
     }
 
 
+#: Megatron-LM's validation line (``evaluate_and_print_results``, last rank).
+_VALIDATION_LINE = re.compile(
+    r"validation loss at iteration (\d+) on validation set \| lm loss value: ([0-9.E+-]+)"
+)
+
+
+def whole_split_iters(args) -> int:
+    """``--eval-iters`` that score the whole validation split once: its ``T``-token windows
+    (megatron-core's ``GPTDataset``: ``(tokens - 1) // T`` per epoch) in global batches, at
+    least 1 (all but the last ``< global batch`` windows)."""
+    gbs, seq = batch_shape(args)
+    return max(1, (args.valid_tokens - 1) // seq // gbs)
+
+
+def score_whole_split(options, flags, ckpt: str, eval_iters: int, env) -> "tuple | None":
+    """Megatron-LM's own evaluation of the checkpoint ``ckpt`` on the whole validation split:
+    the launcher with ``--load ckpt --skip-train --eval-iters eval_iters`` (with
+    ``--skip-train`` Megatron-LM sizes the split to ``eval_iters`` global batches and reads it
+    from its start, so every arm is scored on the same windows). Returns ``(iteration,
+    loss)`` from its validation line (node 0; None elsewhere).
+
+    Megatron-LM 0.19's ``--full-validation`` does this at every evaluation, but with one
+    validation set its ``evaluate_and_print_results`` indexes an ``int``
+    (``eval_iters[0]`` after ``torch.tensor(args.eval_iters).tolist()``) and stops the run;
+    hence this route, for the final evaluation.
+    """
+    command = [TORCHRUN, *options, LAUNCHER, *flags, "--load", ckpt, "--skip-train"]
+    command += ["--no-load-optim", "--no-load-rng", "--eval-iters", str(eval_iters)]
+    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise RuntimeError(
+            f"scoring {ckpt} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+        )
+    found = _VALIDATION_LINE.findall(result.stdout + result.stderr)
+    if not found:
+        return None
+    iteration, loss = found[-1]
+    return int(iteration), float(loss)
+
+
 def run_arm(args, name: str, flags: list[str]) -> dict:
     """Train one arm with torchrun and the launcher (:data:`LAUNCHER`); return its curves and
     wall-clock time (node 0), or None on the other nodes. With ``--reuse``, an arm whose
@@ -344,14 +383,20 @@ def run_arm(args, name: str, flags: list[str]) -> dict:
     tb = os.path.join(arm_dir, "tensorboard")
     if os.path.isdir(arm_dir) and args.node_rank == 0:
         shutil.rmtree(arm_dir)
+    os.makedirs(arm_dir, exist_ok=True)
     options = launcher(args)
+    ckpt = os.path.join(arm_dir, "checkpoint")
+    score = whole_split_iters(args) if args.horizons else None
+    save = ["--save", ckpt, "--save-interval", str(args.train_iters), "--no-tst-save-at-switch"]
     command = [TORCHRUN, *options, LAUNCHER, *flags, "--tensorboard-dir", tb]
+    command += save if score else []
     env = dict(os.environ, PYTHONWARNINGS="ignore")
     start = time.perf_counter()
     result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
     wall = time.perf_counter() - start
     if result.returncode != 0:
         raise RuntimeError(f"arm {name} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
+    final = score_whole_split(options, flags, ckpt, score, env) if score else None
     if args.node_rank != 0:
         return None
     arm = {
@@ -360,6 +405,11 @@ def run_arm(args, name: str, flags: list[str]) -> dict:
         "command": shlex.join(["torchrun", *options[:2], *command[1 + len(options) :]]),
         **read_arm(tb, flags),
     }
+    if final is not None:  # the final point: the whole split, the same windows for every arm
+        steps, loss = final
+        arm["valid"] = [p for p in arm["valid"] if p[0] != steps] + [(steps, loss)]
+        arm["valid_whole_split"] = loss
+        shutil.rmtree(ckpt, ignore_errors=True)
     with open(saved, "w") as f:
         json.dump(arm, f)
     return arm
@@ -718,12 +768,13 @@ def horizons_report(args, rows: list, labels: list, train_tokens: int, name: str
         f"{train_tokens:,} tokens; a *pass* is the tokens an arm read divided by that "
         "(more than 1: the data was repeated).",
         "",
-        "Validation: next-token loss on the whole validation split (Megatron-LM's "
-        f"`--full-validation`: {args.valid_tokens:,} held-out tokens in windows of {seq}, one "
-        "window per data-parallel rank and evaluation step) "
-        f"at every evaluation, every N/{4 if args.smoke else EVAL_ROUNDS} steps and at the "
-        "switch, so every arm and every round is scored on the same tokens and the gaps are "
-        f"paired. Seed {args.seed}"
+        "Validation: the final validation loss (the table, the gaps) is Megatron-LM's own "
+        "evaluation of each arm's last checkpoint on the whole validation split "
+        f"({args.valid_tokens:,} held-out tokens, {whole_split_iters(args)} global batches of "
+        f"{batch_shape(args)[0]} x {seq}: the launcher with `--skip-train --load`), so every "
+        "arm is scored on the same windows and the gaps are paired; during training "
+        f"{args.eval_iters} batches every N/{4 if args.smoke else EVAL_ROUNDS} steps and at the "
+        f"switch. Seed {args.seed}"
         + (
             f"; at {args.seeds_min_steps} steps and more also seeds "
             f"{', '.join(str(x) for x in args.seeds_list if x != args.seed)}, each arm against "
