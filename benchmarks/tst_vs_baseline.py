@@ -396,7 +396,8 @@ def run_arm(args, name: str, flags: list[str]) -> dict:
     wall = time.perf_counter() - start
     if result.returncode != 0:
         raise RuntimeError(f"arm {name} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
-    final = score_whole_split(options, flags, ckpt, score, env) if score else None
+    # a fresh rendezvous port (the training run's may still be held)
+    final = score_whole_split(launcher(args), flags, ckpt, score, env) if score else None
     if args.node_rank != 0:
         return None
     arm = {
