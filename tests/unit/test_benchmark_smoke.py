@@ -105,6 +105,8 @@ def test_tst_vs_baseline_smoke(tmp_path):
             sys.executable,
             "benchmarks/tst_vs_baseline.py",
             "--smoke",
+            "--lrs",
+            "2e-3",  # one baseline LR: two launcher runs
             "--output-dir",
             str(out),
             "--work-dir",
@@ -114,7 +116,7 @@ def test_tst_vs_baseline_smoke(tmp_path):
         ],
         capture_output=True,
         text=True,
-        timeout=900,
+        timeout=1800,
         cwd=root,
         env=dict(os.environ, PYTHONWARNINGS="ignore", PYTHONPATH=ROOT),
     )

@@ -138,7 +138,7 @@ def test_horizons_smoke(tmp_path):
         ],
         capture_output=True,
         text=True,
-        timeout=900,
+        timeout=2400,  # 7 arms and their whole-split scoring runs on a shared 2-core machine
         cwd=ROOT,
         env=dict(os.environ, PYTHONWARNINGS="ignore"),
     )
