@@ -30,7 +30,9 @@ quiet_known_warnings()
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--load", required=True, help="trainer checkpoint root or directory")
+    p.add_argument(
+        "--load", required=True, help="checkpoint root (--save) or directory (torch_dist)"
+    )
     p.add_argument("--data-path", required=True, help="Megatron dataset prefix (no .bin/.idx)")
     p.add_argument("--windows", type=int, default=8)
     p.add_argument("--seq-length", type=int, default=128)
@@ -44,14 +46,14 @@ def main(argv=None) -> int:
     from tst_megatron.conversion import export_checkpoint
     from tst_megatron.conversion.megatron import (
         build_model,
-        read_args,
+        read_checkpoint,
         resolve_checkpoint,
         single_process,
     )
-    from tst_megatron.training.checkpointing import load_model_weights
 
     path = resolve_checkpoint(args.load)
-    vocab = read_args(path)["model"]["vocab_size"]
+    stored, weights = read_checkpoint(path)  # the converter's reader: either loop's checkpoints
+    vocab = stored["model"]["vocab_size"]
     data = IndexedDataset(args.data_path)
     tokens = torch.from_numpy(data[len(data) - 1].astype("int64"))
     for i in range(len(data) - 2, -1, -1):  # enough text from the last documents
@@ -67,8 +69,11 @@ def main(argv=None) -> int:
     export_s = time.perf_counter() - start
 
     with single_process():
-        model = build_model(read_args(path))
-        load_model_weights(path, [model])
+        model = build_model(stored)
+        missing, unexpected = model.load_state_dict(weights, strict=False)
+        missing = [name for name in missing if not name.endswith("_extra_state")]
+        if missing or unexpected:
+            raise RuntimeError(f"checkpoint weights do not fit: {missing + unexpected}")
 
         def megatron_logits(ids):
             positions = torch.arange(ids.shape[1]).unsqueeze(0).expand_as(ids)

@@ -61,7 +61,7 @@ class Recipe:
         train_iters=None,
         data_cache_path: str,
     ) -> list[str]:
-        """The trainer flags every arm shares (the benchmark adds ``--lr``, ``--min-lr`` and
+        """The launcher flags every arm shares (the benchmark adds ``--lr``, ``--min-lr`` and
         the ``--tst-*`` flags per arm, and ``--tensorboard-dir``)."""
         iters = train_iters or self.train_iters
         return [

@@ -1,20 +1,29 @@
-"""Phase-1 (TST) training step vs baseline (next-token) step at equal T and micro-batch.
+"""Phase-1 (TST) iteration vs phase-2 and baseline (next-token) iterations at equal T and
+micro-batch, through the launcher (Megatron-LM's ``pretrain()`` with TST).
 
-For each bag size (S = 4 and 8 by default) one process builds the trainer's model,
-optimizer and data once, then runs phase-1 and phase-2 (baseline) steps interleaved
-(A B B A ...: both arms see the same machine state, drift cancels) and reports side by
-side the medians of:
+For each bag size (S = 4 and 8 by default) one child process runs
+:func:`tst_megatron.training.megatron_lm.main` on mock data: a TST run (``--tst-bag-size S``,
+phase 1 for the first half of the iterations, phase 2 after) and a baseline run
+(``--tst-bag-size 1``), in the order TST, baseline (and with ``--repeats 2`` baseline, TST
+again: drift cancels). It reports side by side, per arm, the medians of:
 
-- step time ratio, phase 1 / baseline (goal <= 1.03);
-- peak tensor memory ratio (goal <= 1.03), one step of each arm (see measure.py);
-- tokens/s ratio over ``S x`` the baseline's (goal >= 0.97): phase 1 reads S times the text.
+- the iteration time: Megatron-LM's whole training iteration (reading the micro-batches,
+  forward, backward, optimizer step), host clock from the first training forward of an
+  iteration to the first of the next (CUDA synchronised); phase 1 / baseline (goal <= 1.03),
+  phase 2 / baseline (the same work: ~1);
+- the peak memory of one iteration (CUDA: ``torch.cuda.max_memory_allocated``; CPU: the live
+  tensor bytes, ``measure.PeakTensorMemory``), phase 1 / baseline (goal <= 1.03);
+- raw tokens per second (``S*T`` per phase-1 sample), phase 1 over ``S x`` the baseline's
+  (goal >= 0.97): phase 1 reads S times the text.
 
-Step time is the trainer's own (forward, backward, optimizer step), without reading the
-samples, which Megatron users do in data-loader workers; that time is reported on its own
-row. On a shared machine the timings are noisy: raise ``--rounds``.
+The first iteration of each arm (warm-up) and the one whose memory is measured are not timed.
+The timing hooks into the launcher's forward step (:class:`TimedForwardStep`, a subclass of
+``megatron_lm.TSTForwardStep``), put in place for the benchmark child only. On a shared
+machine the timings are noisy: raise ``--rounds``.
 
     .venv/bin/python benchmarks/step_cost.py --output docs/results/step_cost.md   # ~5 min
-    .venv/bin/python benchmarks/step_cost.py --smoke    # seconds
+    .venv/bin/python benchmarks/step_cost.py --smoke    # under a minute
+    .venv/bin/python benchmarks/step_cost.py --device cuda   # the GPU check runs this
 """
 
 from __future__ import annotations
@@ -30,7 +39,9 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
 from measure import CollectiveBytes, PeakTensorMemory, write, write_index  # noqa: E402
 
 SMOKE_SIZE = "--num-layers 2 --hidden-size 64 --seq-length 32 --num-experts 4 "
@@ -38,6 +49,22 @@ SMOKE_SIZE += "--moe-ffn-hidden-size 64 --vocab-size 512"
 FULL_SIZE = "--num-layers 4 --hidden-size 256 --seq-length 256 --num-experts 8 "
 FULL_SIZE += "--moe-ffn-hidden-size 256 --vocab-size 8192"
 MICRO_BATCH = 4
+
+#: Flags of a CUDA run without Transformer Engine or Apex (the lent GPU machine has neither):
+#: megatron-core's local spec, and the fusions that need their kernels (or a torch.compile
+#: warm-up) off, as the launcher's CPU_FLAGS do on a CPU.
+LOCAL_CUDA_FLAGS = [
+    "--transformer-impl",
+    "local",
+    "--no-persist-layer-norm",
+    "--no-gradient-accumulation-fusion",
+    "--no-rope-fusion",
+    "--no-bias-swiglu-fusion",
+    "--no-bias-gelu-fusion",
+    "--no-bias-dropout-fusion",
+    "--no-masked-softmax-fusion",
+    "--disable-jit-fuser",
+]
 
 
 def _traffic_child(rank, world, port, sp, bag, out):
@@ -110,121 +137,226 @@ def embedding_tp_traffic(bag: int, sp: bool) -> dict:
         return torch.load(out)
 
 
-def measure_bag_size(bag: int, *, smoke: bool, device: str, rounds: int, threads: int) -> dict:
-    """Run the interleaved arms for one ``S`` in this process; return medians and peaks."""
+def run_flags(bag: int, *, smoke: bool, device: str, per_arm: int) -> list[str]:
+    """Launcher flags of one run: ``bag`` = 1 is the baseline (``per_arm`` iterations), else a
+    TST run of ``2 * per_arm`` iterations switching after ``per_arm``."""
+    size = (SMOKE_SIZE if smoke else FULL_SIZE).split()
+    iters = per_arm if bag == 1 else 2 * per_arm
+    flags = size + [
+        "--max-position-embeddings", size[size.index("--seq-length") + 1],
+        "--mock-data", "--tokenizer-type", "NullTokenizer",
+        "--num-attention-heads", "4", "--swiglu", "--disable-bias-linear",
+        "--untie-embeddings-and-output-weights", "--hidden-dropout", "0",
+        "--attention-dropout", "0", "--position-embedding-type", "rope",
+        "--normalization", "RMSNorm", "--moe-token-dispatcher-type", "alltoall",
+        "--micro-batch-size", str(MICRO_BATCH), "--global-batch-size", str(MICRO_BATCH),
+        "--train-iters", str(iters), "--lr", "3e-4", "--lr-decay-style", "constant",
+        "--adam-beta2", "0.95", "--eval-iters", "0", "--eval-interval", str(10**6),
+        "--log-interval", str(10**6),
+        "--num-workers", "0", "--seed", "1234", "--device", device,
+        "--tst-bag-size", str(bag),
+    ]  # fmt: skip
+    if bag > 1:
+        flags += ["--tst-phase1-iters", str(per_arm)]
+    if device == "cuda":
+        flags += ["--bf16", *LOCAL_CUDA_FLAGS]
+    return flags
+
+
+def _timed_forward_step_class():
+    """:class:`TimedForwardStep` (defined on first use: the launcher imports Megatron-LM)."""
+    from tst_megatron.training import megatron_lm
+
+    class TimedForwardStep(megatron_lm.TSTForwardStep):
+        """The launcher's forward step, timing each training iteration: from its first
+        training forward to the first training forward of the next iteration (the host
+        clock, after a CUDA synchronisation). ``memory_at`` holds 0-based iterations whose
+        peak memory is measured instead (CUDA's peak allocation, or the live tensor bytes of
+        :class:`PeakTensorMemory` on a CPU). Results: ``times`` / ``peaks``,
+        ``{iteration: seconds or bytes}``."""
+
+        memory_at: set = set()
+
+        def __init__(self):
+            super().__init__()
+            self.times, self.peaks = {}, {}
+            self._open, self._start, self._mode = None, 0.0, None
+
+        def __call__(self, data_iterator, model):
+            from megatron.training import get_args
+
+            from tst_megatron.training.forward import unwrap
+
+            iteration = get_args().curr_iteration
+            if unwrap(model).training and iteration != self._open:
+                self._next(iteration)
+            return super().__call__(data_iterator, model)
+
+        def _next(self, iteration: int) -> None:
+            cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+            if cuda:
+                torch.cuda.synchronize()
+            now = time.perf_counter()
+            if self._open is not None:
+                if self._open in self.memory_at:
+                    if self._mode is not None:
+                        self._mode.__exit__(None, None, None)
+                        self.peaks[self._open], self._mode = self._mode.peak, None
+                    else:
+                        self.peaks[self._open] = torch.cuda.max_memory_allocated()
+                else:
+                    self.times[self._open] = now - self._start
+            self._open = iteration
+            if iteration in self.memory_at:
+                if cuda:
+                    torch.cuda.reset_peak_memory_stats()
+                else:
+                    self._mode = PeakTensorMemory()
+                    self._mode.__enter__()
+            self._start = time.perf_counter()
+
+    return TimedForwardStep
+
+
+def run_launcher(argv: list[str], memory_at: set) -> tuple[dict, dict]:
+    """Run the launcher's ``main(argv)`` in this process with :class:`TimedForwardStep`;
+    return its ``(times, peaks)``. Megatron-LM's global state is torn down after."""
+    from unittest import mock
+
+    from megatron.training.training import destroy_global_state
+
+    from tst_megatron.training import megatron_lm
+
+    timed = _timed_forward_step_class()
+    timed.memory_at = set(memory_at)
+    steps = []
+
+    def make():
+        steps.append(timed())
+        return steps[-1]
+
+    with mock.patch.object(megatron_lm, "TSTForwardStep", make):
+        megatron_lm.main(argv)
+    destroy_global_state()
+    return steps[0].times, steps[0].peaks
+
+
+def measure_bag_size(
+    bag: int, *, smoke: bool, device: str, rounds: int, threads: int, repeats: int
+) -> dict:
+    """Run the TST and baseline runs for one ``S`` in this process; return per arm (``"1"``:
+    phase 1, ``"2"``: phase 2, ``"base"``: baseline) the median and fastest iteration time
+    (s), the CPU time per iteration (s), the peak memory (bytes), the raw tokens per
+    iteration and the number of timed iterations."""
     torch.set_num_threads(threads)
     for key, value in dict(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT="29581", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0"
+        MASTER_ADDR="127.0.0.1", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0"
     ).items():
         os.environ.setdefault(key, value)
-    from tst_megatron.runtime import destroy
-    from tst_megatron.training import trainer
-    from tst_megatron.training.config import parse_args
+    if "MASTER_PORT" not in os.environ:
+        from tst_megatron.runtime.distributed import free_port
 
+        os.environ["MASTER_PORT"] = str(free_port())
+    # each arm: a warm-up iteration, one measuring memory, `rounds` timed, one more (closes
+    # the last timed iteration; in phase 1 it also holds the log line at the switch)
+    per_arm = rounds + 3
+    timed = {"1": range(2, 2 + rounds), "2": range(per_arm + 2, per_arm + 2 + rounds)}
+    timed["base"] = timed["1"]
+    memory = {"1": 1, "2": per_arm + 1, "base": 1}
+    arms = {arm: {"time": [], "peak": 0} for arm in timed}
+    order = [run for r in range(repeats) for run in ((bag, 1) if r % 2 == 0 else (1, bag))]
     size = (SMOKE_SIZE if smoke else FULL_SIZE).split()
-    per_arm = rounds + 2  # warm-up + memory step + timed rounds
-    train_iters = 2 * per_arm
-    cfg = parse_args(
-        size
-        + "--mock-data --num-attention-heads 4 --swiglu --disable-bias-linear".split()
-        + "--untie-embeddings-and-output-weights --hidden-dropout 0 --attention-dropout 0".split()
-        + ["--device", device, "--micro-batch-size", str(MICRO_BATCH)]
-        + ["--train-iters", str(train_iters), "--tst-bag-size", str(bag)]
-        + ["--tst-phase1-iters", str(per_arm), "--log-interval", str(10**6)]
-        # what Megatron-LM's defaults would otherwise change
-        + "--lr 3e-4 --tokenizer-type NullTokenizer --position-embedding-type rope".split()
-        + "--normalization RMSNorm --adam-beta2 0.95 --lr-decay-style WSD".split()
-        + "--lr-wsd-decay-style linear --moe-token-dispatcher-type alltoall --num-workers 0".split()
-    )
-    run = trainer.setup(cfg)
-    arms = {arm: {"time": [], "cpu": [], "load": []} for arm in (1, 2)}
-
-    def step(arm: int, i: int, *, memory: bool = False):
-        iteration = i if arm == 1 else per_arm + i
-        phase = run.schedule.phase_at(iteration)
-        assert phase.index == arm, (phase, arm)
-        mem = PeakTensorMemory() if memory else None
-        start, cpu_start = time.perf_counter(), time.process_time()
-        if mem is not None:
-            with mem:
-                metrics = trainer.train_step(run, phase, iteration)
-        else:
-            metrics = trainer.train_step(run, phase, iteration)
-        elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start
-        arms[arm]["tokens"] = metrics["tokens"]
-        if mem is not None:
-            arms[arm]["peak"] = mem.peak
-        else:
-            arms[arm]["time"].append(metrics["step_time"])
-            arms[arm]["cpu"].append(cpu)
-            arms[arm]["load"].append(elapsed - metrics["step_time"])
-
-    step(1, 0), step(2, 0)  # warm-up (timed, then discarded)
-    step(1, 1, memory=True), step(2, 1, memory=True)
-    for arm in (1, 2):
-        for values in ("time", "cpu", "load"):
-            arms[arm][values].clear()
-    for r in range(rounds):  # A B, B A, A B, ...
-        for arm in (1, 2) if r % 2 == 0 else (2, 1):
-            step(arm, 2 + r)
-    destroy()
+    seq = int(size[size.index("--seq-length") + 1])
+    for run in order:
+        argv = run_flags(run, smoke=smoke, device=device, per_arm=per_arm)
+        names = ("1", "2") if run > 1 else ("base",)
+        times, peaks = run_launcher(argv, {memory[n] for n in names})
+        for name in names:
+            arms[name]["time"] += [times[i] for i in timed[name]]
+            arms[name]["peak"] = max(arms[name]["peak"], peaks[memory[name]])
+    tokens = {"1": MICRO_BATCH * bag * seq, "2": MICRO_BATCH * seq, "base": MICRO_BATCH * seq}
     return {
-        str(arm): {
+        name: {
             "time": statistics.median(a["time"]),
             "time_min": min(a["time"]),
-            "cpu": statistics.median(a["cpu"]),
-            "load": statistics.median(a["load"]),
             "peak": a["peak"],
-            "tokens": a["tokens"],
+            "tokens": tokens[name],
             "n": len(a["time"]),
         }
-        for arm, a in arms.items()
+        for name, a in arms.items()
     }
 
 
 def _measure_in_child(bag: int, args) -> dict:
-    """One fresh process per ``S`` (megatron-core's parallel state is global)."""
-    cmd = [sys.executable, os.path.abspath(__file__), "--child", str(bag)]
-    cmd += ["--device", args.device, "--rounds", str(args.rounds), "--threads", str(args.threads)]
-    cmd += ["--smoke"] if args.smoke else []
-    result = subprocess.run(cmd, capture_output=True, text=True, check=False)
-    if result.returncode != 0:
-        raise RuntimeError(f"measuring S={bag} failed:\n{result.stderr[-4000:]}")
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    """One fresh process per ``S`` (Megatron-LM's state is global); its result comes back in
+    a JSON file (the launcher prints to stdout)."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "result.json")
+        cmd = [
+            sys.executable,
+            os.path.abspath(__file__),
+            "--child",
+            str(bag),
+            "--child-output",
+            out,
+        ]
+        cmd += ["--device", args.device, "--rounds", str(args.rounds)]
+        cmd += ["--threads", str(args.threads), "--repeats", str(args.repeats)]
+        cmd += ["--smoke"] if args.smoke else []
+        env = dict(
+            os.environ,
+            PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])),
+        )
+        result = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env, cwd=ROOT)
+        if result.returncode != 0:
+            raise RuntimeError(
+                f"measuring S={bag} failed:\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}"
+            )
+        with open(out) as f:
+            return json.load(f)
 
 
 def report(results: dict, args) -> str:
     device = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
     size = SMOKE_SIZE if args.smoke else FULL_SIZE
     rounds = next(iter(results.values()))["1"]["n"]
+    extra = (
+        " --bf16 and the flags of LOCAL_CUDA_FLAGS (local spec)" if args.device == "cuda" else ""
+    )
     lines = [
-        "# TST step cost: phase-1 step vs baseline step",
+        "# TST step cost: phase-1 iteration vs phase-2 and baseline iterations",
         "",
         f"Machine: {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
-        f"{device}, 1 process, {args.threads} thread(s). Model: {size}; micro-batch "
-        f"{MICRO_BATCH}. Arms interleaved (A B B A ...), median of {rounds} steps per arm; "
-        "peak memory from one step each. Step time is wall-clock (the trainer's, without "
-        "reading samples); CPU time is the process's, reading samples included. When other "
-        "jobs share the machine, the ratio of the fastest steps and the CPU time ratio are "
-        "steadier than the medians.",
+        f"{device}, 1 process, {args.threads} thread(s). Model: {size}{extra}; micro-batch "
+        f"{MICRO_BATCH} = global batch; mock data. Each S: a TST run through the launcher "
+        "(`examples/pretrain_gpt_tst_mlm.py`: Megatron-LM's `pretrain()`), phase 1 then "
+        "phase 2, and a baseline run (`--tst-bag-size 1`)"
+        + (f", {args.repeats} times in alternating order" if args.repeats > 1 else "")
+        + f"; median of {rounds} iterations per arm (Megatron-LM's whole iteration: reading "
+        "the batch, forward, backward, optimizer step); peak memory from one iteration each "
+        "(" + ("CUDA peak allocation" if args.device == "cuda" else "live tensor bytes") + "). "
+        "When other jobs share the machine, the ratio of the fastest iterations is steadier "
+        "than the medians.",
         "",
-        "| S | step time, phase 1 (ms) | baseline (ms) | time ratio (<= 1.03) | "
-        "peak memory, phase 1 (MiB) | baseline (MiB) | memory ratio (<= 1.03) | "
-        "tokens/s, phase 1 | baseline | tokens/s / (S x baseline) (>= 0.97) | "
-        "time ratio of the fastest steps | CPU time ratio | "
-        "reading samples, phase 1 / baseline (ms) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| S | iteration, phase 1 (ms) | phase 2 (ms) | baseline (ms) | "
+        "time ratio phase 1 / baseline (<= 1.03) | phase 2 / baseline | "
+        "peak memory, phase 1 (MiB) | phase 2 (MiB) | baseline (MiB) | "
+        "memory ratio phase 1 / baseline (<= 1.03) | raw tokens/s, phase 1 | baseline | "
+        "tokens/s / (S x baseline) (>= 0.97) | time ratio of the fastest iterations |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for bag, arms in results.items():
-        p1, p2 = arms["1"], arms["2"]
-        tps1, tps2 = p1["tokens"] / p1["time"], p2["tokens"] / p2["time"]
+        p1, p2, base = arms["1"], arms["2"], arms["base"]
+        tps1, tps_base = p1["tokens"] / p1["time"], base["tokens"] / base["time"]
         lines.append(
             f"| {bag} | {1000 * p1['time']:.1f} | {1000 * p2['time']:.1f} | "
-            f"{p1['time'] / p2['time']:.3f} | {p1['peak'] / 2**20:.1f} | "
-            f"{p2['peak'] / 2**20:.1f} | {p1['peak'] / p2['peak']:.3f} | {tps1:.0f} | "
-            f"{tps2:.0f} | {tps1 / (int(bag) * tps2):.3f} | "
-            f"{p1['time_min'] / p2['time_min']:.3f} | {p1['cpu'] / p2['cpu']:.3f} | "
-            f"{1000 * p1['load']:.1f} / {1000 * p2['load']:.1f} |"
+            f"{1000 * base['time']:.1f} | {p1['time'] / base['time']:.3f} | "
+            f"{p2['time'] / base['time']:.3f} | {p1['peak'] / 2**20:.1f} | "
+            f"{p2['peak'] / 2**20:.1f} | {base['peak'] / 2**20:.1f} | "
+            f"{p1['peak'] / base['peak']:.3f} | {tps1:.0f} | {tps_base:.0f} | "
+            f"{tps1 / (int(bag) * tps_base):.3f} | {p1['time_min'] / base['time_min']:.3f} |"
         )
     lines += [
         "",
@@ -245,16 +377,25 @@ def report(results: dict, args) -> str:
 
 
 def main():
-    p = argparse.ArgumentParser(description="TST phase-1 step cost vs baseline step")
+    p = argparse.ArgumentParser(description="TST phase-1 iteration cost vs baseline iteration")
     p.add_argument("--smoke", action="store_true", help="tiny model, 2 rounds, S = 4 only")
     p.add_argument("--bag-sizes", default="4,8", help="comma-separated S values")
     p.add_argument(
         "--device",
         default="cpu",
         choices=("cpu", "cuda"),
-        help="cuda measures the step on the GPU (the TP-traffic part stays on gloo)",
+        help="cuda measures the iterations on the GPU (local spec, bf16; the TP-traffic part "
+        "stays on gloo)",
     )
-    p.add_argument("--rounds", type=int, default=None, help="timed steps per arm (default 12)")
+    p.add_argument(
+        "--rounds", type=int, default=None, help="timed iterations per arm and run (default 12)"
+    )
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=None,
+        help="runs per arm, in alternating order (default 2; 1 with --smoke)",
+    )
     p.add_argument(
         "--threads",
         type=int,
@@ -268,8 +409,10 @@ def main():
         "(e.g. docs/results/step_cost.md; docs/results.md is then re-indexed)",
     )
     p.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--child-output", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     args.rounds = args.rounds or (2 if args.smoke else 12)
+    args.repeats = args.repeats or (1 if args.smoke else 2)
     if args.child is not None:
         result = measure_bag_size(
             args.child,
@@ -277,8 +420,10 @@ def main():
             device=args.device,
             rounds=args.rounds,
             threads=args.threads,
+            repeats=args.repeats,
         )
-        print(json.dumps(result))
+        with open(args.child_output, "w") as f:
+            json.dump(result, f)
         return
     bags = [4] if args.smoke else [int(s) for s in args.bag_sizes.split(",")]
     results = {str(bag): _measure_in_child(bag, args) for bag in bags}

@@ -5,6 +5,12 @@ length T, WSD schedule and number of steps; they differ only in TST (S, r). The 
 rate of *both* arms is the one that is best for the baseline among ``--lrs`` (tried first).
 Validation is next-token loss on a held-out split, at regular intervals and at the end.
 
+Every arm is one ``torchrun`` of the launcher, ``examples/pretrain_gpt_tst_mlm.py``
+(Megatron-LM's own ``pretrain()`` with TST; ``--device cpu``: gloo), with Megatron-LM's
+flags (WSD decay over the last 10 %: ``--lr-wsd-decay-iters``). The curves are read from its
+TensorBoard events: Megatron-LM's ``lm loss validation`` and the launcher's ``tst-phase`` (the
+phase of every iteration: the switch, and the raw tokens read, ``S*T`` per phase-1 sample).
+
 Outputs (written by this script, under ``--output-dir``, default ``docs/results``):
 ``tst_vs_baseline.md`` (table + commands + machine) and ``tst_vs_baseline.png`` (both
 validation curves against steps, equal FLOPs per step, switch marked); ``docs/results.md``
@@ -42,6 +48,7 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import re
 import shlex
 import subprocess
 import sys
@@ -50,14 +57,19 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from tst_megatron.plots import read_scalars, save_figure, switch_iteration  # noqa: E402
+from tst_megatron.plots import (  # noqa: E402
+    read_scalars,
+    save_figure,
+    switch_iteration,
+    validation_tag,
+)
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from measure import write, write_index  # noqa: E402
 
 PY = sys.executable
 EVAL_ROUNDS = 6
-"""--horizons: evaluations per run (every N/6 steps), each on the whole validation split."""
+"""--horizons: evaluations per run (every N/6 steps); the final one scores the whole split."""
 TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
 
 
@@ -125,7 +137,7 @@ def ensure_data(  # noqa: C901
 
 
 def model_flags(args, data_prefix: str) -> list[str]:
-    """The trainer flags shared by every arm (model, data, batch, schedule, evaluation)."""
+    """The launcher flags shared by every arm (model, data, batch, schedule, evaluation)."""
     if args.preset:
         from recipes import RECIPES
 
@@ -208,6 +220,8 @@ def _common_flags(args, data_prefix: str, tok: str) -> list[str]:
         str(args.vocab_size),
         "--num-attention-heads",
         "4",
+        "--max-position-embeddings",
+        str(batch_shape(args)[1]),
         "--swiglu",
         "--disable-bias-linear",
         "--untie-embeddings-and-output-weights",
@@ -233,6 +247,9 @@ def _common_flags(args, data_prefix: str, tok: str) -> list[str]:
         "0",
         "--lr-warmup-iters",
         str(max(1, args.train_iters // 20)),
+        # Megatron-LM's WSD has no default decay length: the last 10 % of the run
+        "--lr-wsd-decay-iters",
+        str(max(1, args.train_iters // 10)),
         "--hidden-dropout",
         "0",
         "--attention-dropout",
@@ -245,7 +262,7 @@ def _common_flags(args, data_prefix: str, tok: str) -> list[str]:
         str(args.eval_iters),
         "--log-interval",
         str(args.eval_interval),
-    ] + (["--full-validation"] if args.horizons else [])
+    ]
 
 
 def launcher(args) -> list[str]:
@@ -271,9 +288,90 @@ def launcher(args) -> list[str]:
     return options
 
 
+LAUNCHER = "examples/pretrain_gpt_tst_mlm.py"
+"""The launcher every arm runs: Megatron-LM's ``pretrain()`` with TST."""
+
+
+def flag_value(flags: list, name: str, default=None):
+    """The value after the last ``name`` in ``flags`` (``default`` when absent)."""
+    if name not in flags:
+        return default
+    return flags[len(flags) - 1 - flags[::-1].index(name) + 1]
+
+
+def raw_tokens(flags: list, phases: list) -> int:
+    """Tokens an arm read: for each iteration of the ``tst-phase`` series (``(step, phase)``),
+    the global batch times ``S*T`` in phase 1 (``T`` with ``--tst-mode output``, which reads
+    ordinary windows) or ``T`` in phase 2, as the launcher's raw-tokens-per-second counts."""
+    gbs = int(flag_value(flags, "--global-batch-size"))
+    seq = int(flag_value(flags, "--seq-length"))
+    bag = int(flag_value(flags, "--tst-bag-size", 1))
+    phase1 = seq if flag_value(flags, "--tst-mode", "full") == "output" else bag * seq
+    return sum(gbs * (phase1 if phase == 1.0 else seq) for _, phase in phases)
+
+
+def read_arm(tensorboard_dir: str, flags: list) -> dict:
+    """An arm's curves from the launcher's TensorBoard events: ``valid`` (Megatron-LM's
+    ``lm loss validation``: ``[(iteration, loss)]``, the final evaluation replacing a
+    validation at the same iteration), ``switch`` (from ``tst-phase``), ``tokens``
+    (:func:`raw_tokens`), ``steps``."""
+    scalars = read_scalars(tensorboard_dir)
+    phases = scalars.get("tst-phase", [])
+    tag = validation_tag(scalars)
+    if tag is None or not phases:
+        raise RuntimeError(f"{tensorboard_dir}: no validation loss or tst-phase series")
+    return {
+        "valid": scalars[tag],
+        "switch": switch_iteration(phases),
+        "tokens": raw_tokens(flags, phases),
+        "steps": phases[-1][0],
+    }
+
+
+#: Megatron-LM's validation line (``evaluate_and_print_results``, last rank).
+_VALIDATION_LINE = re.compile(
+    r"validation loss at iteration (\d+) on validation set \| lm loss value: ([0-9.E+-]+)"
+)
+
+
+def whole_split_iters(args) -> int:
+    """``--eval-iters`` that score the whole validation split once: its ``T``-token windows
+    (megatron-core's ``GPTDataset``: ``(tokens - 1) // T`` per epoch) in global batches, at
+    least 1 (all but the last ``< global batch`` windows)."""
+    gbs, seq = batch_shape(args)
+    return max(1, (args.valid_tokens - 1) // seq // gbs)
+
+
+def score_whole_split(options, flags, ckpt: str, eval_iters: int, env) -> "tuple | None":
+    """Megatron-LM's own evaluation of the checkpoint ``ckpt`` on the whole validation split:
+    the launcher with ``--load ckpt --skip-train --eval-iters eval_iters`` (with
+    ``--skip-train`` Megatron-LM sizes the split to ``eval_iters`` global batches and reads it
+    from its start, so every arm is scored on the same windows). Returns ``(iteration,
+    loss)`` from its validation line (node 0; None elsewhere).
+
+    Megatron-LM 0.19's ``--full-validation`` does this at every evaluation, but with one
+    validation set its ``evaluate_and_print_results`` indexes an ``int``
+    (``eval_iters[0]`` after ``torch.tensor(args.eval_iters).tolist()``) and stops the run;
+    hence this route, for the final evaluation.
+    """
+    command = [TORCHRUN, *options, LAUNCHER, *flags, "--load", ckpt, "--skip-train"]
+    command += ["--no-load-optim", "--no-load-rng", "--eval-iters", str(eval_iters)]
+    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise RuntimeError(
+            f"scoring {ckpt} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+        )
+    found = _VALIDATION_LINE.findall(result.stdout + result.stderr)
+    if not found:
+        return None
+    iteration, loss = found[-1]
+    return int(iteration), float(loss)
+
+
 def run_arm(args, name: str, flags: list[str]) -> dict:
-    """Train one arm with torchrun; return its curves and wall-clock time (node 0), or None
-    on the other nodes. With ``--reuse``, an arm whose ``arm.json`` exists is read back."""
+    """Train one arm with torchrun and the launcher (:data:`LAUNCHER`); return its curves and
+    wall-clock time (node 0), or None on the other nodes. With ``--reuse``, an arm whose
+    ``arm.json`` exists is read back."""
     import json
     import shutil
 
@@ -285,28 +383,34 @@ def run_arm(args, name: str, flags: list[str]) -> dict:
     tb = os.path.join(arm_dir, "tensorboard")
     if os.path.isdir(arm_dir) and args.node_rank == 0:
         shutil.rmtree(arm_dir)
+    os.makedirs(arm_dir, exist_ok=True)
     options = launcher(args)
-    command = [TORCHRUN, *options, "examples/pretrain_gpt_tst.py", *flags, "--tensorboard-dir", tb]
+    ckpt = os.path.join(arm_dir, "checkpoint")
+    score = whole_split_iters(args) if args.horizons else None
+    save = ["--save", ckpt, "--save-interval", str(args.train_iters), "--no-tst-save-at-switch"]
+    command = [TORCHRUN, *options, LAUNCHER, *flags, "--tensorboard-dir", tb]
+    command += save if score else []
     env = dict(os.environ, PYTHONWARNINGS="ignore")
     start = time.perf_counter()
     result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
     wall = time.perf_counter() - start
     if result.returncode != 0:
         raise RuntimeError(f"arm {name} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
+    # a fresh rendezvous port (the training run's may still be held)
+    final = score_whole_split(launcher(args), flags, ckpt, score, env) if score else None
     if args.node_rank != 0:
         return None
-    scalars = read_scalars(tb)
-    phases = scalars.get("tst-phase", [])
-    tokens = scalars.get("tst-phase vs tokens", [])
     arm = {
         "name": name,
         "wall_s": wall,
         "command": shlex.join(["torchrun", *options[:2], *command[1 + len(options) :]]),
-        "valid": scalars["validation lm loss"],
-        "switch": switch_iteration(phases),
-        "tokens": int(tokens[-1][0]) if tokens else None,
-        "steps": phases[-1][0] if phases else None,
+        **read_arm(tb, flags),
     }
+    if final is not None:  # the final point: the whole split, the same windows for every arm
+        steps, loss = final
+        arm["valid"] = [p for p in arm["valid"] if p[0] != steps] + [(steps, loss)]
+        arm["valid_whole_split"] = loss
+        shutil.rmtree(ckpt, ignore_errors=True)
     with open(saved, "w") as f:
         json.dump(arm, f)
     return arm
@@ -618,7 +722,7 @@ def horizon_lrs(args, steps: int, previous_best) -> list:
 
 
 def arm_lr(arm: dict) -> float:
-    """The ``--lr`` of an arm's trainer command."""
+    """The ``--lr`` of an arm's launcher command."""
     words = shlex.split(arm["command"])
     return float(words[len(words) - 1 - words[::-1].index("--lr") + 1])
 
@@ -650,7 +754,7 @@ def gap_cell(values: list) -> str:
 
 
 def horizons_report(args, rows: list, labels: list, train_tokens: int, name: str) -> str:
-    gbs, seq = batch_shape(args)
+    _, seq = batch_shape(args)
     header = "| steps | baseline LR | baseline final validation loss (passes) | " + " | ".join(
         f"{label}: TST - baseline (passes)" for label in labels
     )
@@ -665,11 +769,13 @@ def horizons_report(args, rows: list, labels: list, train_tokens: int, name: str
         f"{train_tokens:,} tokens; a *pass* is the tokens an arm read divided by that "
         "(more than 1: the data was repeated).",
         "",
-        "Validation: next-token loss on the whole validation split (`--full-validation`: "
-        f"{args.valid_tokens:,} held-out tokens, scored in global batches of {gbs} x {seq}) "
-        f"at every evaluation, every N/{4 if args.smoke else EVAL_ROUNDS} steps and at the "
-        "switch, so every arm and every round is scored on the same tokens and the gaps are "
-        f"paired. Seed {args.seed}"
+        "Validation: the final validation loss (the table, the gaps) is Megatron-LM's own "
+        "evaluation of each arm's last checkpoint on the whole validation split "
+        f"({args.valid_tokens:,} held-out tokens, {whole_split_iters(args)} global batches of "
+        f"{batch_shape(args)[0]} x {seq}: the launcher with `--skip-train --load`), so every "
+        "arm is scored on the same windows and the gaps are paired; during training "
+        f"{args.eval_iters} batches every N/{4 if args.smoke else EVAL_ROUNDS} steps and at the "
+        f"switch. Seed {args.seed}"
         + (
             f"; at {args.seeds_min_steps} steps and more also seeds "
             f"{', '.join(str(x) for x in args.seeds_list if x != args.seed)}, each arm against "
@@ -734,7 +840,7 @@ def horizons_report(args, rows: list, labels: list, train_tokens: int, name: str
         for r in rows
         for b in r["baselines"]
     ]
-    lines += ["", f"Command: `.venv/bin/python {invocation()}`; each arm's trainer command:", ""]
+    lines += ["", f"Command: `.venv/bin/python {invocation()}`; each arm's launcher command:", ""]
     for r in rows:
         lines.append(f"    {r['best']['command']}")
         lines += [f"    {arm['command']}" for arm in r["arms"].values()]

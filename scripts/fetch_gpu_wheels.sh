@@ -14,13 +14,15 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 WHEELS="${WHEELS:-gpu-wheels}"
 mkdir -p "$WHEELS"
-# megatron-core's own requirements besides torch (numpy, packaging), and what the trainer and
-# the check import: sentencepiece (tokenizers), psutil (dist_checkpointing), tqdm.
+# megatron-core's own requirements besides torch (numpy, packaging), and what the launcher
+# (examples/pretrain_gpt_tst_mlm.py: Megatron-LM's megatron.training, shipped in the
+# megatron-core wheel) and the check import: pyyaml (megatron.training), psutil
+# (dist_checkpointing), tqdm, sentencepiece (SentencePiece tokenizers).
 "${PYTHON:-python3}" -m pip download --quiet --no-deps --only-binary=:all: \
     --python-version 3.12 --implementation cp --abi cp312 \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
     --platform manylinux2014_x86_64 --platform manylinux2010_x86_64 \
     --dest "$WHEELS" \
-    "${MEGATRON_CORE_SPEC:-megatron-core>=0.19,<0.20}" numpy "packaging>=24.2" sentencepiece psutil tqdm
+    "${MEGATRON_CORE_SPEC:-megatron-core>=0.19,<0.20}" numpy "packaging>=24.2" pyyaml sentencepiece psutil tqdm
 du -sh "$WHEELS"
 ls "$WHEELS"

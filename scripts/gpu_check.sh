@@ -25,7 +25,7 @@ fi
 if ! "$PYTHON" -c "import megatron.core" 2>/dev/null && [ -d gpu-wheels ]; then
     [ -x .venv-gpu/bin/python ] || "$PYTHON" -m venv --system-site-packages .venv-gpu
     .venv-gpu/bin/python -m pip install --quiet --no-index --find-links gpu-wheels \
-        megatron-core sentencepiece psutil tqdm
+        megatron-core numpy packaging pyyaml sentencepiece psutil tqdm
     PYTHON=.venv-gpu/bin/python
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # tst_megatron from this checkout

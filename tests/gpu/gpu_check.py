@@ -1,11 +1,16 @@
-"""The GPU path in one command (``scripts/gpu_check.sh``): Transformer Engine spec, bf16, FP8,
-distributed optimizer, alltoall dispatcher, grouped GEMM, the MCE against megatron-core's fused
-cross-entropy, the step-cost benchmark on CUDA, and an FP8 save/resume. Each check is a row of a
-Markdown table written to ``docs/results/gpu_check.md``.
+"""The GPU path in one command (``scripts/gpu_check.sh``), through the launcher
+(``examples/pretrain_gpt_tst_mlm.py``: Megatron-LM's ``pretrain()`` with TST): the local spec
+in bf16 through the switch, the Transformer Engine spec, FP8, distributed optimizer + alltoall
+dispatcher + grouped GEMM, the MCE against megatron-core's fused cross-entropy, the step-cost
+benchmark on CUDA, and an FP8 save/resume. Each check is a row of a Markdown table written to
+``docs/results/gpu_check.md``; without Transformer Engine (the lent H200 has none) the TE and
+FP8 rows say ``skipped: Transformer Engine not installed``.
 
-Every training check runs the trainer (``tst_megatron.training.trainer.train``) in a fresh
-1-process child through the TST switch (``RUNS`` below; :func:`validate_all` checks each of
-them with the trainer's own ``validate`` on any machine, which the CPU suite does).
+Every training check runs the launcher in a fresh 1-process child through the TST switch
+(``RUNS`` below) and reads the per-iteration losses from Megatron-LM's log lines
+(``--log-interval 1``: ``mce loss`` in phase 1, ``lm loss`` in phase 2). :func:`validate_all`
+checks every launch line with the launcher's ``--dry-run`` checks (Megatron-LM's validation and
+the TST checks, as a CUDA run) on any machine, which the CPU suite does.
 
     python tests/gpu/gpu_check.py [--output docs/results/gpu_check.md]   # needs a CUDA GPU
 """
@@ -13,84 +18,45 @@ them with the trainer's own ``validate`` on any machine, which the CPU suite doe
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import platform
+import re
 import subprocess
 import sys
 import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+from step_cost import LOCAL_CUDA_FLAGS  # noqa: E402
 
+LAUNCHER = "examples/pretrain_gpt_tst_mlm.py"
 N, N1 = 20, 8  # iterations; the switch at N1
 #: Small but FP8-valid: 128 * 4 = 512 tokens per micro-batch, every width a multiple of 32.
 BASE = [
-    "--mock-data",
-    "--tokenizer-type",
-    "NullTokenizer",
-    "--position-embedding-type",
-    "rope",
-    "--normalization",
-    "RMSNorm",
-    "--adam-beta2",
-    "0.95",
-    "--lr-decay-style",
-    "WSD",
-    "--device",
-    "cuda",
-    "--vocab-size",
-    "1024",
-    "--num-layers",
-    "2",
-    "--hidden-size",
-    "256",
-    "--num-attention-heads",
-    "4",
-    "--ffn-hidden-size",
-    "1024",
-    "--seq-length",
-    "128",
-    "--swiglu",
-    "--disable-bias-linear",
-    "--untie-embeddings-and-output-weights",
-    "--num-experts",
-    "4",
-    "--moe-ffn-hidden-size",
-    "256",
-    "--moe-router-topk",
-    "2",
-    "--micro-batch-size",
-    "4",
-    "--global-batch-size",
-    "8",
-    "--train-iters",
-    str(N),
-    "--tst-bag-size",
-    "4",
-    "--tst-phase1-iters",
-    str(N1),
-    "--lr",
-    "1e-3",
-    "--lr-warmup-iters",
-    "2",
-    "--hidden-dropout",
-    "0",
-    "--attention-dropout",
-    "0",
-    "--log-interval",
-    "5",
-    "--seed",
-    "7",
-    "--bf16",
-]
+    "--device", "cuda", "--mock-data", "--tokenizer-type", "NullTokenizer",
+    "--vocab-size", "1024", "--num-layers", "2", "--hidden-size", "256",
+    "--num-attention-heads", "4", "--ffn-hidden-size", "1024", "--seq-length", "128",
+    "--max-position-embeddings", "128", "--position-embedding-type", "rope",
+    "--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear",
+    "--untie-embeddings-and-output-weights", "--num-experts", "4",
+    "--moe-ffn-hidden-size", "256", "--moe-router-topk", "2",
+    "--micro-batch-size", "4", "--global-batch-size", "8", "--train-iters", str(N),
+    "--tst-bag-size", "4", "--tst-phase1-iters", str(N1),
+    "--lr", "1e-3", "--lr-warmup-iters", "2", "--lr-decay-style", "WSD",
+    "--lr-wsd-decay-iters", "4", "--adam-beta2", "0.95",
+    "--hidden-dropout", "0", "--attention-dropout", "0",
+    "--log-interval", "1", "--eval-interval", str(N), "--eval-iters", "0",
+    "--num-workers", "0", "--seed", "7", "--bf16",
+]  # fmt: skip
+LOCAL = LOCAL_CUDA_FLAGS
 TE = ["--transformer-impl", "transformer_engine"]
 FP8 = TE + ["--fp8-format", "hybrid"]
 
 #: name -> (extra flags, the run it is compared with or None, what is checked)
 RUNS = {
-    "local bf16": ([], None, "reference: local spec, bf16"),
+    "local bf16": (LOCAL, None, "reference: local spec, bf16, through the switch"),
     "TE bf16": (
         TE,
         "local bf16",
@@ -127,90 +93,102 @@ TOL_FIRST, TOL_LAST5 = 0.05, 0.15
 
 
 def argv_of(name: str) -> list:
-    """The trainer flags of run ``name``."""
+    """The launcher flags of run ``name``."""
     return BASE + RUNS[name][0]
 
 
 def validate_all(world_size: int = 1) -> None:
-    """Parse every run's flags and check them with the trainer's ``validate`` for a CUDA
-    device (no GPU needed). Raises ``ConfigError`` on the first problem."""
-    from tst_megatron.training.config import parse_args, validate
+    """Check every run's launch line (and the FP8 save run's) with the launcher's ``--dry-run``
+    checks at ``world_size``, as a CUDA run (no GPU needed).
 
-    for name in RUNS:
-        validate(parse_args(argv_of(name)), world_size, "cuda")
-    validate(parse_args(argv_of("TE FP8 delayed") + ["--save", "x"]), world_size, "cuda")
+    Raises:
+        ConfigError: the problems of the first launch line that has any, one per line.
+    """
+    from tst_megatron.errors import ConfigError
+    from tst_megatron.training import dry_run
+
+    saved = os.environ.get("WORLD_SIZE")
+    os.environ["WORLD_SIZE"] = str(world_size)
+    try:
+        for name in [*RUNS, "FP8 save"]:
+            argv = save_argv("/tmp/ckpt") if name == "FP8 save" else argv_of(name)
+            _, problems, _ = dry_run.check(argv)
+            if problems:
+                raise ConfigError(f"{name}: " + "\n".join(problems))
+    finally:
+        if saved is None:
+            del os.environ["WORLD_SIZE"]
+        else:
+            os.environ["WORLD_SIZE"] = saved
+
+
+def save_argv(ckpt: str) -> list:
+    """The FP8 (delayed) run saving a torch_dist checkpoint at :data:`RESUME_AT`."""
+    return argv_of("TE FP8 delayed") + [
+        "--save", ckpt, "--save-interval", str(RESUME_AT), "--ckpt-format", "torch_dist",
+    ]  # fmt: skip
+
+
+def resume_argv(ckpt: str) -> list:
+    """The FP8 (delayed) run resumed from :func:`save_argv`'s checkpoint at :data:`RESUME_AT`."""
+    return argv_of("TE FP8 delayed") + [
+        "--load", ckpt, "--ckpt-step", str(RESUME_AT), "--ckpt-format", "torch_dist",
+    ]  # fmt: skip
 
 
 # --- children -------------------------------------------------------------------------------
 
-
-def _amax(model_chunks):
-    """The delayed-scaling amax history of the first TE module that has one (CPU copy)."""
-    for chunk in model_chunks:
-        for module in chunk.modules():
-            meta = getattr(module, "fp8_meta", None)
-            if isinstance(meta, dict) and "scaling_fwd" in meta:
-                history = getattr(meta["scaling_fwd"], "amax_history", None)
-                if history is not None:
-                    return history.detach().float().cpu()
-    return None
+#: Megatron-LM's ``training_log`` line: ``iteration 3/ 20 | ... | mce loss: 6.9E+00 | ...``.
+_LINE = re.compile(r"iteration\s+(\d+)/\s*\d+ \|(.*)")
+_KEY = re.compile(r"\| (mce loss|lm loss): ([0-9.E+-]+) ")
 
 
-def child(argv: list, out: str) -> None:
-    """Train with ``argv``; write ``{"train": {it: loss}, "amax_saved", "amax_loaded"}``."""
-    from tst_megatron.runtime import destroy
-    from tst_megatron.training import trainer
-    from tst_megatron.training.config import parse_args
-
-    probe = {}
-    real_save, real_resume = trainer.save, trainer.resume
-
-    def save(run, iteration, tokens_seen):
-        real_save(run, iteration, tokens_seen)
-        amax = _amax(run.model)
-        probe[f"amax_saved_{iteration}"] = None if amax is None else amax.tolist()
-
-    def resume(run):
-        result = real_resume(run)
-        amax = _amax(run.model)
-        probe["amax_loaded"] = None if amax is None else amax.tolist()
-        return result
-
-    trainer.save, trainer.resume = save, resume
-    try:
-        history = trainer.train(parse_args(argv))
-    finally:
-        destroy()
-    with open(out, "w") as f:
-        json.dump({"train": history["train"], **probe}, f)
+def parse_losses(text: str) -> dict:
+    """``{iteration: training loss}`` from Megatron-LM's log lines: ``lm loss`` where a line
+    has it (phase 2), else ``mce loss`` (phase 1; after the switch Megatron-LM keeps printing
+    ``mce loss: 0.0``)."""
+    losses = {}
+    for iteration, rest in _LINE.findall(text):
+        keys = dict(_KEY.findall("| " + rest))
+        if "lm loss" in keys and ("mce loss" not in keys or float(keys["mce loss"]) == 0.0):
+            losses[int(iteration)] = float(keys["lm loss"])
+        elif "mce loss" in keys:
+            losses[int(iteration)] = float(keys["mce loss"])
+    return losses
 
 
 def _train(argv: list, log: str) -> dict:
-    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as tmp:
-        out = tmp.name
+    """Run the launcher on 1 GPU with ``argv``; return ``{"train": {iteration: loss}}``."""
+    from tst_megatron.runtime.distributed import free_port
+
+    env = dict(
+        os.environ,
+        RANK="0",
+        WORLD_SIZE="1",
+        LOCAL_RANK="0",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(free_port()),
+        CUDA_DEVICE_MAX_CONNECTIONS="1",
+        PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])),
+    )
+    result = subprocess.run(
+        [sys.executable, LAUNCHER, *argv], cwd=ROOT, env=env, capture_output=True, text=True
+    )
     with open(log, "a") as f:
-        f.write(f"\n$ {' '.join(argv)}\n")
-        f.flush()
-        subprocess.run(
-            [sys.executable, __file__, "--child", out, "--", *argv],
-            check=True,
-            stdout=f,
-            stderr=subprocess.STDOUT,
-            cwd=ROOT,
-        )
-    with open(out) as f:
-        result = json.load(f)
-    os.unlink(out)
-    result["train"] = {int(k): v for k, v in result["train"].items()}
-    return result
+        f.write(f"\n$ {' '.join(argv)}\n{result.stdout}{result.stderr}")
+    if result.returncode != 0:
+        raise RuntimeError(f"launcher exited {result.returncode}; see {log}")
+    return {"train": parse_losses(result.stdout)}
 
 
 # --- checks ---------------------------------------------------------------------------------
 
 
 def _compare(losses: dict, reference: dict) -> tuple:
-    first = abs(losses[1] - reference[1])
-    last = [abs(losses[i] - reference[i]) for i in range(N - 4, N + 1)]
+    """``(ok, text)``: ``losses`` close to ``reference`` (a missing iteration: not ok)."""
+    nan = math.nan
+    first = abs(losses.get(1, nan) - reference.get(1, nan))
+    last = [abs(losses.get(i, nan) - reference.get(i, nan)) for i in range(N - 4, N + 1)]
     mean_last = sum(last) / len(last)
     finite = all(math.isfinite(v) for v in losses.values())
     ok = finite and first <= TOL_FIRST and mean_last <= TOL_LAST5
@@ -249,12 +227,14 @@ def check_training(rows: list, log: str) -> dict:
         start = time.time()
         results[name] = _train(argv_of(name), log)["train"]
         losses = results[name]
+        at = {i: losses.get(i, math.nan) for i in (1, N1, N1 + 1, N)}  # nan: not logged
         summary = (
-            f"loss it 1 {losses[1]:.4f}, it {N1} {losses[N1]:.4f}, it {N1 + 1} "
-            f"{losses[N1 + 1]:.4f}, it {N} {losses[N]:.4f} ({time.time() - start:.0f} s)"
+            f"loss it 1 {at[1]:.4f}, it {N1} {at[N1]:.4f}, it {N1 + 1} "
+            f"{at[N1 + 1]:.4f}, it {N} {at[N]:.4f} ({time.time() - start:.0f} s)"
         )
-        if reference is None:
-            ok = all(math.isfinite(v) for v in losses.values())
+        if reference is None:  # every iteration logged, both phases, finite
+            ok = sorted(losses) == list(range(1, N + 1))
+            ok = ok and all(math.isfinite(v) for v in losses.values())
         else:
             ok, diff = _compare(losses, results[reference])
             summary += f"; vs {reference}: {diff}"
@@ -263,37 +243,25 @@ def check_training(rows: list, log: str) -> dict:
 
 
 def check_fp8_resume(rows: list, log: str, uninterrupted: dict) -> None:
-    what = f"FP8 (delayed) save at {RESUME_AT} and resume: amax history and losses survive"
+    what = f"FP8 (delayed) torch_dist save at {RESUME_AT} and resume: losses continue exactly"
     if not te_installed():
         rows.append((what, NO_TE, "-"))
         return
     with tempfile.TemporaryDirectory() as ckpt:
-        first = _train(
-            argv_of("TE FP8 delayed")
-            + ["--train-iters", str(N), "--save", ckpt, "--save-interval", str(RESUME_AT)],
-            log,
-        )
-        # drop the checkpoints after RESUME_AT so the resume starts there
-        for entry in os.listdir(ckpt):
-            if entry.startswith("iter_") and int(entry[5:12]) > RESUME_AT:
-                subprocess.run(["rm", "-rf", os.path.join(ckpt, entry)], check=True)
-        with open(os.path.join(ckpt, "latest_checkpointed_iteration.txt"), "w") as f:
-            f.write(str(RESUME_AT))
-        second = _train(argv_of("TE FP8 delayed") + ["--load", ckpt], log)
-    saved, loaded = first.get(f"amax_saved_{RESUME_AT}"), second.get("amax_loaded")
-    amax_ok = saved is not None and saved == loaded and any(any(row) for row in saved)
-    diffs = [abs(second["train"][i] - first["train"][i]) for i in range(RESUME_AT + 1, N + 1)]
-    loss_ok = max(diffs) <= 1e-3 * abs(first["train"][N])
+        first = _train(save_argv(ckpt), log)["train"]
+        second = _train(resume_argv(ckpt), log)["train"]
+    # from RESUME_AT + 2: Megatron-LM's first log line after a (re)start may average two steps
+    its = range(RESUME_AT + 2, N + 1)
+    diffs = [abs(second[i] - first[i]) for i in its]
+    loss_ok = max(diffs) <= 1e-3 * abs(first[N])
     reference = uninterrupted.get("TE FP8 delayed", {})
-    same_as_run = reference and abs(reference[N] - first["train"][N]) <= 1e-3 * abs(reference[N])
+    same_as_run = bool(reference) and abs(reference[N] - first[N]) <= 1e-3 * abs(reference[N])
     rows.append(
         (
             what,
-            f"amax history {'restored' if amax_ok else 'NOT restored'} "
-            f"({'missing' if saved is None else f'{len(saved)} x {len(saved[0])}'}); "
-            f"max |loss resumed - uninterrupted| its {RESUME_AT + 1}-{N}: {max(diffs):.2e}; "
-            f"saving run = plain FP8 run: {bool(same_as_run)}",
-            "pass" if amax_ok and loss_ok else "FAIL",
+            f"max |loss resumed - uninterrupted| its {RESUME_AT + 2}-{N}: {max(diffs):.2e}; "
+            f"saving run = plain FP8 run: {same_as_run}",
+            "pass" if loss_ok else "FAIL",
         )
     )
 
@@ -342,11 +310,20 @@ def check_mce_vs_fused_ce(rows: list) -> None:
         destroy()
 
 
+#: One run per arm (not the default two): the whole check stays under 8 minutes.
+STEP_COST_ARGS = ["--repeats", "1"]
+
+
 def check_step_cost(rows: list, sections: list, log: str) -> None:
     start = time.time()
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])),
+    )
     result = subprocess.run(
-        [sys.executable, "benchmarks/step_cost.py", "--device", "cuda"],
+        [sys.executable, "benchmarks/step_cost.py", "--device", "cuda", *STEP_COST_ARGS],
         cwd=ROOT,
+        env=env,
         capture_output=True,
         text=True,
     )
@@ -355,19 +332,20 @@ def check_step_cost(rows: list, sections: list, log: str) -> None:
     ok = result.returncode == 0
     rows.append(
         (
-            "`benchmarks/step_cost.py --device cuda`",
+            f"`benchmarks/step_cost.py --device cuda {' '.join(STEP_COST_ARGS)}`",
             f"exit {result.returncode} ({time.time() - start:.0f} s); report below",
             "pass" if ok else "FAIL",
         )
     )
     table = result.stdout[result.stdout.find("# TST step cost") :] if ok else ""
     sections.append(
-        "## benchmarks/step_cost.py --device cuda\n\n"
+        f"## benchmarks/step_cost.py --device cuda {' '.join(STEP_COST_ARGS)}\n\n"
         + (table.replace("# TST", "### TST") if ok else "failed; see the log")
     )
 
 
-def report(rows: list, sections: list, elapsed: float) -> str:
+def machine() -> str:
+    """The GPU, Python, torch, megatron-core and Transformer Engine versions (needs CUDA)."""
     import megatron.core
     import torch
 
@@ -377,15 +355,24 @@ def report(rows: list, sections: list, elapsed: float) -> str:
         te = getattr(transformer_engine, "__version__", "?")
     except Exception as exc:  # noqa: BLE001
         te = f"not importable ({type(exc).__name__})"
+    return (
+        f"{torch.cuda.get_device_name()}, Python {platform.python_version()}, torch "
+        f"{torch.__version__}, megatron-core {megatron.core.__version__}, Transformer Engine {te}"
+    )
+
+
+def report(rows: list, sections: list, elapsed: float, machine_text: str) -> str:
+    """The Markdown report: a header, one table row per ``(check, result, verdict)`` of
+    ``rows``, then ``sections``."""
     lines = [
         "# GPU check",
         "",
-        f"`scripts/gpu_check.sh` on {torch.cuda.get_device_name()}, Python "
-        f"{platform.python_version()}, torch {torch.__version__}, megatron-core "
-        f"{megatron.core.__version__}, Transformer Engine {te}; {elapsed:.0f} s in all.",
-        f"Training runs: 1 GPU, {' '.join(BASE)} (+ the flags of each row); the switch at "
-        f"iteration {N1}. Tolerances vs the reference run: |d loss| <= {TOL_FIRST} at "
-        f"iteration 1 and <= {TOL_LAST5} on average over the last 5 iterations.",
+        f"`scripts/gpu_check.sh` on {machine_text}; {elapsed:.0f} s in all.",
+        f"Training runs: the launcher (`{LAUNCHER}`, Megatron-LM's `pretrain()`) on 1 GPU, "
+        f"{' '.join(BASE)} (+ the flags of each row: the local spec's are "
+        f"{' '.join(LOCAL)}); the switch after iteration {N1}. Tolerances vs the reference "
+        f"run: |d loss| <= {TOL_FIRST} at iteration 1 and <= {TOL_LAST5} on average over the "
+        "last 5 iterations.",
         "",
         "| check | result | verdict |",
         "|---|---|---|",
@@ -398,11 +385,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     parser.add_argument("--output", default=os.path.join(ROOT, "docs/results/gpu_check.md"))
     parser.add_argument("--log", default=os.path.join(ROOT, "runs/gpu_check.log"))
-    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
-    args, rest = parser.parse_known_args()
-    if args.child:
-        child([a for a in rest if a != "--"], args.child)
-        return 0
+    args = parser.parse_args()
     import torch
 
     if not torch.cuda.is_available():
@@ -416,7 +399,7 @@ def main() -> int:
     check_fp8_resume(rows, args.log, results)
     check_mce_vs_fused_ce(rows)
     check_step_cost(rows, sections, args.log)
-    text = report(rows, sections, time.time() - start)
+    text = report(rows, sections, time.time() - start, machine())
     os.makedirs(os.path.dirname(args.output), exist_ok=True)
     with open(args.output, "w") as f:
         f.write(text)

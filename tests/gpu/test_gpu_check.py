@@ -1,7 +1,10 @@
-"""scripts/gpu_check.sh on a machine without a GPU: it parses, exits at once saying so, and
-every configuration it would train passes the trainer's validation for a CUDA device."""
+"""scripts/gpu_check.sh on a machine without a GPU: it parses and exits at once saying so; every
+launch line it would train passes the launcher's --dry-run checks as a CUDA run; and the CPU
+parts of tests/gpu/gpu_check.py (the launch command, reading Megatron-LM's log lines, the
+skipped rows without Transformer Engine, the table) work."""
 
 import importlib.util
+import math
 import os
 import shutil
 import subprocess
@@ -32,10 +35,16 @@ def _has_gpu() -> bool:
 def test_script_parses():
     assert subprocess.run(["bash", "-n", SCRIPT]).returncode == 0
     assert os.access(SCRIPT, os.X_OK)
+    fetch = os.path.join(ROOT, "scripts", "fetch_gpu_wheels.sh")
+    assert subprocess.run(["bash", "-n", fetch]).returncode == 0
+    # what the launcher imports beyond torch is installed from the wheels
+    for package in ("megatron-core", "pyyaml", "psutil", "tqdm", "sentencepiece"):
+        assert package in open(SCRIPT).read() and package in open(fetch).read(), package
     result = subprocess.run(
         [sys.executable, os.path.join(ROOT, "tests", "gpu", "gpu_check.py"), "--help"],
         capture_output=True,
         text=True,
+        env=dict(os.environ, PYTHONPATH=ROOT),
     )
     assert result.returncode == 0 and "--output" in result.stdout
 
@@ -49,16 +58,20 @@ def test_without_a_gpu_it_exits_at_once_saying_so():
     assert time.time() - start < 10
 
 
-def test_its_configurations_pass_validation():
+def test_its_launch_lines_pass_the_launchers_checks():
     gpu_check = _load()
-    gpu_check.validate_all()  # raises ConfigError naming the flag otherwise
+    gpu_check.validate_all()  # raises ConfigError naming the problems otherwise
     names = set(gpu_check.RUNS)
     assert {"local bf16", "TE bf16", "TE FP8 delayed", "TE FP8 current"} <= names
     for name, (_extra, reference, _) in gpu_check.RUNS.items():
         assert reference is None or reference in names
         argv = gpu_check.argv_of(name)
+        assert argv[:2] == ["--device", "cuda"] and "--bf16" in argv
         assert ("--fp8-format" in argv) == ("FP8" in name)
-        assert ("transformer_engine" in argv) == name.startswith("TE")
+        impl = argv[len(argv) - 1 - argv[::-1].index("--transformer-impl") + 1]
+        assert impl == ("transformer_engine" if name.startswith("TE") else "local")
+    local = gpu_check.argv_of("local bf16")
+    assert "--no-rope-fusion" in local and "--no-gradient-accumulation-fusion" in local
     grouped = gpu_check.argv_of("TE distopt alltoall grouped")
     for flag in ("--use-distributed-optimizer", "--moe-grouped-gemm", "alltoall"):
         assert flag in grouped
@@ -68,19 +81,68 @@ def test_its_configurations_pass_validation():
         if "FP8" in n
     }
     assert recipes == {"delayed", "tensorwise"}  # delayed and current scaling
+    save, resume = gpu_check.save_argv("c"), gpu_check.resume_argv("c")
+    assert save[save.index("--save-interval") + 1] == str(gpu_check.RESUME_AT)
+    assert resume[resume.index("--ckpt-step") + 1] == str(gpu_check.RESUME_AT)
+    assert resume[resume.index("--load") + 1] == "c"
 
 
-def test_a_bad_configuration_would_be_caught(monkeypatch):
+def test_a_bad_launch_line_would_be_caught(monkeypatch):
     from tst_megatron.errors import ConfigError
 
     gpu_check = _load()
-    monkeypatch.setitem(
-        gpu_check.RUNS,
-        "bad",
-        (gpu_check.FP8 + ["--seq-length", "24", "--micro-batch-size", "1"], None, ""),
-    )
-    with pytest.raises(ConfigError, match="multiple of 16"):
+    monkeypatch.setitem(gpu_check.RUNS, "bad", (["--num-attention-heads", "3"], None, ""))
+    with pytest.raises(ConfigError, match="bad"):
         gpu_check.validate_all()
+
+
+#: Megatron-LM's training_log lines as 0.19 prints them (shortened): phase 1 reports ``mce
+#: loss``; after the switch ``lm loss``, and ``mce loss`` stays at 0.
+LOG = """\
+ [2026-12-01 15:00:00] iteration        1/      20 | consumed samples:            8 | \
+elapsed time per iteration (ms): 812.3 | learning rate: 5.000000E-04 | global batch size: \
+    8 | mce loss: 6.951234E+00 | loss scale: 1.0 | grad norm: 1.234 |
+ TST: iteration        1 | raw tokens per second: 1234.5 | raw tokens per sample: 512 |
+ [2026-12-01 15:00:01] iteration        8/      20 | consumed samples:           64 | \
+elapsed time per iteration (ms): 30.1 | mce loss: 6.500000E+00 | loss scale: 1.0 |
+ [2026-12-01 15:00:02] iteration        9/      20 | consumed samples:           72 | \
+elapsed time per iteration (ms): 20.0 | mce loss: 0.000000E+00 | lm loss: 6.700000E+00 | \
+loss scale: 1.0 |
+ validation loss at iteration 20 | lm loss value: 6.1E+00 |
+"""
+
+
+def test_losses_are_read_from_megatron_lms_log_lines():
+    gpu_check = _load()
+    assert gpu_check.parse_losses(LOG) == {1: 6.951234, 8: 6.5, 9: 6.7}
+
+
+def test_train_runs_the_launcher_on_one_process(monkeypatch, tmp_path):
+    gpu_check = _load()
+    calls = []
+
+    def fake_run(cmd, **kwargs):
+        calls.append((cmd, kwargs))
+        return subprocess.CompletedProcess(cmd, 0, stdout=LOG, stderr="")
+
+    monkeypatch.setattr(gpu_check.subprocess, "run", fake_run)
+    log = str(tmp_path / "log")
+    result = gpu_check._train(gpu_check.argv_of("local bf16"), log)
+    assert result["train"] == {1: 6.951234, 8: 6.5, 9: 6.7}
+    ((cmd, kwargs),) = calls
+    assert cmd == [sys.executable, gpu_check.LAUNCHER, *gpu_check.argv_of("local bf16")]
+    assert kwargs["cwd"] == ROOT and os.path.exists(os.path.join(ROOT, gpu_check.LAUNCHER))
+    env = kwargs["env"]
+    assert (env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"]) == ("0", "1", "0")
+    assert env["PYTHONPATH"].split(os.pathsep)[0] == ROOT
+    assert "mce loss" in open(log).read()
+    monkeypatch.setattr(
+        gpu_check.subprocess,
+        "run",
+        lambda cmd, **kw: subprocess.CompletedProcess(cmd, 2, stdout="", stderr="error: x"),
+    )
+    with pytest.raises(RuntimeError, match="exited 2"):
+        gpu_check._train(["--x"], log)
 
 
 def test_without_transformer_engine_its_rows_say_skipped(monkeypatch):
@@ -97,7 +159,45 @@ def test_without_transformer_engine_its_rows_say_skipped(monkeypatch):
     rows = []
     results = module.check_training(rows, "log")
     module.check_fp8_resume(rows, "log", results)
-    assert list(results) == ["local bf16"] and len(trained) == 1
+    assert list(results) == ["local bf16"] and trained == [module.argv_of("local bf16")]
+    assert rows[0][2] == "pass"
     te_rows = [r for r in rows if r[1] == module.NO_TE]
     assert len(te_rows) == len(module.RUNS) - 1 + 1  # every TE run, and the FP8 resume
     assert all(r[2] == "-" for r in te_rows)
+    assert module.NO_TE == "skipped: Transformer Engine not installed"
+    # a run that misses iterations (no switch reached) or goes NaN fails
+    monkeypatch.setattr(module, "_train", lambda argv, log: {"train": {1: 5.0, 2: math.nan}})
+    rows = []
+    module.check_training(rows, "log")
+    assert rows[0][2] == "FAIL"
+
+
+def test_the_report_is_a_table_of_every_row():
+    module = _load()
+    rows = [("a check", "loss it 1 6.9", "pass"), ("TE bf16", module.NO_TE, "-")]
+    text = module.report(rows, ["## step cost\n\ntable"], 61.4, "FakeGPU, Python 3.12")
+    lines = text.splitlines()
+    header = lines.index("| check | result | verdict |")
+    assert lines[header + 1] == "|---|---|---|"
+    assert lines[header + 2 : header + 4] == [
+        "| a check | loss it 1 6.9 | pass |",
+        f"| TE bf16 | {module.NO_TE} | - |",
+    ]
+    assert "FakeGPU, Python 3.12; 61 s in all." in text
+    assert module.LAUNCHER in text and text.rstrip().endswith("table")
+
+
+@pytest.mark.slow
+def test_the_local_run_trains_through_the_switch_on_a_cpu(tmp_path):
+    # the reference run's launch line, shortened and on the CPU, through the real launcher:
+    # every iteration is logged in both phases and starts near ln V (uniform logits)
+    module = _load()
+    argv = [a for a in module.argv_of("local bf16") if a != "--bf16"]
+    argv += ["--device", "cpu", "--train-iters", "4", "--tst-phase1-iters", "2"]
+    argv += ["--eval-interval", "4", "--lr-warmup-iters", "1", "--lr-wsd-decay-iters", "1"]
+    argv += ["--num-layers", "1", "--hidden-size", "64", "--ffn-hidden-size", "128"]
+    argv += ["--moe-ffn-hidden-size", "64"]
+    losses = module._train(argv, str(tmp_path / "log"))["train"]
+    assert sorted(losses) == [1, 2, 3, 4], open(tmp_path / "log").read()[-3000:]
+    assert all(math.isfinite(v) for v in losses.values())
+    assert abs(losses[1] - math.log(1024)) < 0.5

@@ -1,10 +1,15 @@
-"""The benchmark script runs (``--smoke``) and prints the expected tables, so it cannot rot."""
+"""The benchmark scripts run (``--smoke``, through the launcher
+``examples/pretrain_gpt_tst_mlm.py`` where they train) and print the expected tables, so they
+cannot rot; every launch line of tst_vs_baseline passes the launcher's checks."""
 
 import os
 import subprocess
 import sys
 
 import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 
 def test_core_cost_smoke(tmp_path):
@@ -28,38 +33,80 @@ def test_core_cost_smoke(tmp_path):
         assert all(float(c) > 0 for c in row.strip("|").split("|")[1:])
 
 
+@pytest.mark.slow
 def test_step_cost_smoke(tmp_path):
     out = tmp_path / "results" / "step_cost.md"
-    env = dict(os.environ, PYTHONWARNINGS="ignore", MASTER_PORT="29591")
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, PYTHONWARNINGS="ignore", PYTHONPATH=ROOT)
     result = subprocess.run(
         [sys.executable, "benchmarks/step_cost.py", "--smoke", "--output", str(out)],
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=900,
         env=env,
-        cwd=root,
+        cwd=ROOT,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     report = out.read_text()
-    assert "| S | step time, phase 1 (ms) | baseline (ms) | time ratio (<= 1.03) |" in report
+    assert "| S | iteration, phase 1 (ms) | phase 2 (ms) | baseline (ms) |" in report
+    assert "examples/pretrain_gpt_tst_mlm.py" in report
     rows = [line for line in report.splitlines() if line.startswith("| 4 |")]
     assert len(rows) == 3  # the step-cost row and the two TP-traffic rows
-    cells = rows[0].strip("|").split("|")
-    assert all(float(c) > 0 for c in cells[:12])
+    cells = [float(c) for c in rows[0].strip("|").split("|")]
+    assert len(cells) == 14 and all(c > 0 for c in cells)
+    # raw tokens per iteration: S x T x micro-batch in phase 1, T x micro-batch in the baseline
+    p1_ms, base_ms, tps1, tps_base = cells[1], cells[3], cells[10], cells[11]
+    assert tps1 == pytest.approx(4 * 32 * 4 / (p1_ms / 1000), rel=0.01)
+    assert tps_base == pytest.approx(32 * 4 / (base_ms / 1000), rel=0.01)
     assert "| 4 | TP=2 + SP |" in report
     assert "step_cost" in (tmp_path / "results.md").read_text()
 
 
+def test_raw_tokens_count_what_each_phase_reads():
+    from tst_vs_baseline import raw_tokens
+
+    flags = ["--global-batch-size", "8", "--seq-length", "32", "--tst-bag-size", "4"]
+    phases = [(1, 1.0), (2, 1.0), (3, 2.0), (4, 2.0), (5, 2.0)]
+    assert raw_tokens(flags, phases) == 2 * 8 * 4 * 32 + 3 * 8 * 32
+    # --tst-mode output reads ordinary windows; the baseline (no --tst-bag-size) T per sample
+    assert raw_tokens(flags + ["--tst-mode", "output"], phases) == 5 * 8 * 32
+    assert raw_tokens(flags[:4], [(i, 2.0) for i in range(1, 6)]) == 5 * 8 * 32
+
+
+@pytest.mark.parametrize("mode", [["--smoke"], [], ["--horizons", "600"]])
+def test_tst_vs_baseline_launch_lines_pass_the_launchers_checks(mode, monkeypatch):
+    from tst_vs_baseline import lr_flags, model_flags, parse, tst_flags
+
+    from tst_megatron.training import dry_run, megatron_lm
+
+    args = parse(mode)
+    monkeypatch.setenv("WORLD_SIZE", str(args.nproc_per_node))
+    shared = model_flags(args, "/data/corpus_text_document")
+    arms = {
+        "baseline": ["--tst-bag-size", "1"],
+        "full": tst_flags(4, 0.3, "full"),
+        "output": tst_flags(2, 0.3, "output"),
+    }
+    for arm, extra in arms.items():
+        checked, problems, _ = dry_run.check(shared + lr_flags(2e-3) + extra)
+        assert problems == [], (arm, problems)
+        iters = args.train_iters
+        assert checked.lr_decay_style == "WSD" and checked.lr_wsd_decay_iters == iters // 10
+        # Megatron-LM 0.19's --full-validation stops at its first evaluation (one split)
+        assert not checked.full_validation
+        assert megatron_lm.schedule(checked).n1 == (0 if arm == "baseline" else round(0.3 * iters))
+
+
 @pytest.mark.slow
 def test_tst_vs_baseline_smoke(tmp_path):
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    root = ROOT
     out = tmp_path / "results"
     result = subprocess.run(
         [
             sys.executable,
             "benchmarks/tst_vs_baseline.py",
             "--smoke",
+            "--lrs",
+            "2e-3",  # one baseline LR: two launcher runs
             "--output-dir",
             str(out),
             "--work-dir",
@@ -69,12 +116,13 @@ def test_tst_vs_baseline_smoke(tmp_path):
         ],
         capture_output=True,
         text=True,
-        timeout=900,
+        timeout=1800,
         cwd=root,
-        env=dict(os.environ, PYTHONWARNINGS="ignore"),
+        env=dict(os.environ, PYTHONWARNINGS="ignore", PYTHONPATH=ROOT),
     )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     report = (out / "tst_vs_baseline_smoke.md").read_text()
+    assert "examples/pretrain_gpt_tst_mlm.py" in report and "--lr-wsd-decay-iters" in report
     assert "| arm | final validation loss | tokens consumed | wall-clock (s) |" in report
     assert "| LR | baseline final validation loss |" in report
     rows = [
@@ -82,6 +130,8 @@ def test_tst_vs_baseline_smoke(tmp_path):
     ]
     assert len(rows) == 2
     base_tokens, tst_tokens = (int(r.split("|")[3]) for r in rows)
-    assert tst_tokens > base_tokens  # phase 1 reads S x more text per step
+    # 12 steps of 8 x 32 tokens; TST: N1 = 0.3 x 12 -> 4 steps reading S = 4 x more
+    assert base_tokens == 12 * 8 * 32
+    assert tst_tokens == 4 * 8 * 4 * 32 + 8 * 8 * 32
     assert (out / "tst_vs_baseline_smoke.png").read_bytes()[:4] == b"\x89PNG"
     assert "tst_vs_baseline_smoke" in (tmp_path / "results.md").read_text()

@@ -77,6 +77,38 @@ def test_seed_gaps_are_paired_by_seed():
     assert gap_cell([0.05]) == "+0.0500"
 
 
+def test_the_final_point_is_megatron_lms_score_of_the_whole_split(monkeypatch, tmp_path):
+    import subprocess as sp
+
+    import tst_vs_baseline as bench
+
+    args = parse(["--smoke", "--horizons", "8", "--work-dir", str(tmp_path)])
+    args.train_iters, args.valid_tokens = 8, 8 * 32 * 5 + 7  # 40 windows of T = 32: 5 batches
+    assert bench.whole_split_iters(args) == 5
+    commands = []
+    line = " validation loss at iteration 8 on validation set | lm loss value: 4.250000E+00 |"
+
+    def fake_run(command, **kwargs):  # subprocess.run for everyone: keep the torchruns only
+        if command[0] == bench.TORCHRUN:
+            commands.append(command)
+        scored = "--skip-train" in command
+        return sp.CompletedProcess(command, 0, stdout=line if scored else "", stderr="")
+
+    monkeypatch.setattr(bench.subprocess, "run", fake_run)
+    monkeypatch.setattr(
+        bench, "read_arm", lambda tb, flags: {"valid": [(4, 5.0), (8, 4.9)], "tokens": 1}
+    )
+    arm = bench.run_arm(args, "arm", ["--seq-length", "32"])
+    assert arm["valid"] == [(4, 5.0), (8, 4.25)] and arm["valid_whole_split"] == 4.25
+    train, score = commands
+    ckpt = os.path.join(str(tmp_path), "arm", "checkpoint")
+    assert train[train.index("--save") + 1] == ckpt and "--skip-train" not in train
+    assert train[train.index("--save-interval") + 1] == "8"
+    assert score[score.index("--load") + 1] == ckpt and "--skip-train" in score
+    assert score[score.index("--eval-iters") + 1] == "5"
+    assert bench.LAUNCHER in train and bench.LAUNCHER in score
+
+
 @pytest.mark.slow
 def test_horizons_smoke(tmp_path):
     out = tmp_path / "results"
@@ -106,7 +138,7 @@ def test_horizons_smoke(tmp_path):
         ],
         capture_output=True,
         text=True,
-        timeout=900,
+        timeout=2400,  # 7 arms and their whole-split scoring runs on a shared 2-core machine
         cwd=ROOT,
         env=dict(os.environ, PYTHONWARNINGS="ignore"),
     )
