@@ -25,7 +25,7 @@ SMALL = [
     "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
     "--seq-length", "16", "--max-position-embeddings", "16",
     "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "10",
-    "--lr", "1e-3", "--tst-bag-size", "2",
+    "--lr", "1e-3", "--eval-interval", "5", "--tst-bag-size", "2",
 ]  # fmt: skip
 
 
@@ -259,7 +259,7 @@ BUILD_BASE = [
     "--device", "cpu", "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "100",
     "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
     "--seq-length", "16", "--max-position-embeddings", "16", "--micro-batch-size", "1",
-    "--global-batch-size", "1", "--train-iters", "4", "--lr", "1e-3",
+    "--global-batch-size", "1", "--train-iters", "4", "--lr", "1e-3", "--eval-interval", "2",
     "--make-vocab-size-divisible-by", "8",
 ]  # fmt: skip
 
@@ -329,3 +329,35 @@ def test_parameter_counts_equal_the_built_models():
     for name, (built, built_active, counted, counted_active) in results.items():
         assert counted == built, f"{name}: counted {counted}, the model has {built}"
         assert counted_active == built_active, (name, counted_active, built_active)
+
+
+@pytest.mark.parametrize(
+    "extra,device,world,expected",
+    [
+        (["--full-validation"], "auto", "1", "--full-validation stops Megatron-LM 0.19"),
+        (["--eval-interval", None], "auto", "1", "--eval-interval is required"),
+        (["--use-distributed-optimizer"], "cpu", "2", "--use-distributed-optimizer needs CUDA"),
+        (
+            ["--pipeline-model-parallel-size", "2"],
+            "cpu",
+            "2",
+            "--pipeline-model-parallel-size > 1 on a CPU needs --untie-embeddings",
+        ),
+    ],
+)
+def test_settings_megatron_lm_accepts_but_cannot_run_are_one_error_line(
+    extra, device, world, expected
+):
+    """Each stops ``pretrain()`` with a traceback after set-up (Megatron-LM 0.19's own bugs, or
+    CUDA-only code on a CPU): the launcher names the flag before any work."""
+    argv = list(SMALL)
+    if extra[-1] is None:  # drop the flag
+        i = argv.index(extra[0])
+        del argv[i : i + 2]
+    else:
+        argv += extra
+    r = dry(argv + ["--device", device], env={"WORLD_SIZE": world})
+    assert r.returncode == 2
+    assert [e for e in _errors(r.stderr + r.stdout) if expected in e], r.stderr + r.stdout
+    ok = dry(SMALL + ["--device", device], env={"WORLD_SIZE": world})
+    assert ok.returncode == 0, ok.stderr

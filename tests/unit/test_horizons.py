@@ -120,13 +120,7 @@ def test_horizons_smoke(tmp_path):
             "--horizons",
             "4,8",
             "--arms",
-            "2:full,2:output",
-            "--extra-arms-max-steps",
-            "4",
-            "--seeds",
-            "1234,1235",
-            "--seeds-min-steps",
-            "8",
+            "2:full",
             "--lrs",
             "2e-3",
             "--output-dir",
@@ -138,7 +132,7 @@ def test_horizons_smoke(tmp_path):
         ],
         capture_output=True,
         text=True,
-        timeout=2400,  # 7 arms and their whole-split scoring runs on a shared 2-core machine
+        timeout=1800,  # 4 arms and their 4 whole-split scoring runs
         cwd=ROOT,
         env=dict(os.environ, PYTHONWARNINGS="ignore"),
     )
@@ -147,12 +141,10 @@ def test_horizons_smoke(tmp_path):
     table = report.split("## Where the curves cross")[0]
     rows = [line.split("|")[1:-1] for line in table.splitlines() if line[:4] in ("| 4 ", "| 8 ")]
     assert len(rows) == 2
-    short, long = rows
-    passes = [cell.strip().rsplit("(", 1)[1].rstrip(")") for cell in short[2:]]
-    base, full, output = (float(p) for p in passes)
-    assert full > base > 0 and output == base  # output-only reads what the baseline reads
-    assert long[4].strip() == "not run"  # extra arms only up to --extra-arms-max-steps
-    assert "(2 seeds)" in long[3] and "seeds" not in short[3]  # the replicate at 8 steps only
-    assert "## Where the curves cross" in report and "- S=2 output:" in report
+    for row in rows:
+        passes = [cell.strip().rsplit("(", 1)[1].rstrip(")") for cell in row[2:]]
+        base, full = (float(p) for p in passes)
+        assert full > base > 0  # S = 2 full reads more text than the baseline
+    assert "## Where the curves cross" in report and "- S=2 full:" in report
     assert (out / "tst_horizons_smoke.png").read_bytes()[:4] == b"\x89PNG"
     assert "tst_horizons_smoke" in (tmp_path / "results.md").read_text()

@@ -143,7 +143,7 @@ def test_launcher_refuses_before_any_work_with_one_error_line(tmp_path):
         "--vocab-size", "128", "--num-layers", "2", "--hidden-size", "32",
         "--num-attention-heads", "4", "--seq-length", "16", "--max-position-embeddings", "16",
         "--micro-batch-size", "2", "--global-batch-size", "2", "--train-iters", "10",
-        "--lr", "1e-3", "--tst-bag-size", "2", "--reset-position-ids",
+        "--lr", "1e-3", "--eval-interval", "5", "--tst-bag-size", "2", "--reset-position-ids",
     ]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": ROOT, "WORLD_SIZE": "1", "RANK": "0", "LOCAL_RANK": "0"}
     done = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)

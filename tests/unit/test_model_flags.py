@@ -23,7 +23,7 @@ BASE = [
     "--device", "cpu", "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "100",
     "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
     "--seq-length", "16", "--max-position-embeddings", "16", "--micro-batch-size", "1",
-    "--global-batch-size", "1", "--train-iters", "4", "--lr", "1e-3",
+    "--global-batch-size", "1", "--train-iters", "4", "--lr", "1e-3", "--eval-interval", "2",
     "--position-embedding-type", "rope", "--normalization", "RMSNorm",
     "--hidden-dropout", "0", "--attention-dropout", "0", "--make-vocab-size-divisible-by", "8",
 ]  # fmt: skip

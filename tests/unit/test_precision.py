@@ -17,7 +17,7 @@ BASE = [
     "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "1000",
     "--num-layers", "2", "--hidden-size", "256", "--num-attention-heads", "4",
     "--seq-length", "64", "--max-position-embeddings", "64", "--micro-batch-size", "2",
-    "--global-batch-size", "2", "--train-iters", "10", "--lr", "1e-3",
+    "--global-batch-size", "2", "--train-iters", "10", "--lr", "1e-3", "--eval-interval", "5",
     "--tst-bag-size", "4", "--tst-phase1-iters", "3", "--bf16",
 ]  # fmt: skip
 FP8 = ["--fp8-format", "hybrid"]

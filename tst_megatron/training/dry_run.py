@@ -531,6 +531,7 @@ def check(argv: Sequence[str]) -> tuple[Optional[argparse.Namespace], list[str],
 
         from tst_megatron.training.megatron_lm import (
             CPU_FLAGS,
+            cpu_problems,
             late_megatron_problems,
             tst_problems,
         )
@@ -562,6 +563,8 @@ def check(argv: Sequence[str]) -> tuple[Optional[argparse.Namespace], list[str],
         problems.append(validation_error(exc).replace("argument validation", "batch-size schedule"))
         return args, problems, notes
     problems += late_megatron_problems(args) + tst_problems(args, config=config)
+    if _device_flag(argv) == "cpu":
+        problems += cpu_problems(args)
     return args, problems, notes
 
 

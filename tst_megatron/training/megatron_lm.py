@@ -346,8 +346,25 @@ def late_megatron_problems(args) -> list[str]:
     - ``--lr-decay-style WSD`` without ``--lr-wsd-decay-iters`` (iteration-based run) or
       ``--lr-wsd-decay-samples`` (sample-based run): ``get_optimizer_param_scheduler`` passes
       ``wsd_decay_steps=None`` and ``OptimizerParamScheduler`` asserts on it.
+    - no ``--eval-interval`` (0.19's default is None) in a training run without
+      ``--full-validation``: ``get_train_valid_test_num_samples`` computes
+      ``train_iters // eval_interval`` and stops with a ``TypeError``.
+    - ``--full-validation`` with one validation set: ``evaluate()`` indexes the int
+      ``--eval-iters`` (``eval_iters[0]`` of ``torch.tensor(int).tolist()``) and stops with a
+      ``TypeError`` at the first evaluation (megatron-core 0.19.2).
     """
     problems = []
+    if args.full_validation and not getattr(args, "multiple_validation_sets", False):
+        problems.append(
+            "--full-validation stops Megatron-LM 0.19 at its first evaluation with one "
+            "validation set (a TypeError in evaluate()); size --eval-iters to the validation "
+            "split instead"
+        )
+    elif args.eval_interval is None and not args.skip_train:
+        problems.append(
+            "--eval-interval is required (Megatron-LM 0.19 has no default and would stop with "
+            "a TypeError while sizing the validation set)"
+        )
     if args.lr_decay_style == "WSD":
         flag, value = (
             ("--lr-wsd-decay-iters", args.lr_wsd_decay_iters)
@@ -359,6 +376,29 @@ def late_megatron_problems(args) -> list[str]:
                 f"--lr-decay-style WSD needs {flag} (the length of the decay; Megatron-LM's "
                 "scheduler has no default and would stop after building the model)"
             )
+    return problems
+
+
+def cpu_problems(args) -> list[str]:
+    """Settings a CPU run (``--device cpu``) cannot do, one line each naming the flag (empty:
+    none). Reads only.
+
+    - ``--use-distributed-optimizer``: megatron-core's ``DistributedOptimizer`` builds its
+      buffers as CUDA tensors (a ``TypeError`` at set-up on a CPU).
+    - pipeline parallelism with tied embeddings: megatron-core's embedding-group all-reduce
+      of the tied weights calls ``.cuda()``.
+    """
+    problems = []
+    if args.use_distributed_optimizer:
+        problems.append(
+            "--use-distributed-optimizer needs CUDA (megatron-core's DistributedOptimizer "
+            "builds CUDA buffers); drop it for a CPU run"
+        )
+    if args.pipeline_model_parallel_size > 1 and not args.untie_embeddings_and_output_weights:
+        problems.append(
+            "--pipeline-model-parallel-size > 1 on a CPU needs --untie-embeddings-and-output-"
+            "weights (megatron-core's tied-embedding all-reduce calls .cuda())"
+        )
     return problems
 
 
@@ -957,6 +997,8 @@ def parse(argv: Sequence[str]):
     finally:
         sys.argv = saved
     problems = late_megatron_problems(args) + tst_problems(args)
+    if device == "cpu":
+        problems += cpu_problems(args)
     if problems:
         raise ConfigError("\n".join(problems))
     return args, device
