@@ -357,10 +357,23 @@ def _reshard(rank, *, src, dst, layout):
         ps.destroy_model_parallel()
 
 
+def _runs_child(rank, world, *, runs):
+    """The launcher's runs one after another in this process (what each printed), each with a
+    fresh megatron-core MoE metrics tracker: the tracker is a module global that
+    ``destroy_global_state`` keeps, sized by the first MoE run's layer count."""
+    from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker
+
+    printed = []
+    for run in runs:
+        destroy_moe_metrics_tracker()
+        printed += _launcher_child(rank, world, runs=[run])
+    return printed
+
+
 def _load_child(rank, world, *, reshard, runs):
     """2 processes: the reshard jobs, then the launcher runs."""
     held = [_reshard(rank, **job) for job in reshard]
-    return held, _launcher_child(rank, world, runs=runs)
+    return held, _runs_child(rank, world, runs=runs)
 
 
 # --- fixtures --------------------------------------------------------------------------------
@@ -382,7 +395,7 @@ def converted(tmp_path_factory):
         MODEL + arch + RUN + SAVE + layout + ["--vocab-size", str(VOCAB[QWEN])]
         + ["--tst-bag-size", "1", "--train-iters", "2", "--save", os.path.join(roots[QWEN], "base")]
     )  # fmt: skip
-    printed = run_distributed(_launcher_child, 2, runs=runs)[0]
+    printed = run_distributed(_runs_child, 2, runs=runs)[0]
     for text in printed[:-1]:
         assert "TST: phase 2 (next-token) from iteration 2 (switch at 2)" in text, text[-2000:]
     hf_root = str(tmp_path_factory.mktemp("hf_models"))
