@@ -156,13 +156,17 @@ def check_supported(ns) -> None:
 
 def one_process_args(ns) -> argparse.Namespace:
     """A copy of Megatron-LM ``args`` ``ns`` for the same model in one CPU process: every
-    model-parallel size 1 (:data:`_ONE_PROCESS`), megatron-core's local layer spec
+    model-parallel size 1 (:data:`_ONE_PROCESS`; weight shards derived from them, no GTP
+    rematerialisation), megatron-core's local layer spec
     (``--transformer-impl local``, no grouped GEMM: ``SequentialMLP``, whose checkpoint
     tensors are interchangeable with the grouped ones), CPU initialisation, no fused CUDA
     kernels, FP8/FP4 off, dropout 0 (evaluation)."""
     out = copy.copy(ns)
     for name, value in _ONE_PROCESS.items():
         setattr(out, name, value)
+    for name in ("tensor_parallel_num_weight_shards", "expert_tensor_parallel_num_weight_shards"):
+        setattr(out, name, None)  # megatron-core derives them from the sizes (no GTP)
+    out.gtp_weight_remat_size = out.expert_gtp_weight_remat_size = 1
     out.transformer_impl = "local"
     out.moe_grouped_gemm = False
     out.use_cpu_initialization = True
