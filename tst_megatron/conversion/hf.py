@@ -207,9 +207,9 @@ def flags_from_hf(
     Returns:
         ``(flags, architecture, hf_dtype)``: the flags (Megatron-LM's names and meanings)
         that rebuild the architecture (``--vocab-size``, ``--make-vocab-size-divisible-by``
-        and ``--tokenizer-type NullTokenizer`` included; not ``--seq-length``,
-        ``--max-position-embeddings`` or ``--init-method-std``, which :func:`run_flags_from_hf`
-        adds), and the dtype of the Hugging Face weights.
+        ``--max-position-embeddings`` and ``--tokenizer-type NullTokenizer`` included; not
+        ``--seq-length`` or ``--init-method-std``, which :func:`run_flags_from_hf` adds), and
+        the dtype of the Hugging Face weights.
 
     Raises:
         ValueError: an unsupported ``model_type`` or a setting Megatron's model here cannot
@@ -293,6 +293,7 @@ def flags_from_hf(
     flags += ["--make-vocab-size-divisible-by", str(make_vocab_size_divisible_by)]
     flags += ["--norm-epsilon", repr(float(config.rms_norm_eps))]
     flags += ["--rotary-base", _number(theta)]
+    flags += ["--max-position-embeddings", str(config.max_position_embeddings)]
     flags += ["--tokenizer-type", "NullTokenizer"]
     dtype = str(_get(config, "dtype", "torch_dtype", default="float32")).replace("torch.", "")
     return flags, arch, dtype if dtype in DTYPES else "float32"
@@ -304,7 +305,6 @@ def run_flags_from_hf(config) -> List[str]:
     positions = config.max_position_embeddings
     return [
         "--seq-length", str(min(positions, 4096)),
-        "--max-position-embeddings", str(positions),
         "--init-method-std", repr(float(_get(config, "initializer_range", default=0.02))),
     ]  # fmt: skip
 
