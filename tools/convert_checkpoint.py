@@ -6,10 +6,11 @@
     python tools/convert_checkpoint.py import --load hf/Qwen3-30B-A3B --save ckpt/qwen3-moe
 
 export reads checkpoints of Megatron-LM's own loop (examples/pretrain_gpt_tst_mlm.py, or any
-megatron.training.pretrain() run: the model settings come from the Megatron-LM ``args`` the
-checkpoint stores) and of the hand-written trainer (examples/pretrain_gpt_tst.py). import
-writes Megatron-LM's ``release`` layout (tracker file, ``args`` namespace, iteration 0), which
-``--load`` reads as weights only: iteration 0, a new optimizer, no RNG state.
+megatron.training.pretrain() run: the model is built from the Megatron-LM ``args`` the
+checkpoint stores, as the launcher builds it). Checkpoints of the former hand-written trainer
+are no longer read (the converter of commit 0dc9f79 reads them). import writes Megatron-LM's
+``release`` layout (tracker file, ``args`` namespace, iteration 0), which ``--load`` reads as
+weights only: iteration 0, a new optimizer, no RNG state.
 
 The target architecture is chosen from the model's settings: Qwen3-MoE (experts and
 --qk-layernorm), Mixtral (experts), Qwen3 (--qk-layernorm) or Llama. Runs in one process on

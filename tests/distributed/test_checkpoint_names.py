@@ -1,6 +1,8 @@
 """Checkpoint names across implementations: a checkpoint saved with megatron-core's
-Transformer Engine spec and ``--moe-grouped-gemm`` loads into the local spec (the trainer on a
-CPU, and the converter, which reads through ``load_model_weights``), and the reverse.
+Transformer Engine spec and ``--moe-grouped-gemm`` (a GPU run of the launcher) loads into the
+local spec (the checkpoint converter, which builds its 1-process model with the local spec on
+the CPU and reads through ``tst_megatron.conversion.megatron.load_weights``), and the reverse
+(``load_sharded`` with a request under the TE spec's names).
 
 The TE spec's names are written out below from megatron-core's sources (it cannot be built
 without Transformer Engine; where TE imports, the last test builds it and checks the table):
@@ -14,7 +16,8 @@ without Transformer Engine; where TE imports, the last test builds it and checks
 - every TE module (linears and, from TE 2, norms) has an ``_extra_state`` (FP8 metadata).
 The local spec differs in one name: its ``sharded_state_dict_keys_map`` renames *every*
 ``pre_mlp_layernorm.`` to ``mlp.linear_fc1.layer_norm_``, MoE layers included; and TE norms'
-``_extra_state`` has no local counterpart. ``checkpointing.load_sharded`` reads across both.
+``_extra_state`` has no local counterpart. ``conversion.megatron.load_sharded`` reads across
+both.
 """
 
 import pytest
@@ -139,21 +142,21 @@ def _round_trip_child(rank, world, *, kinds, root):
 
     from megatron.core import dist_checkpointing
 
+    from tst_megatron.conversion.megatron import load_sharded, load_weights
     from tst_megatron.runtime import ParallelConfig, initialize_model_parallel
-    from tst_megatron.training import checkpointing
 
     initialize_model_parallel(ParallelConfig())
     source = _model(kinds, 1)
     names = sorted(_tensor_keys(source.sharded_state_dict()))
     expected = {k: v.clone() for k, v in source.state_dict().items() if torch.is_tensor(v)}
 
-    # TE-spec checkpoint -> local model (the trainer's and the converter's load)
+    # TE-spec checkpoint -> local model (the converter's load)
     te_dir, local_dir = f"{root}/te", f"{root}/local"
     os.makedirs(te_dir), os.makedirs(local_dir)
     te_state = _te_named(source.sharded_state_dict(), kinds)
     dist_checkpointing.save({"model": te_state}, te_dir)
     target = _model(kinds, 2)
-    checkpointing.load_model_weights(te_dir, [target])
+    load_weights(te_dir, target)
     te_to_local = sorted(
         k
         for k, v in target.state_dict().items()
@@ -163,7 +166,7 @@ def _round_trip_child(rank, world, *, kinds, root):
     # local checkpoint -> a request under the TE spec's names (what a TE model asks for)
     dist_checkpointing.save({"model": source.sharded_state_dict()}, local_dir)
     request = _te_named(_model(kinds, 3).sharded_state_dict(), kinds)
-    state = checkpointing.load_sharded({"model": request}, local_dir)["model"]
+    state = load_sharded({"model": request}, local_dir)["model"]
     local_to_te = sorted(
         k for k in expected if k in state and not torch.equal(state[k], expected[k])
     )

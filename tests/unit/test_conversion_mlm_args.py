@@ -1,4 +1,4 @@
-"""Megatron-LM's checkpoint ``args`` namespace <-> the converter's architecture dict."""
+"""Megatron-LM's checkpoint ``args`` namespace as the converter reads and writes it."""
 
 from __future__ import annotations
 
@@ -50,30 +50,31 @@ def test_every_refused_setting_is_a_megatron_lm_dest_at_its_default():
         assert flag.startswith("--"), flag
 
 
-def test_namespace_is_megatron_lms_and_reads_back_as_the_architecture(namespace):
+def test_namespace_is_megatron_lms_and_its_one_process_model_is_the_architecture(namespace):
     assert isinstance(namespace, argparse.Namespace)
     # the values validate_args derives, and the weights-only markers
-    assert namespace.params_dtype == torch.float32
+    assert namespace.params_dtype == torch.float32 and mlm.dtype_name(namespace) == "float32"
     assert namespace.add_bias_linear is False
     assert namespace.padded_vocab_size == 384 and namespace.vocab_size == 300
     assert namespace.iteration == namespace.consumed_train_samples == 0
     assert namespace.no_save_optim and namespace.no_save_rng
-    args = mlm.converter_args(namespace)
-    m, moe = args["model"], args["moe"]
-    expected_model = dict(
-        num_layers=4, hidden_size=64, num_attention_heads=8, group_query_attention=True,
-        num_query_groups=2, kv_channels=16, ffn_hidden_size=96, seq_length=32,
-        max_position_embeddings=64, position_embedding_type="rope", rotary_base=1000000,
-        normalization="RMSNorm", norm_epsilon=1e-6, swiglu=True, disable_bias_linear=True,
-        qk_layernorm=True, untie_embeddings_and_output_weights=True, vocab_size=300,
-        apply_layernorm_1p=False, hidden_dropout=0.0, attention_dropout=0.0,
+    one = mlm.one_process_args(namespace)
+    assert (one.tensor_model_parallel_size, one.transformer_impl, one.hidden_dropout) == (
+        1,
+        "local",
+        0.0,
+    )
+    assert namespace.transformer_impl != "local" or namespace is not one  # a copy
+    config = mlm.transformer_config(namespace)  # Megatron-LM's own builder
+    expected = dict(
+        num_layers=4, hidden_size=64, num_attention_heads=8, num_query_groups=2, kv_channels=16,
+        ffn_hidden_size=96, layernorm_epsilon=1e-6, gated_linear_unit=True, add_bias_linear=False,
+        qk_layernorm=True, num_moe_experts=8, moe_ffn_hidden_size=32, moe_router_topk=2,
+        normalization="RMSNorm", tensor_model_parallel_size=1, hidden_dropout=0.0,
     )  # fmt: skip
-    assert {k: m[k] for k in expected_model} == expected_model
-    assert (moe["num_experts"], moe["moe_ffn_hidden_size"], moe["moe_router_topk"]) == (8, 32, 2)
-    assert moe["moe_layer_freq"] == 2  # Megatron-LM's [1, 0, 1, 0] pattern
-    assert args["padded_vocab_size"] == 384 and args["params_dtype"] == "float32"
-    assert args["tokenizer"] == {"type": "NullTokenizer", "model": None}
-    assert m["attention_backend"] == "auto"  # the enum's name, as the trainer stores it
+    assert {k: getattr(config, k) for k in expected} == expected
+    assert mlm.layer_freq(namespace) == 2  # Megatron-LM's [1, 0, 1, 0] pattern
+    assert mlm.vocab_size(namespace) == 300
 
 
 @pytest.mark.parametrize(
@@ -91,7 +92,7 @@ def test_settings_without_a_place_are_refused_by_name(namespace, dest, value, fl
     changed = argparse.Namespace(**vars(namespace))
     setattr(changed, dest, value)
     with pytest.raises(ValueError, match="^" + flag):
-        mlm.converter_args(changed)
+        mlm.check_supported(changed)
 
 
 def test_moe_layer_patterns():
@@ -113,7 +114,7 @@ def test_vocabulary_from_the_tokenizer_when_no_vocab_size(namespace, tmp_path):
     import sentencepiece
 
     sp = sentencepiece.SentencePieceProcessor(model_file=model)
-    assert mlm.converter_args(changed)["model"]["vocab_size"] == sp.get_piece_size()
+    assert mlm.vocab_size(changed) == sp.get_piece_size()
     changed.tokenizer_model = str(tmp_path / "missing.model")
     with pytest.raises(ValueError, match="no --vocab-size"):
-        mlm.converter_args(changed)
+        mlm.vocab_size(changed)

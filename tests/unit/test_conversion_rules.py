@@ -6,72 +6,45 @@ import os
 import pytest
 import torch
 
-from tst_megatron.conversion import hf, rules
-from tst_megatron.conversion.mlm import converter_args, megatron_lm_namespace
+from tst_megatron.conversion import hf, mlm, rules
 
 transformers = pytest.importorskip("transformers")
+pytest.importorskip("megatron.training")
 
-ARGV = [
-    "--tokenizer-type",
-    "NullTokenizer",
-    "--vocab-size",
-    "100",
-    "--seq-length",
-    "128",
-    "--max-position-embeddings",
-    "128",
-    "--position-embedding-type",
-    "rope",
-    "--normalization",
-    "RMSNorm",
-    "--transformer-impl",
-    "local",
-    "--num-layers",
-    "2",
-    "--hidden-size",
-    "24",
-    "--num-attention-heads",
-    "6",
-    "--group-query-attention",
-    "--num-query-groups",
-    "2",
-    "--kv-channels",
-    "4",
-    "--ffn-hidden-size",
-    "40",
-    "--swiglu",
-    "--disable-bias-linear",
-    "--qk-layernorm",
-    "--num-experts",
-    "3",
-    "--moe-ffn-hidden-size",
-    "8",
-    "--untie-embeddings-and-output-weights",
-]
+#: A Qwen3-MoE-like model as Megatron-LM flags (vocabulary 100 padded to 128).
+FLAGS = [
+    "--vocab-size", "100", "--tokenizer-type", "NullTokenizer",
+    "--num-layers", "2", "--hidden-size", "24", "--num-attention-heads", "6",
+    "--group-query-attention", "--num-query-groups", "2", "--kv-channels", "4",
+    "--ffn-hidden-size", "40", "--swiglu", "--disable-bias-linear", "--qk-layernorm",
+    "--num-experts", "3", "--moe-ffn-hidden-size", "8",
+    "--untie-embeddings-and-output-weights", "--seq-length", "16",
+    "--max-position-embeddings", "16", "--position-embedding-type", "rope",
+    "--normalization", "RMSNorm",
+]  # fmt: skip
 
 
 def _args(extra=()):
-    """The converter's architecture dict of the Megatron-LM arguments of ``ARGV + extra``."""
-    flags = ARGV + list(extra)
-    return converter_args(megatron_lm_namespace(flags, padded_vocab_size=128, vocab_size=100))
+    """Megatron-LM's validated ``args`` namespace for :data:`FLAGS` + ``extra``, as a
+    checkpoint of the launcher stores it."""
+    return mlm.megatron_lm_namespace(FLAGS + list(extra), padded_vocab_size=128)
 
 
 def _megatron_state(args, seed=0):
     """A random state dict with the names and shapes of the 1-process local-spec GPTModel."""
     g = torch.Generator().manual_seed(seed)
-    m, moe = args["model"], args["moe"]
     h, d, q, kv = (
-        m["hidden_size"],
-        m["kv_channels"],
-        m["num_attention_heads"],
-        m["num_query_groups"],
+        args.hidden_size,
+        args.kv_channels,
+        args.num_attention_heads,
+        args.num_query_groups,
     )
     state = {
         "embedding.word_embeddings.weight": torch.randn(128, h, generator=g),
         "decoder.final_layernorm.weight": torch.randn(h, generator=g),
         "output_layer.weight": torch.randn(128, h, generator=g),
     }
-    for layer in range(m["num_layers"]):
+    for layer in range(args.num_layers):
         p = f"decoder.layers.{layer}."
         state[p + "input_layernorm.weight"] = torch.randn(h, generator=g)
         state[p + "self_attention.linear_qkv.weight"] = torch.randn(
@@ -81,8 +54,8 @@ def _megatron_state(args, seed=0):
         state[p + "self_attention.q_layernorm.weight"] = torch.randn(d, generator=g)
         state[p + "self_attention.k_layernorm.weight"] = torch.randn(d, generator=g)
         state[p + "pre_mlp_layernorm.weight"] = torch.randn(h, generator=g)
-        state[p + "mlp.router.weight"] = torch.randn(moe["num_experts"], h, generator=g)
-        for e in range(moe["num_experts"]):
+        state[p + "mlp.router.weight"] = torch.randn(args.num_experts, h, generator=g)
+        for e in range(args.num_experts):
             ep = p + f"mlp.experts.local_experts.{e}."
             state[ep + "linear_fc1.weight"] = torch.randn(16, h, generator=g)
             state[ep + "linear_fc2.weight"] = torch.randn(h, 8, generator=g)
@@ -198,15 +171,15 @@ def test_settings_without_a_target_are_named(extra, message):
 def test_targets_follow_the_settings():
     assert hf.target_architecture(_args()).name == "Qwen3-MoE"
     no_qk = _args()
-    no_qk["model"]["qk_layernorm"] = False
+    no_qk.qk_layernorm = False
     assert hf.target_architecture(no_qk).name == "Mixtral"
-    no_qk["moe"]["moe_layer_freq"] = 2
+    no_qk.moe_layer_freq = 2
     with pytest.raises(ValueError, match="--moe-layer-freq 2: every Mixtral layer is MoE"):
         hf.target_architecture(no_qk)
     dense = _args()
-    dense["moe"]["num_experts"] = None
+    dense.num_experts = None
     assert hf.target_architecture(dense).name == "Qwen3"
-    dense["model"]["qk_layernorm"] = False
+    dense.qk_layernorm = False
     assert hf.target_architecture(dense).name == "Llama"
 
 
@@ -226,37 +199,42 @@ def test_config_round_trip_through_transformers(tmp_path):
     config.save_pretrained(tmp_path)
     loaded = transformers.AutoConfig.from_pretrained(tmp_path)
     assert loaded.mlp_only_layers == [1] and loaded.norm_topk_prob is False
-    back, arch = hf.args_from_hf(loaded, make_vocab_size_divisible_by=64, tp=2)
-    assert (
-        arch.name == "Qwen3-MoE"
-        and back["padded_vocab_size"] == 128
-        and back["hf_dtype"] == "bfloat16"
+    assert (loaded.intermediate_size, loaded.moe_intermediate_size, loaded.head_dim) == (40, 8, 4)
+    flags, arch, dtype = hf.flags_from_hf(loaded, make_vocab_size_divisible_by=64)
+    assert arch.name == "Qwen3-MoE" and dtype == "bfloat16"
+    back = mlm.megatron_lm_namespace(
+        flags + hf.run_flags_from_hf(loaded), padded_vocab_size=128, vocab_size=100
     )
-    for group in ("model", "moe"):
-        from tst_megatron.training.checkpointing import ARCHITECTURE_FIELDS
-
-        for name in ARCHITECTURE_FIELDS[group]:
-            assert back[group][name] == args[group][name], name
-    assert back["model"]["norm_epsilon"] == 1e-6 and back["model"]["rotary_base"] == 1000000
+    for name in (
+        "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
+        "group_query_attention", "num_query_groups", "kv_channels", "position_embedding_type",
+        "normalization", "swiglu", "untie_embeddings_and_output_weights", "add_bias_linear",
+        "qk_layernorm", "num_experts", "moe_ffn_hidden_size", "moe_router_topk",
+        "moe_router_pre_softmax", "moe_router_score_function", "layernorm_epsilon", "rotary_base",
+        "vocab_size", "padded_vocab_size", "params_dtype",
+    ):  # fmt: skip
+        assert getattr(back, name) == getattr(args, name), name
+    assert mlm.layer_freq(back) == mlm.layer_freq(args) == 2
+    assert back.layernorm_epsilon == 1e-6 and back.rotary_base == 1000000
 
 
 def test_unsupported_hf_configs_are_named():
     config = transformers.AutoConfig.for_model("llama", hidden_act="gelu")
     with pytest.raises(ValueError, match="hidden_act 'gelu'"):
-        hf.args_from_hf(config)
+        hf.flags_from_hf(config)
     config = transformers.AutoConfig.for_model(
         "llama", rope_scaling={"rope_type": "linear", "factor": 2.0}
     )
     with pytest.raises(ValueError, match="RoPE scaling 'linear'"):
-        hf.args_from_hf(config)
+        hf.flags_from_hf(config)
     config = transformers.AutoConfig.for_model(
         "qwen3_moe", num_hidden_layers=4, decoder_sparse_step=2
     )
     with pytest.raises(ValueError, match=r"MoE layers \[1, 3\] are not every n-th layer"):
-        hf.args_from_hf(config)
+        hf.flags_from_hf(config)
     config = transformers.AutoConfig.for_model("gpt2")
     with pytest.raises(ValueError, match="model_type 'gpt2' is not supported"):
-        hf.args_from_hf(config)
+        hf.flags_from_hf(config)
 
 
 def test_hf_dir_is_sharded_above_the_limit_and_never_overwritten(tmp_path):
@@ -290,29 +268,3 @@ def test_tokenizer_files_load_in_transformers(tmp_path):
     text = "def f7(x):\n    return x * 7  # héllo"
     assert tok(text, add_special_tokens=False)["input_ids"] == sp.encode(text)
     assert tok.eos_token_id == sp.eos_id() == hf.special_ids(model, 300)["eos_token_id"]
-
-
-def test_architecture_check_names_the_flag_and_fills_defaults():
-    from tst_megatron.training.checkpointing import check_architecture
-
-    saved = _args()
-    same = _args()
-    same["model"]["kv_channels"] = None  # None means h / heads = 24 / 6 = 4, as saved
-    check_architecture(saved, same, "ckpt")
-    # every layer is MoE: the dense width shapes no weight, so it may differ
-    check_architecture(saved, _args(["--ffn-hidden-size", "64"]), "ckpt")
-    with pytest.raises(ValueError, match="--ffn-hidden-size 40 but this run has 64"):
-        check_architecture(
-            _args(["--moe-layer-freq", "2"]),
-            _args(["--moe-layer-freq", "2", "--ffn-hidden-size", "64"]),
-            "ckpt",
-        )
-    other = _args(["--moe-ffn-hidden-size", "16"])
-    with pytest.raises(
-        ValueError,
-        match="checkpoint ckpt was saved with --moe-ffn-hidden-size 8 but this run has 16",
-    ):
-        check_architecture(saved, other, "ckpt")
-    padded = dict(_args(), padded_vocab_size=256)
-    with pytest.raises(ValueError, match="padded vocabulary of 128 rows but this run pads to 256"):
-        check_architecture(saved, padded, "ckpt")

@@ -3,15 +3,17 @@
 - :func:`export_checkpoint`: a ``torch_dist`` checkpoint (any TP/PP/VPP/EP layout, TST or
   not) of Megatron-LM's own loop (``megatron.training.pretrain()``, e.g. the launcher
   ``examples/pretrain_gpt_tst_mlm.py``; the architecture from its saved Megatron-LM ``args``,
-  :mod:`.mlm`) or of the hand-written trainer -> a Hugging Face directory (Qwen3-MoE,
-  Mixtral, Qwen3 or Llama, chosen from the settings).
+  :mod:`.mlm`) -> a Hugging Face directory (Qwen3-MoE, Mixtral, Qwen3 or Llama, chosen from
+  the settings).
 - :func:`import_checkpoint`: a Hugging Face directory of those architectures -> a
   weights-only ``release`` checkpoint in Megatron-LM's layout (tracker file, Megatron-LM
   ``args`` namespace, ``iteration`` 0) that Megatron-LM's ``load_checkpoint`` (the launcher's
-  ``--load``) and the trainer's ``--load`` read into any layout.
+  ``--load``) reads into any layout.
 
-The name and layout mapping is data (:mod:`.rules`); :mod:`.hf` and :mod:`.megatron` hold the
-file handling of each side. CLI: ``tools/convert_checkpoint.py``.
+Both build the 1-process model the way the launcher does
+(:func:`~tst_megatron.training.megatron_lm.build_model_from_args` on the Megatron-LM
+``args``). The name and layout mapping is data (:mod:`.rules`); :mod:`.hf` and
+:mod:`.megatron` hold the file handling of each side. CLI: ``tools/convert_checkpoint.py``.
 """
 
 from __future__ import annotations
@@ -20,11 +22,14 @@ import os
 import shutil
 from typing import Optional
 
-from tst_megatron.conversion import hf, rules
+from tst_megatron.conversion import hf, mlm, rules
 from tst_megatron.conversion.megatron import (
+    build_model,
     read_args,
     read_checkpoint,
     resolve_checkpoint,
+    single_process,
+    tensor_names,
     write_release,
 )
 
@@ -59,7 +64,8 @@ def export_checkpoint(
     Raises:
         FileExistsError: ``out`` exists without ``force`` (checked before any work).
         FileNotFoundError: no checkpoint at ``load``.
-        ValueError: a setting or a tensor with no place in any target (named).
+        ValueError: a setting or a tensor with no place in any target (named), or a
+            checkpoint of the former hand-written trainer (no longer read).
     """
     if os.path.exists(out) and not force:
         raise FileExistsError(f"{out} exists; pass --force to replace it")
@@ -71,14 +77,15 @@ def export_checkpoint(
     args, state = read_checkpoint(path)
     arch = hf.target_architecture(args)
     if dtype == "auto":
-        dtype = args.get("hf_dtype") or args.get("params_dtype") or "float32"
+        dtype = getattr(args, "hf_dtype", None) or mlm.dtype_name(args)
     if tokenizer_model is None:
-        saved = (args.get("tokenizer") or {}).get("model")
+        saved = getattr(args, "tokenizer_model", None)
         tokenizer_model = saved if saved and os.path.isfile(saved) else None
-    weights = rules.megatron_to_hf(state, arch, hf.shapes_of(args))
+    shapes = hf.shapes_of(args)
+    weights = rules.megatron_to_hf(state, arch, shapes)
     weights = {k: v.to(hf.DTYPES[dtype]) for k, v in weights.items()}
     config = hf.hf_config(
-        args, dtype=dtype, special_ids=hf.special_ids(tokenizer_model, args["model"]["vocab_size"])
+        args, dtype=dtype, special_ids=hf.special_ids(tokenizer_model, shapes.vocab_size)
     )
     hf.write_hf_dir(
         out,
@@ -116,105 +123,54 @@ def import_checkpoint(
         force: replace an existing ``save``.
 
     Returns:
-        ``{"architecture", "checkpoint", "args", "flags", "tokenizer"}``; ``flags`` are the
-        Megatron-LM flags (the launcher's and the trainer's) that rebuild this architecture; ``tokenizer`` is the copied SentencePiece
-        ``<save>/tokenizer.model`` (None when ``hf_dir`` has none), which a later export
-        includes again.
+        ``{"architecture", "checkpoint", "args", "flags", "tokenizer"}``: ``args`` the
+        Megatron-LM namespace the release stores (:func:`.mlm.megatron_lm_namespace`);
+        ``flags`` the Megatron-LM flags that rebuild this architecture (for the launcher);
+        ``tokenizer`` the copied SentencePiece ``<save>/tokenizer.model`` (None when
+        ``hf_dir`` has none), which a later export includes again.
 
     Raises:
         FileExistsError: ``save`` exists without ``force``.
-        FileNotFoundError / ValueError: see :func:`.hf.read_hf_dir`, :func:`.hf.args_from_hf`,
+        FileNotFoundError / ValueError: see :func:`.hf.read_hf_dir`, :func:`.hf.flags_from_hf`,
             :func:`.rules.hf_to_megatron` (missing, extra or misshapen tensors are listed).
     """
     if os.path.exists(save) and not force:
         raise FileExistsError(f"{save} exists; pass --force to replace it")
     config, hf_state = hf.read_hf_dir(hf_dir)
-    args, arch = hf.args_from_hf(
-        config,
-        make_vocab_size_divisible_by=make_vocab_size_divisible_by,
-        tp=tensor_model_parallel_size,
+    flags, arch, hf_dtype = hf.flags_from_hf(
+        config, make_vocab_size_divisible_by=make_vocab_size_divisible_by
     )
-    from tst_megatron.conversion.megatron import build_model, single_process, tensor_names
-
-    with single_process():
-        expected = tensor_names(build_model(args))
-    state = rules.hf_to_megatron(hf_state, expected, arch, hf.shapes_of(args))
-    tmp = save.rstrip("/") + ".tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
     tokenizer = None
     if os.path.isfile(os.path.join(hf_dir, "tokenizer.model")):  # SentencePiece: keep it
         tokenizer = os.path.join(os.path.abspath(save), "tokenizer.model")
-        args["tokenizer"] = {"type": "SentencePieceTokenizer", "model": tokenizer}
+        i = flags.index("--tokenizer-type")
+        flags[i : i + 2] = ["--tokenizer-type", "SentencePieceTokenizer"]
+        flags += ["--tokenizer-model", tokenizer]
+    multiple = make_vocab_size_divisible_by * tensor_model_parallel_size
+    ns = mlm.megatron_lm_namespace(
+        flags + hf.run_flags_from_hf(config),
+        padded_vocab_size=-(-config.vocab_size // multiple) * multiple,  # Megatron-LM's padding
+        vocab_size=config.vocab_size,
+    )
+    ns.hf_dtype = hf_dtype  # the dtype a later export writes again
+    with single_process():
+        expected = tensor_names(build_model(ns))
+    state = rules.hf_to_megatron(hf_state, expected, arch, hf.shapes_of(ns))
+    tmp = save.rstrip("/") + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    if tokenizer:
         os.makedirs(tmp)
         shutil.copyfile(
             os.path.join(hf_dir, "tokenizer.model"), os.path.join(tmp, "tokenizer.model")
         )
-    write_release(tmp, args, state, saved_args=megatron_lm_args(args))
+    write_release(tmp, ns, state)
     if os.path.exists(save):
         shutil.rmtree(save)
     os.replace(tmp, save)
     return {
         "architecture": arch.name,
         "checkpoint": os.path.join(save, "release"),
-        "args": args,
-        "flags": trainer_flags(args),
+        "args": ns,
+        "flags": flags,
         "tokenizer": tokenizer,
     }
-
-
-def megatron_lm_args(args: dict):
-    """Megatron-LM's ``args`` namespace for the converter's dict ``args`` (an imported
-    model): :func:`~tst_megatron.conversion.mlm.megatron_lm_namespace` of
-    :func:`trainer_flags` with ``--seq-length``, ``--max-position-embeddings`` and
-    ``--init-method-std``, the padded vocabulary of ``args``, and ``hf_dtype`` (the dtype
-    the Hugging Face model had, which a later export writes again) as an extra attribute."""
-    from tst_megatron.conversion.mlm import megatron_lm_namespace
-
-    m = args["model"]
-    flags = trainer_flags(args) + [
-        "--seq-length",
-        str(m["seq_length"]),
-        "--max-position-embeddings",
-        str(m["max_position_embeddings"]),
-        "--init-method-std",
-        str(m["init_method_std"]),
-    ]
-    ns = megatron_lm_namespace(
-        flags, padded_vocab_size=args["padded_vocab_size"], vocab_size=m["vocab_size"]
-    )
-    ns.hf_dtype = args.get("hf_dtype")
-    return ns
-
-
-def trainer_flags(args: dict) -> list:
-    """The flags (Megatron-LM's names; the trainer and the launcher take them) that rebuild
-    the architecture of ``args``."""
-    from tst_megatron.conversion.megatron import run_config
-    from tst_megatron.training.checkpointing import ARCHITECTURE_FIELDS
-
-    cfg = run_config(args)
-    flags = []
-    for group, names in ARCHITECTURE_FIELDS.items():
-        if group == "moe" and not cfg.moe.num_experts:
-            continue
-        if group == "model" and not cfg.model.group_query_attention:
-            names = tuple(n for n in names if n != "num_query_groups")
-        values = getattr(cfg, group)
-        for name in names + (
-            ("vocab_size", "make_vocab_size_divisible_by", "norm_epsilon", "rotary_base")
-            if group == "model"
-            else ()
-        ):
-            value = getattr(values, name)
-            flag = "--" + name.replace("_", "-")
-            if isinstance(value, bool):
-                if value:
-                    flags.append(flag)
-            elif value is not None:
-                flags += [flag, str(value)]
-    tokenizer = args.get("tokenizer") or {}
-    if tokenizer.get("type"):  # required by the trainer, as by Megatron-LM
-        flags += ["--tokenizer-type", tokenizer["type"]]
-        if tokenizer.get("model"):
-            flags += ["--tokenizer-model", tokenizer["model"]]
-    return flags

@@ -1,5 +1,7 @@
-"""Hugging Face side of the conversion: ``config.json`` <-> checkpoint ``args``, and the
-safetensors/tokenizer files of a Hugging Face model directory.
+"""Hugging Face side of the conversion: ``config.json`` <-> Megatron-LM checkpoint ``args``
+(the ``argparse.Namespace`` Megatron-LM stores; the shapes read from its
+``TransformerConfig``, :func:`.mlm.transformer_config`), and the safetensors/tokenizer files
+of a Hugging Face model directory.
 
 The config is built and read through ``transformers``' own config classes
 (``AutoConfig.for_model`` / ``AutoConfig.from_pretrained``), so the files are written the
@@ -9,16 +11,15 @@ way the installed ``transformers`` writes them; safetensors shards are split by
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import shutil
-from typing import Dict, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
+from tst_megatron.conversion import mlm
 from tst_megatron.conversion.rules import ARCHITECTURES, Architecture, Shapes, architecture_for
-from tst_megatron.training.model import ffn_hidden_size
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -36,22 +37,23 @@ def require_transformers():
     return transformers
 
 
-def shapes_of(args: dict) -> Shapes:
-    """:class:`~tst_megatron.conversion.rules.Shapes` from checkpoint ``args``."""
-    m = args["model"]
-    heads = m["num_attention_heads"]
+def shapes_of(ns, config=None) -> Shapes:
+    """:class:`~tst_megatron.conversion.rules.Shapes` of Megatron-LM checkpoint ``args`` ``ns``
+    (heads, query groups and head width from its ``TransformerConfig`` ``config``, default
+    :func:`.mlm.transformer_config`; vocabulary sizes from ``ns``)."""
+    config = mlm.transformer_config(ns) if config is None else config
     return Shapes(
-        num_attention_heads=heads,
-        num_query_groups=m["num_query_groups"] if m["group_query_attention"] else heads,
-        head_dim=m.get("kv_channels") or m["hidden_size"] // heads,
-        vocab_size=m["vocab_size"],
-        padded_vocab_size=args["padded_vocab_size"],
+        num_attention_heads=config.num_attention_heads,
+        num_query_groups=config.num_query_groups or config.num_attention_heads,
+        head_dim=config.kv_channels,
+        vocab_size=mlm.vocab_size(ns),
+        padded_vocab_size=int(ns.padded_vocab_size),
     )
 
 
-def target_architecture(args: dict) -> Architecture:
-    """The Hugging Face architecture for checkpoint ``args``, after checking that every
-    setting has a place in it.
+def target_architecture(ns) -> Architecture:
+    """The Hugging Face architecture for Megatron-LM checkpoint ``args`` ``ns``, after checking
+    that every setting has a place in it (:func:`.mlm.check_supported` first).
 
     Qwen3-MoE for experts + qk-layernorm, Mixtral for experts without, Qwen3 / Llama for the
     dense models with / without qk-layernorm.
@@ -59,54 +61,57 @@ def target_architecture(args: dict) -> Architecture:
     Raises:
         ValueError: one line naming the first setting no target can represent.
     """
-    m, moe = args["model"], args["moe"]
+    mlm.check_supported(ns)
     targets = "Qwen3-MoE, Mixtral, Qwen3 or Llama"
-    if m["normalization"] != "RMSNorm":
-        raise ValueError(f"--normalization {m['normalization']}: {targets} use RMSNorm")
-    if m["position_embedding_type"] != "rope":
+    if ns.normalization != "RMSNorm":
+        raise ValueError(f"--normalization {ns.normalization}: {targets} use RMSNorm")
+    if ns.position_embedding_type != "rope":
         raise ValueError(
-            f"--position-embedding-type {m['position_embedding_type']}: {targets} use RoPE"
+            f"--position-embedding-type {ns.position_embedding_type}: {targets} use RoPE"
         )
-    if m.get("rotary_percent", 1.0) != 1.0:
+    if getattr(ns, "rotary_percent", 1.0) != 1.0:
         raise ValueError(
-            f"--rotary-percent {m['rotary_percent']}: {targets} rotate every channel of a head"
+            f"--rotary-percent {ns.rotary_percent}: {targets} rotate every channel of a head"
         )
-    if m.get("rotary_seq_len_interpolation_factor") not in (None, 1):
+    if getattr(ns, "rotary_seq_len_interpolation_factor", None) not in (None, 1):
         raise ValueError(
-            f"--rotary-seq-len-interpolation-factor {m['rotary_seq_len_interpolation_factor']}: "
+            f"--rotary-seq-len-interpolation-factor {ns.rotary_seq_len_interpolation_factor}: "
             f"{targets} are exported without RoPE scaling"
         )
-    if not m["swiglu"]:
+    if not ns.swiglu:
         raise ValueError(f"the MLPs are not SwiGLU (no --swiglu): {targets} use SwiGLU")
-    if not m["disable_bias_linear"]:
+    if ns.add_bias_linear:
         raise ValueError(
             f"linear layers have biases (no --disable-bias-linear): {targets} have none"
         )
-    arch = architecture_for(moe=bool(moe.get("num_experts")), qk_layernorm=m["qk_layernorm"])
+    arch = architecture_for(moe=bool(ns.num_experts), qk_layernorm=bool(ns.qk_layernorm))
     if arch.moe:
-        if moe.get("moe_shared_expert_intermediate_size"):
+        if getattr(ns, "moe_shared_expert_intermediate_size", None):
             raise ValueError(
                 f"--moe-shared-expert-intermediate-size: {arch.name} has no shared expert"
             )
-        if moe.get("moe_router_score_function", "softmax") != "softmax":
+        score = getattr(ns, "moe_router_score_function", "softmax")
+        if score != "softmax":
             raise ValueError(
-                f"--moe-router-score-function {moe['moe_router_score_function']}: "
-                f"{arch.name} routes with a softmax"
+                f"--moe-router-score-function {score}: {arch.name} routes with a softmax"
             )
-        if arch.model_type == "mixtral" and moe.get("moe_router_pre_softmax"):
+        if arch.model_type == "mixtral" and ns.moe_router_pre_softmax:
             raise ValueError("--moe-router-pre-softmax: Mixtral renormalises the top-k weights")
-        if arch.model_type == "mixtral" and moe.get("moe_layer_freq", 1) != 1:
-            raise ValueError(
-                f"--moe-layer-freq {moe['moe_layer_freq']}: every Mixtral layer is MoE"
-            )
+        freq = mlm.layer_freq(ns)
+        if arch.model_type == "mixtral" and freq != 1:
+            raise ValueError(f"--moe-layer-freq {ns.moe_layer_freq}: every Mixtral layer is MoE")
     return arch
 
 
-def hf_config(args: dict, *, dtype: str, special_ids: Optional[dict] = None):
-    """The ``transformers`` config object for checkpoint ``args`` (see :func:`target_architecture`).
+def hf_config(ns, *, dtype: str, special_ids: Optional[dict] = None):
+    """The ``transformers`` config object for Megatron-LM checkpoint ``args`` ``ns`` (see
+    :func:`target_architecture`). Widths, heads, norm epsilon, router top-k and aux-loss
+    coefficient come from its ``TransformerConfig`` (:func:`.mlm.transformer_config`: the
+    values the model was built with, e.g. ``ffn_hidden_size`` as ``validate_args`` derived
+    it); RoPE base, positions and embedding tying from ``ns``.
 
     Args:
-        args: checkpoint ``args`` (:func:`tst_megatron.training.checkpointing.checkpoint_args`).
+        ns: Megatron-LM ``args`` (as a checkpoint stores them).
         dtype: ``float32``, ``bfloat16`` or ``float16`` (the config's ``dtype``).
         special_ids: ``bos_token_id``/``eos_token_id``/``pad_token_id`` when known.
 
@@ -114,48 +119,50 @@ def hf_config(args: dict, *, dtype: str, special_ids: Optional[dict] = None):
         ValueError: see :func:`target_architecture`.
     """
     transformers = require_transformers()
-    arch = target_architecture(args)
-    m, moe = args["model"], args["moe"]
-    s = shapes_of(args)
-    ffn = ffn_hidden_size(m.get("ffn_hidden_size"), m["hidden_size"], swiglu=m.get("swiglu", False))
+    arch = target_architecture(ns)
+    tc = mlm.transformer_config(ns)
+    s = shapes_of(ns, tc)
+    ffn = tc.ffn_hidden_size
     kwargs = dict(
         vocab_size=s.vocab_size,
-        hidden_size=m["hidden_size"],
-        num_hidden_layers=m["num_layers"],
+        hidden_size=tc.hidden_size,
+        num_hidden_layers=tc.num_layers,
         num_attention_heads=s.num_attention_heads,
         num_key_value_heads=s.num_query_groups,
         head_dim=s.head_dim,
         hidden_act="silu",
-        max_position_embeddings=m.get("max_position_embeddings") or m["seq_length"],
-        rms_norm_eps=m.get("norm_epsilon", 1e-5),
-        rope_theta=float(m["rotary_base"]),
-        tie_word_embeddings=not m["untie_embeddings_and_output_weights"],
+        max_position_embeddings=ns.max_position_embeddings or ns.seq_length,
+        rms_norm_eps=tc.layernorm_epsilon,
+        rope_theta=float(ns.rotary_base),
+        tie_word_embeddings=not ns.untie_embeddings_and_output_weights,
         attention_bias=False,
         attention_dropout=0.0,
-        initializer_range=m["init_method_std"],
+        initializer_range=tc.init_method_std,
         dtype=dtype,
         **(special_ids or {}),
     )
     if arch.moe:
-        experts_ffn = moe.get("moe_ffn_hidden_size") or ffn
+        experts_ffn = tc.moe_ffn_hidden_size or ffn
         kwargs.update(
-            num_experts_per_tok=moe["moe_router_topk"],
-            router_aux_loss_coef=moe.get("moe_aux_loss_coeff") or 0.0,
+            num_experts_per_tok=tc.moe_router_topk,
+            router_aux_loss_coef=_aux_coeff(tc.moe_aux_loss_coeff),
         )
     if arch.model_type == "qwen3_moe":
-        freq = moe.get("moe_layer_freq", 1)
+        freq = mlm.layer_freq(ns)
         kwargs.update(
-            num_experts=moe["num_experts"],
+            num_experts=tc.num_moe_experts,
             moe_intermediate_size=experts_ffn,
             intermediate_size=ffn,
             decoder_sparse_step=1,
-            mlp_only_layers=[i for i in range(m["num_layers"]) if i % freq != 0],
-            norm_topk_prob=not moe.get("moe_router_pre_softmax", False),
+            mlp_only_layers=[i for i in range(tc.num_layers) if i % freq != 0],
+            norm_topk_prob=not tc.moe_router_pre_softmax,
             use_sliding_window=False,
         )
     elif arch.model_type == "mixtral":
         kwargs.update(
-            num_local_experts=moe["num_experts"], intermediate_size=experts_ffn, sliding_window=None
+            num_local_experts=tc.num_moe_experts,
+            intermediate_size=experts_ffn,
+            sliding_window=None,
         )
     else:
         kwargs.update(intermediate_size=ffn)
@@ -168,6 +175,13 @@ def hf_config(args: dict, *, dtype: str, special_ids: Optional[dict] = None):
     return config
 
 
+def _aux_coeff(value) -> float:
+    """``--moe-aux-loss-coeff`` (a float, or a list per aux-loss type) as one float."""
+    if isinstance(value, (list, tuple)):
+        value = value[0] if value else 0.0
+    return float(value or 0.0)
+
+
 def _get(config, *names, default=None):
     for name in names:
         value = getattr(config, name, None)
@@ -176,28 +190,32 @@ def _get(config, *names, default=None):
     return default
 
 
-def args_from_hf(
-    config, *, make_vocab_size_divisible_by: int = 128, tp: int = 1
-) -> Tuple[dict, Architecture]:
-    """Checkpoint ``args`` for a Hugging Face config of a supported architecture.
+def _number(value) -> str:
+    """A flag value: an integral float without its ``.0``."""
+    return str(int(value)) if float(value).is_integer() else repr(float(value))
+
+
+def flags_from_hf(
+    config, *, make_vocab_size_divisible_by: int = 128
+) -> Tuple[List[str], Architecture, str]:
+    """Megatron-LM model flags for a Hugging Face config of a supported architecture.
 
     Args:
         config: a ``transformers`` config (``AutoConfig.from_pretrained``).
-        make_vocab_size_divisible_by / tp: Megatron's vocabulary padding
-            (``--make-vocab-size-divisible-by`` x ``--tensor-model-parallel-size``).
+        make_vocab_size_divisible_by: Megatron-LM's ``--make-vocab-size-divisible-by``.
 
     Returns:
-        ``(args, architecture)``; ``args["model"]``/``["moe"]`` hold the values of the
-        trainer's flags of the same names.
+        ``(flags, architecture, hf_dtype)``: the flags (Megatron-LM's names and meanings)
+        that rebuild the architecture (``--vocab-size``, ``--make-vocab-size-divisible-by``
+        ``--max-position-embeddings`` and ``--tokenizer-type NullTokenizer`` included; not
+        ``--seq-length`` or ``--init-method-std``, which :func:`run_flags_from_hf` adds), and
+        the dtype of the Hugging Face weights.
 
     Raises:
         ValueError: an unsupported ``model_type`` or a setting Megatron's model here cannot
             represent (biases, non-SiLU activation, RoPE scaling, sliding windows, a dense-layer
             pattern that is not every n-th layer), named in one line.
     """
-    from tst_megatron.training.config import ModelArgs, MoEArgs
-    from tst_megatron.training.model import padded_vocab_size
-
     model_type = getattr(config, "model_type", None)
     if model_type not in ARCHITECTURES:
         raise ValueError(
@@ -224,73 +242,71 @@ def args_from_hf(
     kv_heads = _get(config, "num_key_value_heads", default=heads)
     head_dim = _get(config, "head_dim", default=hidden // heads)
     layers = config.num_hidden_layers
-    model = dict(
-        num_layers=layers,
-        hidden_size=hidden,
-        num_attention_heads=heads,
-        group_query_attention=kv_heads != heads,
-        num_query_groups=kv_heads if kv_heads != heads else 1,
-        kv_channels=head_dim,
-        seq_length=min(config.max_position_embeddings, 4096),
-        max_position_embeddings=config.max_position_embeddings,
-        position_embedding_type="rope",
-        rotary_base=int(theta) if float(theta).is_integer() else theta,
-        normalization="RMSNorm",
-        norm_epsilon=config.rms_norm_eps,
-        swiglu=True,
-        untie_embeddings_and_output_weights=not getattr(config, "tie_word_embeddings", False),
-        disable_bias_linear=True,
-        qk_layernorm=arch.qk_layernorm,
-        init_method_std=_get(config, "initializer_range", default=0.02),
-        vocab_size=config.vocab_size,
-        make_vocab_size_divisible_by=make_vocab_size_divisible_by,
-    )
-    moe: Dict[str, object] = dict(num_experts=None)
-    if model_type == "qwen3_moe":
-        step = _get(config, "decoder_sparse_step", default=1)
-        dense = set(_get(config, "mlp_only_layers", default=[]) or [])
-        sparse = [i for i in range(layers) if i not in dense and (i + 1) % step == 0]
-        freq = next(
-            (f for f in range(1, layers + 1) if sparse == [i for i in range(layers) if i % f == 0]),
-            None,
-        )
-        if freq is None:
-            raise ValueError(
-                f"MoE layers {sparse} are not every n-th layer from layer 0 (--moe-layer-freq n)"
+    flags = ["--num-layers", str(layers), "--hidden-size", str(hidden)]
+    flags += ["--ffn-hidden-size", str(config.intermediate_size)]
+    flags += ["--num-attention-heads", str(heads)]
+    if kv_heads != heads:
+        flags += ["--group-query-attention", "--num-query-groups", str(kv_heads)]
+    flags += ["--kv-channels", str(head_dim)]
+    flags += ["--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu"]
+    if not getattr(config, "tie_word_embeddings", False):
+        flags.append("--untie-embeddings-and-output-weights")
+    flags.append("--disable-bias-linear")
+    if arch.qk_layernorm:
+        flags.append("--qk-layernorm")
+    if model_type in ("qwen3_moe", "mixtral"):
+        if model_type == "qwen3_moe":
+            step = _get(config, "decoder_sparse_step", default=1)
+            dense = set(_get(config, "mlp_only_layers", default=[]) or [])
+            sparse = [i for i in range(layers) if i not in dense and (i + 1) % step == 0]
+            freq = next(
+                (
+                    f
+                    for f in range(1, layers + 1)
+                    if sparse == [i for i in range(layers) if i % f == 0]
+                ),
+                None,
             )
-        model["ffn_hidden_size"] = config.intermediate_size
-        moe = dict(
-            num_experts=_get(config, "num_experts", "num_local_experts"),
-            moe_ffn_hidden_size=config.moe_intermediate_size,
-            moe_layer_freq=freq,
-            moe_router_pre_softmax=not getattr(config, "norm_topk_prob", True),
-        )
-    elif model_type == "mixtral":
-        model["ffn_hidden_size"] = config.intermediate_size
-        moe = dict(
-            num_experts=_get(config, "num_local_experts", "num_experts"),
-            moe_ffn_hidden_size=config.intermediate_size,
-            moe_layer_freq=1,
-        )
-    else:
-        model["ffn_hidden_size"] = config.intermediate_size
-    if moe["num_experts"]:
-        moe.update(
-            moe_router_topk=config.num_experts_per_tok,
-            moe_aux_loss_coeff=_get(config, "router_aux_loss_coef", default=0.0),
-        )
+            if freq is None:
+                raise ValueError(
+                    f"MoE layers {sparse} are not every n-th layer from layer 0 "
+                    "(--moe-layer-freq n)"
+                )
+            experts, experts_ffn = (
+                _get(config, "num_experts", "num_local_experts"),
+                (config.moe_intermediate_size),
+            )
+        else:
+            freq = 1
+            experts = _get(config, "num_local_experts", "num_experts")
+            experts_ffn = config.intermediate_size
+        flags += ["--num-experts", str(experts), "--moe-ffn-hidden-size", str(experts_ffn)]
+        flags += ["--moe-router-topk", str(config.num_experts_per_tok)]
+        flags += ["--moe-layer-freq", str(freq)]
+        if model_type == "qwen3_moe" and not getattr(config, "norm_topk_prob", True):
+            flags.append("--moe-router-pre-softmax")
+        flags += [
+            "--moe-aux-loss-coeff",
+            repr(float(_get(config, "router_aux_loss_coef", default=0.0))),
+        ]
+    flags += ["--vocab-size", str(config.vocab_size)]
+    flags += ["--make-vocab-size-divisible-by", str(make_vocab_size_divisible_by)]
+    flags += ["--norm-epsilon", repr(float(config.rms_norm_eps))]
+    flags += ["--rotary-base", _number(theta)]
+    flags += ["--max-position-embeddings", str(config.max_position_embeddings)]
+    flags += ["--tokenizer-type", "NullTokenizer"]
     dtype = str(_get(config, "dtype", "torch_dtype", default="float32")).replace("torch.", "")
-    args = {  # every flag's value, as the trainer stores them
-        "model": dict(dataclasses.asdict(ModelArgs()), **model),
-        "moe": dict(dataclasses.asdict(MoEArgs()), **moe),
-        "padded_vocab_size": padded_vocab_size(
-            config.vocab_size, divisible_by=make_vocab_size_divisible_by, tp=tp
-        ),
-        "params_dtype": "float32",
-        "hf_dtype": dtype if dtype in DTYPES else "float32",
-        "tokenizer": {"type": "NullTokenizer", "model": None},
-    }
-    return args, arch
+    return flags, arch, dtype if dtype in DTYPES else "float32"
+
+
+def run_flags_from_hf(config) -> List[str]:
+    """The flags a weights-only namespace needs beyond :func:`flags_from_hf`: the sequence
+    length (the positions, at most 4096) and ``--init-method-std`` (``initializer_range``)."""
+    positions = config.max_position_embeddings
+    return [
+        "--seq-length", str(min(positions, 4096)),
+        "--init-method-std", repr(float(_get(config, "initializer_range", default=0.02))),
+    ]  # fmt: skip
 
 
 # --- files --------------------------------------------------------------------------------

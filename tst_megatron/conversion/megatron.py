@@ -1,24 +1,43 @@
-"""Megatron side of the conversion: a ``torch_dist`` checkpoint <-> the state dict of a
-1-process megatron-core ``GPTModel``.
+"""Megatron side of the conversion: a Megatron-LM ``torch_dist`` checkpoint <-> the state
+dict of a 1-process megatron-core model.
 
-A checkpoint saved with any TP/PP/VPP/EP/expert-TP layout is read by building the model
-with every parallel size 1 and letting ``dist_checkpointing`` reshard into it; an imported
-model is written the same way, as Megatron-LM's weights-only ``release`` checkpoint, which
-the trainer loads into any layout (``--load``). The whole model is held in CPU memory once
-(about 4 bytes per parameter in fp32).
+A checkpoint of Megatron-LM's own loop (``megatron.training.pretrain()``, e.g. the launcher
+``examples/pretrain_gpt_tst_mlm.py``) saved with any TP/PP/VPP/EP/expert-TP layout and either
+layer spec (Transformer Engine or local) is read by building its model with every parallel
+size 1 (the launcher's :func:`~tst_megatron.training.megatron_lm.build_model_from_args` on
+the checkpoint's own ``args``, :func:`.mlm.one_process_args`) and letting
+``dist_checkpointing`` reshard into it; an imported model is written the same way, as
+Megatron-LM's weights-only ``release`` checkpoint, which Megatron-LM's ``load_checkpoint``
+(``--load``) reads into any layout. The whole model is held in CPU memory once (about 4
+bytes per parameter in fp32).
+
+Checkpoints of the former hand-written trainer (a dict as ``args``) are refused; the last
+commit that reads them is :data:`LAST_OLD_FORMAT_COMMIT`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import os
+import shutil
 from typing import Dict, Iterator, Optional, Tuple
 
 import torch
 
+from tst_megatron.conversion import mlm
 from tst_megatron.runtime.distributed import free_port
-from tst_megatron.training import checkpointing
+
+#: Megatron-LM's tracker file of a ``--save`` root and its weights-only checkpoint name.
+TRACKER = "latest_checkpointed_iteration.txt"
+RELEASE = "release"
+#: The last commit of this project whose converter reads the hand-written trainer's format.
+LAST_OLD_FORMAT_COMMIT = "0dc9f79"
+
+#: Names of the same tensor under megatron-core's two GPT layer specs: the local spec's
+#: ``sharded_state_dict_keys_map`` renames every ``pre_mlp_layernorm.`` to
+#: ``mlp.linear_fc1.layer_norm_`` (MoE layers included); the Transformer Engine spec keeps an
+#: MoE layer's ``pre_mlp_layernorm`` (``TENorm``).
+SPEC_ALIASES = (("pre_mlp_layernorm.", "mlp.linear_fc1.layer_norm_"),)
 
 
 @contextlib.contextmanager
@@ -68,47 +87,13 @@ def single_process() -> Iterator[None]:
                     os.environ[key] = value
 
 
-def run_config(args: dict):
-    """A :class:`~tst_megatron.training.config.RunConfig` with the architecture of checkpoint
-    ``args`` and every other setting at its default (1 process, CPU, eval dropout 0)."""
-    from tst_megatron.superposition.schedule import TSTConfig
-    from tst_megatron.training.config import (
-        CheckpointArgs,
-        DataArgs,
-        ModelArgs,
-        MoEArgs,
-        ParallelArgs,
-        RunConfig,
-        TrainArgs,
-    )
+def build_model(ns):
+    """The whole model of checkpoint ``args`` ``ns`` in this 1-process world (eval mode, CPU):
+    :func:`~tst_megatron.training.megatron_lm.build_model_from_args` on
+    :func:`.mlm.one_process_args`. Call inside :func:`single_process`."""
+    from tst_megatron.training.megatron_lm import build_model_from_args
 
-    def known(cls, values):
-        names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in values.items() if k in names})
-
-    model = known(ModelArgs, dict(args["model"], hidden_dropout=0.0, attention_dropout=0.0))
-    return RunConfig(
-        model=model,
-        moe=known(MoEArgs, args["moe"]),
-        parallel=ParallelArgs(),
-        train=TrainArgs(
-            device="cpu", transformer_impl="local", bf16=args.get("params_dtype") == "bfloat16"
-        ),
-        data=DataArgs(mock_data=True),
-        checkpoint=CheckpointArgs(),
-        tst=TSTConfig(),
-    )
-
-
-def build_model(args: dict):
-    """The whole ``GPTModel`` of checkpoint ``args`` in this 1-process world (local spec,
-    eval mode, CPU). Call inside :func:`single_process`."""
-    from tst_megatron.training.model import build_model as build_run_model
-    from tst_megatron.training.model import transformer_config
-
-    cfg = run_config(args)
-    config = transformer_config(cfg, use_cpu_initialization=True)
-    return build_run_model(cfg, config, vocab_size=args["padded_vocab_size"]).eval()
+    return build_model_from_args(mlm.one_process_args(ns)).eval()
 
 
 def tensor_names(model) -> Dict[str, torch.Size]:
@@ -120,9 +105,24 @@ def tensor_names(model) -> Dict[str, torch.Size]:
     }
 
 
+def _latest(root: str):
+    """The tracker's iteration (int) or ``"release"``; None without a tracker."""
+    path = os.path.join(root, TRACKER)
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        text = f.read().strip()
+    if text == RELEASE:
+        return RELEASE
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"{path} holds {text!r}, not an iteration or 'release'") from None
+
+
 def resolve_checkpoint(load: str, ckpt_step: Optional[int] = None) -> str:
-    """The checkpoint directory for ``--load``: a root with a tracker file (its latest, or
-    ``iter_<ckpt_step>``), or a checkpoint directory itself.
+    """The checkpoint directory for ``--load``: a root with Megatron-LM's tracker file (its
+    latest, or ``iter_<ckpt_step>``), or a checkpoint directory itself.
 
     Raises:
         FileNotFoundError: nothing loadable at ``load``.
@@ -130,7 +130,7 @@ def resolve_checkpoint(load: str, ckpt_step: Optional[int] = None) -> str:
     if not os.path.exists(load):
         raise FileNotFoundError(f"{load} does not exist")
     if ckpt_step is not None:
-        path = checkpointing.checkpoint_dir(load, ckpt_step)
+        path = os.path.join(load, f"iter_{ckpt_step:07d}")
         if not os.path.isdir(path):
             steps = sorted(
                 int(n[5:]) for n in os.listdir(load) if n.startswith("iter_") and n[5:].isdigit()
@@ -142,79 +142,147 @@ def resolve_checkpoint(load: str, ckpt_step: Optional[int] = None) -> str:
     elif os.path.isfile(os.path.join(load, "metadata.json")):
         path = load
     else:
-        latest = checkpointing.latest_iteration(load) if os.path.isdir(load) else None
+        latest = _latest(load) if os.path.isdir(load) else None
         if latest is None:
             raise FileNotFoundError(
-                f"{load} is neither a checkpoint directory nor a --save root with "
-                f"{checkpointing.TRACKER}"
+                f"{load} is neither a checkpoint directory nor a --save root with {TRACKER}"
             )
-        path = (
-            os.path.join(load, checkpointing.RELEASE)
-            if latest == checkpointing.RELEASE
-            else checkpointing.checkpoint_dir(load, latest)
-        )
+        path = os.path.join(load, RELEASE if latest == RELEASE else f"iter_{latest:07d}")
     if not os.path.isfile(os.path.join(path, "metadata.json")):
         raise FileNotFoundError(f"{path} is not a torch_dist checkpoint (no metadata.json)")
     return path
 
 
-def read_args(path: str) -> dict:
-    """The architecture stored in the checkpoint directory ``path`` (no weights are read), as
-    the converter's dict: the trainer's ``args`` as stored, Megatron-LM's ``args`` namespace
-    (a checkpoint of ``megatron.training.pretrain()``, e.g. the launcher
-    ``examples/pretrain_gpt_tst_mlm.py``, or an imported one) through
-    :func:`~tst_megatron.conversion.mlm.converter_args`.
+def read_args(path: str):
+    """Megatron-LM's ``args`` namespace stored in the checkpoint directory ``path`` (no weights
+    are read), checked by :func:`.mlm.check_supported`.
 
     Raises:
-        ValueError: the checkpoint has no ``args`` (written before they were stored), or
-            Megatron-LM ``args`` with a setting the converter cannot hold (named).
+        ValueError: the checkpoint has no ``args``, is in the former hand-written trainer's
+            format (a dict as ``args``: no longer read; names :data:`LAST_OLD_FORMAT_COMMIT`),
+            or has a setting the converter cannot hold (named).
     """
     from megatron.core import dist_checkpointing
 
-    from tst_megatron.conversion.mlm import converter_args, is_megatron_lm
-
     common = dist_checkpointing.load_common_state_dict(path)
-    if common.get("args") is None:
+    args = common.get("args")
+    if args is None:
         raise ValueError(
-            f"{path} stores no model args (saved by an older version or with "
-            "Megatron-LM's args left out); re-save it (--load it, train one step, --save)"
+            f"{path} stores no model args (Megatron-LM's args left out); re-save it "
+            "(--load it, train one step, --save)"
         )
-    args = common["args"]
-    return converter_args(args) if is_megatron_lm(args) else args
+    if isinstance(args, dict):
+        raise ValueError(
+            f"{path} is a checkpoint of the former hand-written trainer, which is no longer "
+            f"read; export it with the converter of commit {LAST_OLD_FORMAT_COMMIT} "
+            f"(git checkout {LAST_OLD_FORMAT_COMMIT} -- tools/convert_checkpoint.py tst_megatron)"
+        )
+    mlm.check_supported(args)
+    return args
 
 
-def read_checkpoint(path: str) -> Tuple[dict, Dict[str, torch.Tensor]]:
+def load_sharded(request: dict, path: str, *, strict: str = "assume_ok_unexpected") -> dict:
+    """``dist_checkpointing.load(request, path)`` for a checkpoint saved with either layer
+    spec (Transformer Engine or local, grouped GEMM experts or not), as megatron-core means
+    them to be interchangeable.
+
+    - A tensor the checkpoint holds under the other spec's name (:data:`SPEC_ALIASES`) is read
+      from there.
+    - An ``_extra_state`` object (Transformer Engine's FP8 metadata, e.g. of a TE norm) that
+      the checkpoint lacks, because the other spec has no such module state, is returned as
+      ``None``, which leaves the module's state as it is when loaded.
+
+    Args:
+        request: a sharded state dict (``{"model": model.sharded_state_dict()}``); its keys
+            are renamed in place where an alias applies.
+        path: the checkpoint directory.
+        strict: megatron-core's key-mismatch handling (``--dist-ckpt-strictness``).
+
+    Returns:
+        The loaded state dict, shaped like ``request``.
+
+    Raises:
+        megatron-core's ``CheckpointingException``: any other tensor or object is missing.
+    """
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
+    from megatron.core.dist_checkpointing.serialization import load_sharded_metadata
+
+    saved = {getattr(meta, "key", name) for name, meta in load_sharded_metadata(path).items()}
+    absent = []
+
+    def adapt(tree: dict, where: tuple) -> dict:
+        out = {}
+        for name, value in tree.items():
+            if isinstance(value, dict):
+                out[name] = adapt(value, where + (name,))
+            elif isinstance(value, ShardedTensor) and value.key not in saved:
+                for a, b in SPEC_ALIASES:
+                    for old, new in ((a, b), (b, a)):
+                        if old in value.key and value.key.replace(old, new, 1) in saved:
+                            value.key = value.key.replace(old, new, 1)
+                out[name] = value
+            elif (
+                isinstance(value, ShardedObject)
+                and value.key.endswith("_extra_state")
+                and value.key not in saved
+            ):
+                absent.append(where + (name,))
+            else:
+                out[name] = value
+        return out
+
+    state = dist_checkpointing.load(adapt(request, ()), path, strict=strict)
+    for where in absent:
+        node = state
+        for name in where[:-1]:
+            node = node.setdefault(name, {})
+        node[where[-1]] = None
+    return state
+
+
+def load_weights(path: str, model) -> None:
+    """Load the model weights of the checkpoint directory ``path`` (saved with any layout and
+    either spec, :func:`load_sharded`) into ``model`` (this process's layout; one chunk).
+    Collective."""
+    model.load_state_dict(load_sharded({"model": model.sharded_state_dict()}, path)["model"])
+
+
+def read_checkpoint(path: str) -> Tuple[object, Dict[str, torch.Tensor]]:
     """Load the ``torch_dist`` checkpoint directory ``path`` into a 1-process model.
 
     Returns:
-        ``(args, state)``: the stored ``args`` and the model's weights
+        ``(args, state)``: the stored Megatron-LM ``args`` and the model's weights
         ``{megatron name: tensor}`` (parameter dtype).
 
     Raises:
-        ValueError: the checkpoint has no ``args`` (written before they were stored).
+        ValueError: see :func:`read_args`.
     """
     args = read_args(path)
     with single_process():
         model = build_model(args)
-        checkpointing.load_model_weights(path, [model])
+        load_weights(path, model)
         weights = model.state_dict()
         state = {name: weights[name].detach().clone() for name in tensor_names(model)}
     return args, state
 
 
-def write_release(root: str, args: dict, state: Dict[str, torch.Tensor], *, saved_args=None) -> str:
-    """Write ``state`` (``{megatron name: tensor}``, every weight of the model of ``args``)
-    as ``<root>/release`` and point ``root``'s tracker at it. Returns the directory.
+def write_release(root: str, ns, state: Dict[str, torch.Tensor]) -> str:
+    """Write ``state`` (``{megatron name: tensor}``, every weight of the model of Megatron-LM
+    ``args`` ``ns``) as ``<root>/release`` and point ``root``'s tracker at it. Returns the
+    directory.
 
-    The checkpoint stores ``saved_args`` as its ``args`` (default: ``args``), with
-    Megatron-LM's ``iteration`` (0) and ``checkpoint_version`` (3.0), the common entries
-    Megatron-LM's ``load_checkpoint`` and ``load_args_from_checkpoint`` read.
+    The checkpoint stores ``ns`` as its ``args``, with Megatron-LM's ``iteration`` (0) and
+    ``checkpoint_version`` (3.0), the common entries Megatron-LM's ``load_checkpoint`` and
+    ``load_args_from_checkpoint`` read. Written to ``release.tmp`` and renamed when complete.
 
     Raises:
         ValueError: ``state``'s names differ from the model's (listing them).
     """
+    from megatron.core import dist_checkpointing
+
     with single_process():
-        model = build_model(args)
+        model = build_model(ns)
         expected = tensor_names(model)
         if set(state) != set(expected):
             missing, extra = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
@@ -224,9 +292,20 @@ def write_release(root: str, args: dict, state: Dict[str, torch.Tensor], *, save
                 if name in state:
                     param.copy_(state[name])
         os.makedirs(root, exist_ok=True)
-        return checkpointing.save_release(
-            root,
-            [model],
-            args=args if saved_args is None else saved_args,
-            extra={"iteration": 0, "checkpoint_version": 3.0},
-        )
+        final = os.path.join(root, RELEASE)
+        tmp = final + ".tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+        saved = {
+            "model": model.sharded_state_dict(),
+            "args": ns,
+            "iteration": 0,
+            "checkpoint_version": 3.0,
+        }
+        dist_checkpointing.save(saved, tmp)
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        with open(os.path.join(root, TRACKER + ".tmp"), "w") as f:
+            f.write(RELEASE)
+        os.replace(os.path.join(root, TRACKER + ".tmp"), os.path.join(root, TRACKER))
+    return final

@@ -1,21 +1,24 @@
-"""Megatron-LM's own checkpoint ``args`` <-> the converter's architecture dict.
+"""Megatron-LM's checkpoint ``args`` namespace: what the converter reads from it and how it
+makes one.
 
 A checkpoint written by Megatron-LM's ``save_checkpoint`` (the launcher
 ``examples/pretrain_gpt_tst_mlm.py``, i.e. ``megatron.training.pretrain()``) stores the run's
 whole ``argparse.Namespace`` as ``args`` in its common state
 (``megatron.training.checkpointing.generate_state_dict``), with the values after
 ``validate_args`` (``kv_channels``, ``ffn_hidden_size``, ``padded_vocab_size``,
-``params_dtype`` filled in). The converter itself works on a small dict of the architecture
-(``{"model", "moe", "padded_vocab_size", "params_dtype", "tokenizer"}``, the layout the
-hand-written trainer stores, :func:`tst_megatron.training.checkpointing.checkpoint_args`):
+``params_dtype`` filled in). The converter works on that namespace directly:
 
-- :func:`converter_args`: a Megatron-LM ``Namespace`` -> that dict, refusing (one line naming
-  the flag) every Megatron-LM setting that changes the model's function but has no place in
-  the dict or in a Hugging Face target, so nothing is dropped silently.
-- :func:`megatron_lm_namespace`: that dict -> the ``Namespace`` Megatron-LM's parser and
-  ``validate_args`` produce for the flags that rebuild the architecture, which an imported
-  ``release`` checkpoint stores so that Megatron-LM's ``load_checkpoint`` (``--load``,
-  ``--use-checkpoint-args``) reads it.
+- :func:`check_supported`: refuses (one line naming the flag) every Megatron-LM setting that
+  changes the model's function but has no place in a Hugging Face target, so nothing is
+  dropped silently.
+- :func:`one_process_args` / :func:`transformer_config`: the namespace of the same model in
+  one CPU process, and its ``TransformerConfig`` by Megatron-LM's own
+  ``core_transformer_config_from_args`` (the shapes the Hugging Face side needs are read
+  from it); the model itself is built by the launcher's
+  :func:`~tst_megatron.training.megatron_lm.build_model_from_args`.
+- :func:`megatron_lm_namespace`: model flags -> the ``Namespace`` Megatron-LM's parser and
+  ``validate_args`` produce, which an imported ``release`` checkpoint stores so that
+  Megatron-LM's ``load_checkpoint`` (``--load``, ``--use-checkpoint-args``) reads it.
 """
 
 from __future__ import annotations
@@ -23,7 +26,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
-import enum
 import io
 import os
 import re
@@ -67,17 +69,6 @@ UNSUPPORTED = (
     ("moe_latent_size", None, "--moe-latent-size"),
     ("moe_shared_expert_gate", False, "--moe-shared-expert-gate"),
 )  # fmt: skip
-
-#: Converter dict field -> Megatron-LM ``args`` dest, where the names differ.
-_RENAMED = {
-    "norm_epsilon": "layernorm_epsilon",
-    "apply_layernorm_1p": "layernorm_zero_centered_gamma",
-}
-
-
-def is_megatron_lm(args) -> bool:
-    """True for Megatron-LM's ``args`` (a ``Namespace``; the trainer stores a dict)."""
-    return not isinstance(args, dict)
 
 
 def _layer_freq(value, num_layers: int) -> int:
@@ -128,26 +119,32 @@ def _vocab_size(ns) -> int:
         ) from None
 
 
-def converter_args(ns) -> dict:
-    """The converter's architecture dict for Megatron-LM checkpoint ``args`` ``ns``.
+#: The model-parallel settings of ``args`` that :func:`one_process_args` sets to one process.
+_ONE_PROCESS = dict(
+    tensor_model_parallel_size=1,
+    pipeline_model_parallel_size=1,
+    expert_model_parallel_size=1,
+    expert_tensor_parallel_size=1,
+    context_parallel_size=1,
+    virtual_pipeline_model_parallel_size=None,
+    num_layers_per_virtual_pipeline_stage=None,
+    num_virtual_stages_per_pipeline_rank=None,
+    pipeline_model_parallel_layout=None,
+    decoder_first_pipeline_num_layers=None,
+    decoder_last_pipeline_num_layers=None,
+    account_for_embedding_in_pipeline_split=False,
+    account_for_loss_in_pipeline_split=False,
+    sequence_parallel=False,
+)
 
-    Returns:
-        ``{"model": {...}, "moe": {...}, "hf_dtype": str | None, "padded_vocab_size": int,
-        "params_dtype": "float32" | "bfloat16" | "float16", "tokenizer": {"type", "model"}}``
-        (``hf_dtype``: the dtype of an imported Hugging Face model, else None): the fields of
-        :class:`~tst_megatron.training.config.ModelArgs` / ``MoEArgs`` read from the
-        Megatron-LM dests of the same name (``norm_epsilon`` from ``layernorm_epsilon``,
-        ``apply_layernorm_1p`` from ``layernorm_zero_centered_gamma``,
-        ``disable_bias_linear`` = not ``add_bias_linear``), dropout 0.
+
+def check_supported(ns) -> None:
+    """Refuse a checkpoint's ``args`` ``ns`` with a setting of :data:`UNSUPPORTED` away from
+    its default.
 
     Raises:
-        ValueError: a setting of :data:`UNSUPPORTED` is not at its default, or the
-            vocabulary size cannot be found (one line naming the flag).
+        ValueError: one line naming the flag and its value.
     """
-    import dataclasses
-
-    from tst_megatron.training.config import ModelArgs, MoEArgs
-
     for dest, default, flag in UNSUPPORTED:
         value = getattr(ns, dest, default)
         if value != default and not (default is False and value is None):
@@ -155,31 +152,57 @@ def converter_args(ns) -> dict:
                 f"{flag} {value}: the converter has no place for it (Qwen3-MoE, Mixtral, Qwen3 "
                 "and Llama have no such setting)"
             )
-    model = {}
-    for field in dataclasses.fields(ModelArgs):
-        value = getattr(ns, _RENAMED.get(field.name, field.name), field.default)
-        model[field.name] = value.name if isinstance(value, enum.Enum) else value  # AttnBackend
-    model["disable_bias_linear"] = not ns.add_bias_linear
-    model["vocab_size"] = _vocab_size(ns)
-    model["hidden_dropout"] = model["attention_dropout"] = 0.0
-    if not model.get("ffn_hidden_size"):
-        model["ffn_hidden_size"] = None
-    moe = {f.name: getattr(ns, f.name, f.default) for f in dataclasses.fields(MoEArgs)}
-    if moe["num_experts"]:
-        moe["moe_layer_freq"] = _layer_freq(moe["moe_layer_freq"], ns.num_layers)
+
+
+def one_process_args(ns) -> argparse.Namespace:
+    """A copy of Megatron-LM ``args`` ``ns`` for the same model in one CPU process: every
+    model-parallel size 1 (:data:`_ONE_PROCESS`; weight shards derived from them, no GTP
+    rematerialisation), megatron-core's local layer spec
+    (``--transformer-impl local``, no grouped GEMM: ``SequentialMLP``, whose checkpoint
+    tensors are interchangeable with the grouped ones), CPU initialisation, no fused CUDA
+    kernels, FP8/FP4 off, dropout 0 (evaluation)."""
+    out = copy.copy(ns)
+    for name, value in _ONE_PROCESS.items():
+        setattr(out, name, value)
+    for name in ("tensor_parallel_num_weight_shards", "expert_tensor_parallel_num_weight_shards"):
+        setattr(out, name, None)  # megatron-core derives them from the sizes (no GTP)
+    out.gtp_weight_remat_size = out.expert_gtp_weight_remat_size = 1
+    out.transformer_impl = "local"
+    out.moe_grouped_gemm = False
+    out.use_cpu_initialization = True
+    out.gradient_accumulation_fusion = False
+    out.persist_layer_norm = False
+    out.apply_rope_fusion = False
+    out.bias_swiglu_fusion = out.bias_gelu_fusion = out.bias_dropout_fusion = False
+    out.masked_softmax_fusion = False
+    out.fp8 = out.fp4 = None
+    out.hidden_dropout = out.attention_dropout = 0.0
+    return out
+
+
+def transformer_config(ns):
+    """megatron-core's ``TransformerConfig`` of checkpoint ``args`` ``ns`` in one process:
+    Megatron-LM's ``core_transformer_config_from_args`` on :func:`one_process_args` (what the
+    launcher's model provider uses, through ``gpt_config_from_args``)."""
+    from megatron.training.argument_utils import core_transformer_config_from_args
+
+    return core_transformer_config_from_args(one_process_args(ns))
+
+
+def vocab_size(ns) -> int:
+    """The vocabulary before padding (see :func:`_vocab_size`)."""
+    return _vocab_size(ns)
+
+
+def layer_freq(ns) -> int:
+    """``--moe-layer-freq`` of ``ns`` as every n-th layer (see :func:`_layer_freq`)."""
+    return _layer_freq(ns.moe_layer_freq, ns.num_layers)
+
+
+def dtype_name(ns) -> str:
+    """``params_dtype`` of ``ns`` as ``float32`` / ``bfloat16`` / ``float16``."""
     dtype = ns.params_dtype
-    dtype = str(dtype).replace("torch.", "") if isinstance(dtype, torch.dtype) else str(dtype)
-    return {
-        "model": model,
-        "moe": moe,
-        "hf_dtype": getattr(ns, "hf_dtype", None),
-        "padded_vocab_size": int(ns.padded_vocab_size),
-        "params_dtype": dtype,
-        "tokenizer": {
-            "type": ns.tokenizer_type,
-            "model": getattr(ns, "tokenizer_model", None),
-        },
-    }
+    return str(dtype).replace("torch.", "") if isinstance(dtype, torch.dtype) else str(dtype)
 
 
 @contextlib.contextmanager

@@ -482,8 +482,35 @@ def model_provider(
     config=None,
     pg_collection=None,
 ):
-    """Megatron-LM model provider: a :class:`TSTGPTModel` (a ``GPTModel`` with the TST loss
-    seam; same parameters and state-dict keys) with Megatron-LM's own configuration.
+    """Megatron-LM model provider: :func:`build_model_from_args` on Megatron-LM's global
+    ``args`` (``megatron.training.get_args()``)."""
+    from megatron.training import get_args
+
+    return build_model_from_args(
+        get_args(),
+        pre_process=pre_process,
+        post_process=post_process,
+        vp_stage=vp_stage,
+        config=config,
+        pg_collection=pg_collection,
+    )
+
+
+def build_model_from_args(
+    args,
+    *,
+    pre_process: bool = True,
+    post_process: bool = True,
+    vp_stage: Optional[int] = None,
+    config=None,
+    pg_collection=None,
+):
+    """A :class:`TSTGPTModel` (a ``GPTModel`` with the TST loss seam; same parameters and
+    state-dict keys) for Megatron-LM's ``args`` namespace ``args`` (the launcher's, or one a
+    checkpoint stores), with Megatron-LM's own configuration. The one way a model is built
+    from arguments: the launcher's :func:`model_provider` and the checkpoint converter
+    (:mod:`tst_megatron.conversion.megatron`) both call it. megatron-core's parallel state
+    must be initialised (its sizes those of ``args``).
 
     The ``TransformerConfig`` comes from ``core_transformer_config_from_args`` and the GPT
     settings from ``gpt_config_from_args`` (``megatron.training.argument_utils``); the layer
@@ -502,7 +529,6 @@ def model_provider(
         HeterogeneousTransformerConfig,
     )
     from megatron.core.transformer.spec_utils import ModuleSpec
-    from megatron.training import get_args
     from megatron.training.argument_utils import gpt_config_from_args
     from megatron.training.models.gpt import default_layer_spec, mtp_block_spec
 
@@ -510,7 +536,6 @@ def model_provider(
     from tst_megatron.training.gpt import TSTGPTModel
     from tst_megatron.training.model import gpt_block_spec, local_mtp_block_spec
 
-    args = get_args()
     cfg = gpt_config_from_args(args, config=config)
     spec = cfg.transformer_layer_spec
     plain_local = (
