@@ -43,7 +43,7 @@ def main(argv=None) -> int:
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
     from benchmarks.measure import write, write_index
-    from tst_megatron.conversion import export_checkpoint
+    from tst_megatron.conversion import export_checkpoint, mlm
     from tst_megatron.conversion.megatron import (
         build_model,
         read_checkpoint,
@@ -52,8 +52,8 @@ def main(argv=None) -> int:
     )
 
     path = resolve_checkpoint(args.load)
-    stored, weights = read_checkpoint(path)  # the converter's reader: either loop's checkpoints
-    vocab = stored["model"]["vocab_size"]
+    stored, weights = read_checkpoint(path)  # the converter's reader: Megatron-LM's args
+    vocab = mlm.vocab_size(stored)
     data = IndexedDataset(args.data_path)
     tokens = torch.from_numpy(data[len(data) - 1].astype("int64"))
     for i in range(len(data) - 2, -1, -1):  # enough text from the last documents

@@ -42,7 +42,7 @@ class TSTConfig:
     def validate(self, train_iters: int) -> list[str]:
         """The problems of these settings, one line each naming the flag (empty: none).
         Reads only; the choice of ``bag_weighting`` is checked from its ``Literal`` type by
-        the caller (:func:`tst_megatron.training.config.validate`)."""
+        the caller (:func:`tst_megatron.training.megatron_lm.tst_problems`)."""
         problems = []
         if (
             isinstance(self.bag_size, bool)
@@ -151,65 +151,3 @@ class Schedule:
         return dataclasses.replace(
             self, phase1=self.phase1.bind(*phase1), phase2=self.phase2.bind(*phase2)
         )
-
-
-# --- what happens after a step ------------------------------------------------------------
-# ``iteration`` below is the number of optimizer steps completed (1 after the first step).
-
-
-def should_eval(
-    iteration: int, *, eval_interval: Optional[int], eval_iters: int, at_switch: bool
-) -> bool:
-    """Validate after ``iteration`` steps? Every ``--eval-interval`` steps (Megatron-LM's rule)
-    and at the TST switch; never without an interval or with ``--eval-iters 0`` (no batches:
-    nothing to report)."""
-    if not eval_interval or eval_iters <= 0:
-        return False
-    return iteration % eval_interval == 0 or at_switch
-
-
-def should_exit(
-    iteration: int,
-    *,
-    train_iters: int,
-    signalled: bool = False,
-    exit_interval: Optional[int] = None,
-    minutes_elapsed: Optional[float] = None,
-    exit_duration_in_mins: Optional[float] = None,
-) -> Optional[str]:
-    """Why the run stops after ``iteration`` steps, or None to go on.
-
-    Returns ``"finished"`` at ``--train-iters``; ``"signal"`` when SIGTERM reached any rank
-    (``--exit-signal-handler``); ``"interval"`` every ``exit_interval`` steps and
-    ``"duration"`` once ``minutes_elapsed >= exit_duration_in_mins`` (Megatron-LM's
-    ``--exit-interval`` / ``--exit-duration-in-mins``; the minutes must be agreed by all ranks).
-    """
-    if iteration >= train_iters:
-        return "finished"
-    if signalled:
-        return "signal"
-    if exit_interval and iteration % exit_interval == 0:
-        return "interval"
-    if exit_duration_in_mins is not None and minutes_elapsed is not None:
-        if minutes_elapsed >= exit_duration_in_mins:
-            return "duration"
-    return None
-
-
-def should_save(
-    iteration: int,
-    *,
-    save: Optional[str],
-    save_interval: Optional[int],
-    at_switch: bool,
-    save_at_switch: bool,
-    exiting: bool,
-) -> bool:
-    """Save a checkpoint after ``iteration`` steps? Only with ``--save``: every
-    ``--save-interval`` steps, at the TST switch (``--no-tst-save-at-switch`` turns it off),
-    and whenever the run stops (:func:`should_exit`), as Megatron-LM does at the end of
-    training and on an exit signal. At most once per iteration by construction."""
-    if not save:
-        return False
-    on_interval = bool(save_interval) and iteration % save_interval == 0
-    return exiting or on_interval or (at_switch and save_at_switch)

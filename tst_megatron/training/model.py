@@ -1,10 +1,10 @@
 """Model construction: a plain megatron-core ``GPTModel`` in both TST phases.
 
-All construction lives here so a later move to megatron-core's ``HybridModel`` touches one
-file: :func:`build_model` builds the model a run configuration describes (the trainer, per
-virtual pipeline stage, and the checkpoint converter both call it), on top of
-:func:`build_gpt_model`. TST adds no module and no parameter: its state dict has exactly the
-keys of a baseline model.
+The launcher's model provider (:func:`tst_megatron.training.megatron_lm.build_model_from_args`,
+also the checkpoint converter's) takes the local layer specs from here
+(:func:`gpt_block_spec`, :func:`local_mtp_block_spec`); :func:`build_gpt_model` builds a
+``TSTGPTModel`` from a ``TransformerConfig`` directly (tests, benchmarks). TST adds no module
+and no parameter: its state dict has exactly the keys of a baseline model.
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ import dataclasses
 import functools
 from typing import Literal, Optional
 
-from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 from megatron.core.tensor_parallel import RowParallelLinear
@@ -28,17 +27,6 @@ from tst_megatron.runtime.norm import SequenceParallelNorm
 from tst_megatron.training.gpt import TSTGPTModel
 
 TransformerImpl = Literal["local", "transformer_engine"]
-
-
-def ffn_hidden_size(
-    ffn_hidden_size: Optional[int], hidden_size: int, *, swiglu: bool = False
-) -> int:
-    """The dense MLP width: ``--ffn-hidden-size``, or Megatron-LM's default
-    (``megatron/training/arguments.py``): ``4 * h``, or ``int(4h * 2/3 / 64) * 64`` with
-    ``--swiglu`` (the parameter count of the 4h non-gated MLP, a multiple of 64)."""
-    if ffn_hidden_size:
-        return ffn_hidden_size
-    return int((4 * hidden_size * 2 / 3) / 64) * 64 if swiglu else 4 * hidden_size
 
 
 class ExpertRowParallelLinear(RowParallelLinear):
@@ -301,134 +289,7 @@ def tag_expert_grad_reduction(model, config: TransformerConfig) -> None:
                     param.sequence_parallel = False
 
 
-def build_model(cfg, config: TransformerConfig, *, vocab_size: int, vp_stage: Optional[int] = None):
-    """The ``GPTModel`` of run configuration ``cfg`` for this pipeline stage (and virtual stage).
-
-    The one place that turns a :class:`~tst_megatron.training.config.RunConfig` into a model:
-    the trainer calls it per virtual pipeline stage, the checkpoint converter in a 1-process
-    world. Whether the stage holds the embedding / output layer comes from megatron-core's
-    parallel state (initialised before the call). The ``GPTModel`` arguments are those
-    Megatron-LM's GPT builder passes (``megatron/training/models/gpt.py``, megatron-core
-    0.19): ``--max-position-embeddings``, ``--position-embedding-type``, ``--rotary-base``,
-    ``--rotary-percent``, ``--rotary-seq-len-interpolation-factor`` and tied embeddings.
-
-    Args:
-        cfg: the run configuration (``cfg.model`` and ``cfg.train.transformer_impl`` are read).
-        config: ``transformer_config(cfg, ...)`` (shared by all stages of a rank).
-        vocab_size: padded vocabulary size ``V`` (:func:`padded_vocab_size`).
-        vp_stage: virtual pipeline stage index, or None when not interleaved.
-
-    Returns:
-        The ``GPTModel`` on the CPU (or where ``config`` initialises it); see :func:`build_gpt_model`.
-    """
-    m = cfg.model
-    return build_gpt_model(
-        config,
-        vocab_size=vocab_size,
-        max_sequence_length=m.max_position_embeddings or m.seq_length,
-        position_embedding_type=m.position_embedding_type,
-        rotary_base=m.rotary_base,
-        rotary_percent=m.rotary_percent,
-        seq_len_interpolation_factor=m.rotary_seq_len_interpolation_factor,
-        share_embeddings_and_output_weights=not m.untie_embeddings_and_output_weights,
-        transformer_impl=cfg.train.transformer_impl,
-        pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
-        post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
-        vp_stage=vp_stage,
-    )
-
-
 def padded_vocab_size(vocab_size: int, *, divisible_by: int, tp: int) -> int:
     """Megatron-LM's padding: the smallest multiple of ``divisible_by * tp`` >= ``vocab_size``."""
     multiple = divisible_by * tp
     return -(-vocab_size // multiple) * multiple
-
-
-def transformer_config(cfg, *, use_cpu_initialization: bool) -> TransformerConfig:
-    """megatron-core ``TransformerConfig`` from a :class:`~tst_megatron.training.config.RunConfig`."""
-    import torch
-    from megatron.core.transformer.enums import AttnBackend
-
-    from tst_megatron.training.config import moe_layer_pattern
-
-    m, moe, p, t = cfg.model, cfg.moe, cfg.parallel, cfg.train
-    dtype = torch.bfloat16 if t.bf16 else torch.float16 if t.fp16 else torch.float32
-    pcfg = p.to_parallel_config(m.num_layers)
-    kwargs = dict(
-        num_layers=m.num_layers,
-        hidden_size=m.hidden_size,
-        ffn_hidden_size=m.ffn_size(),
-        num_attention_heads=m.num_attention_heads,
-        kv_channels=m.kv_channels,
-        layernorm_epsilon=m.norm_epsilon,
-        num_query_groups=m.num_query_groups if m.group_query_attention else None,
-        normalization=m.normalization,
-        gated_linear_unit=m.swiglu,
-        activation_func=torch.nn.functional.silu if m.swiglu else torch.nn.functional.gelu,
-        add_bias_linear=not m.disable_bias_linear,
-        add_qkv_bias=not m.disable_bias_linear,  # Megatron-LM's validate_args keeps them equal
-        qk_layernorm=m.qk_layernorm,
-        init_method_std=m.init_method_std,
-        hidden_dropout=m.hidden_dropout,
-        attention_dropout=m.attention_dropout,
-        layernorm_zero_centered_gamma=m.apply_layernorm_1p,
-        attention_backend=AttnBackend[m.attention_backend],
-        masked_softmax_fusion=m.masked_softmax_fusion and not use_cpu_initialization,  # CUDA
-        cross_entropy_loss_fusion=t.cross_entropy_loss_fusion,
-        recompute_granularity=t.recompute_granularity,
-        recompute_method=t.recompute_method,
-        recompute_num_layers=t.recompute_num_layers,
-        **dataclasses.asdict(pcfg),  # the same names as megatron-core's ModelParallelConfig
-        sequence_parallel=t.sequence_parallel,
-        use_cpu_initialization=use_cpu_initialization,
-        params_dtype=dtype,
-        pipeline_dtype=dtype,
-        bf16=t.bf16,
-        fp16=t.fp16,
-        num_moe_experts=moe.num_experts,
-        moe_ffn_hidden_size=moe.moe_ffn_hidden_size or m.ffn_size(),
-        moe_router_topk=moe.moe_router_topk,
-        moe_router_load_balancing_type=moe.moe_router_load_balancing_type,
-        moe_aux_loss_coeff=moe.moe_aux_loss_coeff,
-        moe_z_loss_coeff=moe.moe_z_loss_coeff,
-        moe_router_score_function=moe.moe_router_score_function,
-        moe_router_pre_softmax=moe.moe_router_pre_softmax,
-        moe_router_dtype=moe.moe_router_dtype,
-        moe_token_dispatcher_type=moe.moe_token_dispatcher_type,
-        moe_grouped_gemm=moe.moe_grouped_gemm,
-        moe_layer_recompute=moe.moe_layer_recompute,
-        moe_layer_freq=moe.moe_layer_freq
-        if isinstance(moe.moe_layer_freq, int)
-        else moe_layer_pattern(moe.moe_layer_freq, m.num_layers),
-        moe_router_enable_expert_bias=moe.moe_router_enable_expert_bias,
-        moe_router_bias_update_rate=moe.moe_router_bias_update_rate,
-        moe_router_topk_scaling_factor=moe.moe_router_topk_scaling_factor,
-        moe_router_num_groups=moe.moe_router_num_groups,
-        moe_router_group_topk=moe.moe_router_group_topk,
-        moe_router_force_load_balancing=moe.moe_router_force_load_balancing,
-        moe_permute_fusion=moe.moe_permute_fusion,
-        moe_shared_expert_intermediate_size=moe.moe_shared_expert_intermediate_size,
-        moe_expert_capacity_factor=moe.moe_expert_capacity_factor,
-        calculate_per_token_loss=True,
-        # Megatron-LM's pipeline p2p settings: the interleaved schedule overlaps separate
-        # isend/irecv calls with compute, the others batch them. Separate calls also keep
-        # PP = 2 with virtual stages exact: there the previous and the next stage are the
-        # same rank, and a batch of sends and receives to it pairs them up in the wrong order
-        # (activations arrive as gradients and back), silently.
-        overlap_p2p_comm=pcfg.virtual_pipeline_model_parallel_size is not None,
-        batch_p2p_comm=pcfg.virtual_pipeline_model_parallel_size is None,
-    )
-    if t.recompute_modules is not None:
-        kwargs["recompute_modules"] = list(t.recompute_modules)
-    if t.fp8_format:
-        kwargs.update(
-            fp8=t.fp8_format,
-            fp8_recipe=t.fp8_recipe,
-            fp8_amax_history_len=t.fp8_amax_history_len,
-            fp8_amax_compute_algo=t.fp8_amax_compute_algo,
-            fp8_param=t.fp8_param_gather,
-        )
-    if not moe.num_experts:
-        for key in [k for k in kwargs if k.startswith("moe_")]:
-            kwargs.pop(key)
-    return TransformerConfig(**kwargs)
