@@ -56,7 +56,7 @@ MOE = [
     "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "4",
     "--tst-bag-size", "2", "--tst-phase1-iters", "2",
     "--hidden-dropout", "0", "--attention-dropout", "0", "--seed", "7",
-    "--log-interval", "1", "--eval-iters", "0", "--num-workers", "0",
+    "--log-interval", "1", "--eval-iters", "0", "--eval-interval", "100", "--num-workers", "0",
 ]  # fmt: skip
 #: plain SGD at a constant rate: a parameter's step is ``-LR * gradient``
 LR = 0.1
@@ -126,7 +126,14 @@ def expert_runs(tmp_path_factory):
         (root / name).mkdir()
         (root / name / "iter_0000001").symlink_to(root / ref / "iter_0000001")
         (root / name / "latest_checkpointed_iteration.txt").write_text("1")
-        layouts[name] = argv(name, flags + ["--load", str(root / name), "--no-load-rng"])
+        layouts[name] = argv(  # saves at the switch (2) and at the end (4)
+            name,
+            flags
+            + ["--load", str(root / name), "--no-load-rng", "--save-interval", "100"]
+            # plain SGD has no state; Megatron-LM's state of 1 expert rank does not load on
+            # 2 ("Expected 2 entries in state dict, but got 4")
+            + ["--no-load-optim"],
+        )
     first, last = run_distributed(_pretrain_child, 2, runs=list(layouts.values()))
     out.update({run: (last[i], root / run) for i, run in enumerate(layouts)})
     return {
