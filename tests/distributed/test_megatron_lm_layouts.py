@@ -63,9 +63,10 @@ LAYOUTS = {  # name: (model, flags)
     "tp2_sp_output": ("output", TP2),
 }
 RESUMED = ("tp2_sp", "pp2", "pp2_vpp", "ep2")  # resumed before and after the switch
-#: float32 round-off of sums in another order (measured: see the report in the module's
-#: commit; the broken VPP p2p is 1e-4 off at step 2)
-REL = 1e-5
+#: float32 round-off of sums in another order: measured at most 1.2e-7 relative (one ulp) on
+#: every layout, loss and balancing loss; skipping the TP sum of the bag embedding is 2.6e-3
+#: off at step 2
+REL = 1e-6
 
 
 def _start(model: str, reference: dict) -> str:
