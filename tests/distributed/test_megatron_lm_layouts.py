@@ -8,8 +8,11 @@ pipeline stage, experts per expert rank) and trains iterations 2-3 in phase 1 (b
 to float32 round-off; a resume from its own checkpoint before the switch (2) and after it
 (4) must continue bitwise. Four micro-batches per step (global batch 8, micro-batch 2)
 reach 1F1B's steady state at PP = 2, where both directions are in flight (with virtual
-stages megatron-core's batched p2p paired them in the wrong order: 1e-4 relative off on
-the first step, silently). DP = 2 is covered by ``test_megatron_lm.py``.
+stages a batched p2p call paired them in the wrong order, 1e-4 relative off on the first
+step, silently; Megatron-LM's ``validate_args`` refuses ``--no-overlap-p2p-communication``
+there). The phase-1 modes (``--tst-mode input``/``output``) run at TP = 2 + SP from the
+dense model's iteration 1 against 1-process runs of the same mode. DP = 2 (and a resume at
+the switch) is covered by ``test_megatron_lm.py``.
 """
 
 from __future__ import annotations
