@@ -521,7 +521,9 @@ def build_model_from_args(
     specs, experimental attention variants). The MTP block spec is Megatron-LM's
     ``mtp_block_spec``, or with the local block spec
     :func:`~tst_megatron.training.model.local_mtp_block_spec` (the same norms). The
-    ``GPTModel`` arguments are those of ``GPTModelBuilder.build_model`` (0.19).
+    ``GPTModel`` arguments are those of ``GPTModelBuilder.build_model`` (0.19). Expert
+    parameters are tagged for their gradient reduction
+    (:func:`~tst_megatron.training.model.tag_expert_grad_reduction`) before DDP wraps them.
     """
     from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.enums import AttnBackend
@@ -534,7 +536,11 @@ def build_model_from_args(
 
     from tst_megatron.runtime import cpu
     from tst_megatron.training.gpt import TSTGPTModel
-    from tst_megatron.training.model import gpt_block_spec, local_mtp_block_spec
+    from tst_megatron.training.model import (
+        gpt_block_spec,
+        local_mtp_block_spec,
+        tag_expert_grad_reduction,
+    )
 
     cfg = gpt_config_from_args(args, config=config)
     spec = cfg.transformer_layer_spec
@@ -579,6 +585,9 @@ def build_model_from_args(
         pg_collection=pg_collection,
         vp_stage=vp_stage,
     )
+    # experts summed over their expert-DP group only (megatron-core also sums the fc2 bias
+    # over TP at expert TP 1 < TP): before DDP reads the tags
+    tag_expert_grad_reduction(model, cfg.transformer)
     return cpu.keep_on_cpu(model) if cpu.is_enabled() else model
 
 
