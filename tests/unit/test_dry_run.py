@@ -361,3 +361,13 @@ def test_settings_megatron_lm_accepts_but_cannot_run_are_one_error_line(
     assert [e for e in _errors(r.stderr + r.stdout) if expected in e], r.stderr + r.stdout
     ok = dry(SMALL + ["--device", device], env={"WORLD_SIZE": world})
     assert ok.returncode == 0, ok.stderr
+
+
+def test_a_cpu_run_with_tp_needs_no_cuda_device_max_connections():
+    """A CPU run sets ``CUDA_DEVICE_MAX_CONNECTIONS=1`` itself, so its dry run does not ask for
+    it (a CUDA run on an H100 does: Megatron-LM's own assertion)."""
+    tp2 = SMALL + ["--tensor-model-parallel-size", "2"]
+    r = dry(tp2 + ["--device", "cpu"], env={"WORLD_SIZE": "2"})
+    assert r.returncode == 0, r.stderr
+    cuda = dry(tp2 + ["--device", "cuda"], env={"WORLD_SIZE": "2"})
+    assert cuda.returncode == 2 and "CUDA_DEVICE_MAX_CONNECTIONS" in cuda.stderr + cuda.stdout

@@ -45,6 +45,7 @@ import traceback
 import types
 import warnings
 from typing import Optional, Sequence
+from unittest import mock
 
 import torch
 
@@ -536,14 +537,18 @@ def check(argv: Sequence[str]) -> tuple[Optional[argparse.Namespace], list[str],
             tst_problems,
         )
 
-        if _device_flag(argv) == "cpu":
+        cpu = _device_flag(argv) == "cpu"
+        if cpu:
             argv += list(CPU_FLAGS)
 
         try:
             args = _parse(argv)
         except ParserError as exc:
             return None, [f"Megatron-LM's argument parser: {exc}"], notes
-    with _validation_environment(notes), _quiet():
+    # a CPU run sets CUDA_DEVICE_MAX_CONNECTIONS=1 itself when unset (megatron_lm.parse)
+    connections = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "1" if cpu else None)
+    env = {} if connections is None else {"CUDA_DEVICE_MAX_CONNECTIONS": connections}
+    with _validation_environment(notes), _quiet(), mock.patch.dict(os.environ, env):
         try:
             with contextlib.redirect_stdout(captured):
                 validate_args(args)
@@ -563,7 +568,7 @@ def check(argv: Sequence[str]) -> tuple[Optional[argparse.Namespace], list[str],
         problems.append(validation_error(exc).replace("argument validation", "batch-size schedule"))
         return args, problems, notes
     problems += late_megatron_problems(args) + tst_problems(args, config=config)
-    if _device_flag(argv) == "cpu":
+    if cpu:
         problems += cpu_problems(args)
     return args, problems, notes
 
