@@ -72,6 +72,9 @@ def test_wsd_without_its_decay_length_is_refused_before_the_model_is_built():
             train_iters=100,
             lr_wsd_decay_iters=None,
             lr_wsd_decay_samples=None,
+            full_validation=False,
+            eval_interval=10,
+            skip_train=False,
         )
         return types.SimpleNamespace(**(base | kw))
 
