@@ -14,9 +14,8 @@ EOD = "<|endoftext|>"
 def _write_dataset(prefix: str, documents: list) -> str:
     """``documents`` (lists of token ids) as megatron-core's indexed dataset at ``prefix``."""
     import numpy as np
-    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
-
     import torch
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
     builder = IndexedDatasetBuilder(prefix + ".bin", dtype=np.uint16)
     for ids in documents:

@@ -151,8 +151,14 @@ GPT3_175B_AS_PUBLISHED = {
         "--save", CKPT, "--load", CKPT, "--eval-iters", "10", "--tensorboard-dir", TB,
     ] + TST,
 }  # fmt: skip
+# The script passes no --tokenizer-type, and Megatron-LM 0.19 has no default: its
+# build_tokenizer (set_global_variables, right after validate_args) stops a real run with
+# "tokenizer_type None is not supported" (the dry run does not build the tokenizer and passes
+# it). GPT3_175B adds the type its --vocab-file/--merge-file are for.
 GPT3_175B = dict(
-    GPT3_175B_AS_PUBLISHED, argv=_without(GPT3_175B_AS_PUBLISHED["argv"], "--global-batch-size")
+    GPT3_175B_AS_PUBLISHED,
+    argv=_without(GPT3_175B_AS_PUBLISHED["argv"], "--global-batch-size")
+    + ["--tokenizer-type", "GPT2BPETokenizer"],
 )
 
 # NVIDIA/Megatron-LM core_v0.19.0 examples/gptoss/02_train.sh with GPUS_PER_NODE=4 (the
@@ -450,9 +456,15 @@ TE_MOE = ["--moe-grouped-gemm", "--moe-permute-fusion"]
 #: --apply-layernorm-1p (zero-centred gamma): the local spec's norm has it only with
 #: Transformer Engine or Apex.
 
+#: The two scripts without --num-workers use Megatron-LM's default of 2 DataLoader worker
+#: processes; in a child spawned by the test harness those are spawned too and cannot
+#: pickle Megatron-LM's local ``worker_init_fn`` (under torchrun they are forked).
+WORKERS = ["--num-workers", "0"]
+
 #: Per script: ``sizes`` (on top of :data:`SIZES`: parallel sizes for 2 processes, the
 #: family's own size flags), ``drop`` (flags a CPU run or the local spec cannot take, each
-#: with the reason beside it), ``data`` (the local files the script reads).
+#: with the reason beside it), ``add`` (flags appended, with the reason), ``data`` (the local
+#: files the script reads).
 SHRUNK = {
     "gpt3_175b": {
         "script": GPT3_175B,
@@ -462,6 +474,7 @@ SHRUNK = {
             "--step-batch-size-schedule": "0:2 128:4",
         },
         "drop": ["--fp16"],  # as HALF
+        "add": WORKERS,
         "data": "gpt2",
     },
     "llama3_8b_fp8": {
@@ -474,6 +487,7 @@ SHRUNK = {
         "script": MIXTRAL_8X7B,
         "sizes": {"--pipeline-model-parallel-size": "2", "--expert-model-parallel-size": "1"},
         "drop": DIST_OPT + HALF + ["--moe-grouped-gemm"],
+        "add": WORKERS,
         "data": "sp",
     },
     "qwen3_30b_a3b": {
@@ -496,6 +510,10 @@ SHRUNK = {
         "sizes": {
             "--expert-model-parallel-size": "2", "--moe-layer-freq": "[0]*1+[1]*1",
             "--moe-token-dispatcher-type": "alltoall",
+            # without MLA (below) Megatron-LM refuses mla_up_proj recomputation; layernorm
+            # recomputation (CheckpointWithoutOutput) calls Transformer Engine's
+            # FP8GlobalStateManager, undefined without it (NameError on the first forward)
+            "--recompute-modules": ["mlp", "moe"],
             "--moe-router-num-groups": "2", "--moe-router-group-topk": "1",
             "--q-lora-rank": "32", "--kv-lora-rank": "16", "--qk-head-dim": "16",
             "--qk-pos-emb-head-dim": "8", "--v-head-dim": "16",
@@ -538,4 +556,4 @@ def shrunk(name: str, files: dict, run_dir: str) -> list:
     paths.update({DATA: data[entry["data"]], SP_MODEL: files.get("sp"), HF_DIR: files.get("hf")})
     paths.update({VOCAB: files.get("vocab"), MERGES: files.get("merges")})
     argv = shrink(entry["script"]["argv"], dict(SIZES, **entry["sizes"]), entry["drop"], paths)
-    return argv + ["--tst-phase1-iters", "2", "--device", "cpu"]
+    return argv + entry.get("add", []) + ["--tst-phase1-iters", "2", "--device", "cpu"]

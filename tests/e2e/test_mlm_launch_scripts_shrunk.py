@@ -47,10 +47,11 @@ def test_shrink_edits_only_the_listed_flags():
 @pytest.mark.parametrize("name", sorted(scripts.SHRUNK))
 def test_shrunk_script_keeps_every_other_flag_of_the_script(name):
     entry = scripts.SHRUNK[name]
-    argv = scripts.shrunk(name, {}, "/tmp/run")
+    files = {k: f"/files/{k}" for k in ("sp", "sp_data", "vocab", "merges", "hf", "bpe_data")}
+    argv = scripts.shrunk(name, files, "/tmp/run")
     flags = [w for w in entry["script"]["argv"] if w.startswith("--")]
     kept = [f for f in flags if f not in entry["drop"]]
-    added = ["--tst-phase1-iters", "--device"]
+    added = ["--tst-phase1-iters", "--device"] + entry.get("add", [])
     assert [w for w in argv if w.startswith("--") and w not in added] == kept
 
 
@@ -72,3 +73,30 @@ def test_shrunk_script_trains_through_the_switch_on_2_cpu_processes(name, local_
     assert "TST: phase 2 (next-token) from iteration 2 (switch at 2)" in first
     assert first.count("TST: phase 2") == 1
     assert re.findall(r"validation loss at iteration (\d+) \|", last) == ["2", "4"]
+    # the script's --save: the switch checkpoint (TST) and pretrain()'s final one
+    saved = re.findall(r"saving checkpoint at iteration\s+(\d+) to", first)
+    assert [int(i) for i in saved] == [2, 4], first[-3000:]
+
+
+@pytest.mark.slow
+def test_shrunk_script_under_torchrun_exits_0(tmp_path):
+    """The launcher as a user starts it: ``torchrun --nproc_per_node 2
+    examples/pretrain_gpt_tst_mlm.py`` with the shrunk Llama 3 8B line (mock data)."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    argv = scripts.shrunk("llama3_8b_fp8", {}, str(tmp_path))
+    env = dict(os.environ, PYTHONPATH=root, OMP_NUM_THREADS="1")
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    command += ["--nproc_per_node", "2", "examples/pretrain_gpt_tst_mlm.py", *argv]
+    result = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-5000:]
+    lines = logged(result.stdout)
+    assert sorted(lines) == [1, 2, 3, 4], result.stdout[-3000:]
+    assert all(math.isfinite(lines[i]["mce loss"]) for i in (1, 2))
+    assert all(math.isfinite(lines[i]["lm loss"]) for i in (3, 4))
+    assert "TST: phase 2 (next-token) from iteration 2 (switch at 2)" in result.stdout
