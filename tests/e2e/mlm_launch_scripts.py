@@ -472,9 +472,13 @@ SHRUNK = {
             "--tensor-model-parallel-size": "2", "--pipeline-model-parallel-size": "1",
             # tokens: a batch of 2 until 4 samples of 32 tokens are consumed, then 4
             "--step-batch-size-schedule": "0:2 128:4",
+            # Megatron-LM 0.19's GPT2BPETokenizer is Hugging Face's AutoTokenizer "gpt2"
+            # (MegatronHFTokenizer), fetched from the Hub even with --vocab-file and
+            # --merge-file given; no Hub here: the same vocabulary as a local directory
+            "--tokenizer-type": "HuggingFaceTokenizer",
         },
         "drop": ["--fp16"],  # as HALF
-        "add": WORKERS,
+        "add": WORKERS + ["--tokenizer-model", HF_DIR],
         "data": "gpt2",
     },
     "llama3_8b_fp8": {
@@ -556,4 +560,5 @@ def shrunk(name: str, files: dict, run_dir: str) -> list:
     paths.update({DATA: data[entry["data"]], SP_MODEL: files.get("sp"), HF_DIR: files.get("hf")})
     paths.update({VOCAB: files.get("vocab"), MERGES: files.get("merges")})
     argv = shrink(entry["script"]["argv"], dict(SIZES, **entry["sizes"]), entry["drop"], paths)
-    return argv + entry.get("add", []) + ["--tst-phase1-iters", "2", "--device", "cpu"]
+    argv += shrink(entry.get("add", []), {}, (), paths)
+    return argv + ["--tst-phase1-iters", "2", "--device", "cpu"]
