@@ -17,7 +17,7 @@ pytest.importorskip("megatron.training")
 
 #: One ``training_log`` line: its iteration and the ``key: value`` fields after it.
 _LINE = re.compile(r"iteration\s+(\d+)/\s*\d+ \|(.*)")
-_FIELD = re.compile(r"\s*([a-z][a-z -]*?): ([0-9.E+-]+)\s*$")
+_FIELD = re.compile(r"\s*([a-z][a-z_0-9 -]*?):\s+([0-9.E+-]+)\s*$")
 
 
 def logged(text: str) -> dict:
@@ -72,6 +72,8 @@ def test_shrunk_script_trains_through_the_switch_on_2_cpu_processes(name, local_
         assert math.isfinite(lines[i]["lm loss"]) and lines[i]["lm loss"] > 0, lines[i]
         if "--mtp-num-layers" in argv:
             assert math.isfinite(lines[i]["mtp_1 loss"]) and lines[i]["mtp_1 loss"] > 0
+    if name == "gpt3_175b":  # its --step-batch-size-schedule, shrunk to "0:2 128:4"
+        assert {i: lines[i]["consumed samples"] for i in lines} == {1: 2, 2: 4, 3: 8, 4: 12}
     assert "TST: phase 1 (bags) from iteration 0, until 2" in first
     assert "TST: phase 2 (next-token) from iteration 2 (switch at 2)" in first
     assert first.count("TST: phase 2") == 1
