@@ -6,6 +6,11 @@ checkpoint paths pointing at local names (a dry run reads none of them).
 Each entry: ``world_size`` (a world size the script runs at), ``argv`` (in the script's
 order, after bash word splitting), ``env`` (what the script exports that Megatron-LM's
 validation reads) and where it comes from (the comment above it).
+
+:data:`SHRUNK` and :func:`shrunk`: the same scripts cut to 2 CPU processes by :func:`shrink`,
+which edits the script's own flag list (size flags get small values, the flags a CPU run
+cannot take are dropped, each with the missing piece named), so a shrunk run stays visibly
+the script (``tests/e2e/test_mlm_launch_scripts_shrunk.py``).
 """
 
 VOCAB = "data/gpt2-vocab.json"  # GPT-2 BPE files (the 175B script's $3/$4)
@@ -439,6 +444,9 @@ SIZES = {
     "--save-interval": "4", "--log-interval": "1", "--num-workers": "0", "--split": "80,10,10",
 }  # fmt: skip
 
+# What a CPU run cannot take, each found by running the shrunk script: the flags dropped and
+# the missing piece.
+
 #: FP8 needs Transformer Engine (CUDA only).
 FP8 = ["--fp8-format", "--fp8-amax-history-len", "--fp8-amax-compute-algo", "--fp8-param-gather"]
 #: megatron-core's DistributedOptimizer accepts only ``torch.cuda.*`` parameter types
@@ -453,16 +461,19 @@ HALF = ["--bf16"]
 MEMORY = ["--log-memory-to-tensorboard"]
 #: Grouped GEMM and permute fusion are Transformer Engine (or grouped_gemm) kernels.
 TE_MOE = ["--moe-grouped-gemm", "--moe-permute-fusion"]
-#: --apply-layernorm-1p (zero-centred gamma): the local spec's norm has it only with
-#: Transformer Engine or Apex.
+#: --apply-layernorm-1p (zero-centred gamma): the CPU run's norm (the local spec with the
+#: project's norms, tst_megatron.runtime.norm) refuses it without Transformer Engine or Apex.
+LAYERNORM_1P = ["--apply-layernorm-1p"]
 
 #: The two scripts without --num-workers use Megatron-LM's default of 2 DataLoader worker
 #: processes; in a child spawned by the test harness those are spawned too and cannot
 #: pickle Megatron-LM's local ``worker_init_fn`` (under torchrun they are forked).
 WORKERS = ["--num-workers", "0"]
 
-#: Per script: ``sizes`` (on top of :data:`SIZES`: parallel sizes for 2 processes, the
-#: family's own size flags), ``drop`` (flags a CPU run or the local spec cannot take, each
+#: Per script: ``script`` (the entry above; DeepSeek-V3 with its MTP layer), ``sizes`` (on
+#: top of :data:`SIZES`: parallel sizes for 2 processes as the family suggests -- GPT-3 TP 2,
+#: Llama DP 2, Mixtral and gpt-oss PP 2, Qwen3 and DeepSeek-V3 EP 2 -- and the family's own
+#: size flags), ``drop`` (flags a CPU run or the local spec cannot take, each
 #: with the reason beside it), ``add`` (flags appended, with the reason), ``data`` (the local
 #: files the script reads).
 SHRUNK = {
@@ -484,7 +495,8 @@ SHRUNK = {
     "llama3_8b_fp8": {
         "script": LLAMA3_8B_FP8,
         "sizes": {},
-        "drop": FP8 + DIST_OPT + HALF + ["--apply-layernorm-1p", "--grad-reduce-in-bf16"],
+        # --grad-reduce-in-bf16 goes with --bf16 (HALF)
+        "drop": FP8 + DIST_OPT + HALF + LAYERNORM_1P + ["--grad-reduce-in-bf16"],
         "data": "mock",
     },
     "mixtral_8x7b": {
