@@ -78,9 +78,11 @@ def test_shrunk_script_trains_through_the_switch_on_2_cpu_processes(name, local_
     assert "TST: phase 2 (next-token) from iteration 2 (switch at 2)" in first
     assert first.count("TST: phase 2") == 1
     assert re.findall(r"validation loss at iteration (\d+) \|", last) == ["2", "4"]
-    # the script's --save: the switch checkpoint (TST) and pretrain()'s final one
-    saved = re.findall(r"saving checkpoint at iteration\s+(\d+) to", first)
-    assert [int(i) for i in saved] == [2, 4], first[-3000:]
+    # the script's --save: the switch checkpoint (TST) and pretrain()'s final one (GPT-3's
+    # schedule changes the batch at the switch too, and Megatron-LM's train() saves on a
+    # change of the micro-batch count: iteration 2 once more)
+    saved = [int(i) for i in re.findall(r"saving checkpoint at iteration\s+(\d+) to", first)]
+    assert saved == ([2, 2, 4] if name == "gpt3_175b" else [2, 4]), first[-3000:]
 
 
 @pytest.mark.slow
