@@ -6,7 +6,8 @@ in-process in spawned children: :func:`tests.distributed.test_megatron_lm._pretr
 
 Measured (``pytest --durations=0`` on 2 cores shared with other jobs, load average 20-30):
 gpt-oss 183 s, DeepSeek-V3 177 s, GPT-3 145 s, Llama 3 132 s, Mixtral 79 s, Qwen3 59 s, the
-local files 70 s: all training tests are ``slow``. Two torch_dist saves (the switch and the
+local files 70 s; at load average 4, GPT-3 25 s (local files 8 s) and the torchrun test 25 s.
+All training tests are ``slow``. Two torch_dist saves (the switch and the
 end) are a large share of each run."""
 
 from __future__ import annotations
