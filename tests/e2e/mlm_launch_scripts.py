@@ -5,12 +5,13 @@ checkpoint paths pointing at local names (a dry run reads none of them).
 
 Each entry: ``world_size`` (a world size the script runs at), ``argv`` (in the script's
 order, after bash word splitting), ``env`` (what the script exports that Megatron-LM's
-validation reads) and where it comes from (the comment above it). Mixtral 8x7B and Llama 3
-8B FP8 are the transcriptions of :mod:`tests.e2e.launch_scripts` (identical in
-NVIDIA/Megatron-LM ``core_v0.19.0``).
-"""
+validation reads) and where it comes from (the comment above it).
 
-from tests.e2e.launch_scripts import CACHE, CKPT, DATA, HF_DIR, LLAMA3_FP8, MIXTRAL, TB, TST
+:data:`SHRUNK` and :func:`shrunk`: the same scripts cut to 2 CPU processes by :func:`shrink`,
+which edits the script's own flag list (size flags get small values, the flags a CPU run
+cannot take are dropped, each with the missing piece named), so a shrunk run stays visibly
+the script (``tests/e2e/test_mlm_launch_scripts_shrunk.py``).
+"""
 
 VOCAB = "data/gpt2-vocab.json"  # GPT-2 BPE files (the 175B script's $3/$4)
 MERGES = "data/gpt2-merges.txt"
@@ -18,6 +19,103 @@ MERGES = "data/gpt2-merges.txt"
 #: Every script below exports this (or sets it to 1 when unset); with TP or CP > 1 on a GPU
 #: before Blackwell, Megatron-LM's validate_args asserts it.
 CONNECTIONS = {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+
+
+# Local paths used in place of the scripts' $1/$2/$3 arguments and cluster paths.
+CKPT = "runs/launch-script/checkpoints"
+TB = "runs/launch-script/tensorboard"
+CACHE = "runs/launch-script/data_cache"
+DATA = "data/corpus_text_document"  # a Megatron .bin/.idx prefix
+SP_MODEL = "data/tokenizer.model"  # a SentencePiece model (Llama2Tokenizer)
+HF_DIR = "data/qwen3-tokenizer"  # a local Hugging Face tokenizer directory
+
+TST = ["--tst-bag-size", "4"]
+
+# NVIDIA/Megatron-LM core_v0.19.0 examples/mixtral/train_mixtral_8x7b_distributed.sh, with
+# CHECKPOINT_PATH=$CKPT TOKENIZER_MODEL=$SP_MODEL DATA_PATH=$DATA, WANDB_API_KEY unset.
+# World size: GPUS_PER_NODE=8 x NNODES; 4 nodes (32 GPUs) because the script's
+# EP 8 x PP 4 needs 32 ranks (megatron-core requires ETP*EP*PP | world size).
+MIXTRAL_8X7B = {
+    "world_size": 32,
+    "env": CONNECTIONS,
+    "argv": [
+        # MODEL_ARGS
+        "--use-mcore-models", "--disable-bias-linear", "--seq-length", "4096",
+        "--max-position-embeddings", "32768", "--num-layers", "32", "--hidden-size", "4096",
+        "--ffn-hidden-size", "14336", "--num-attention-heads", "32", "--init-method-std", "0.01",
+        "--attention-dropout", "0.0", "--hidden-dropout", "0.0", "--normalization", "RMSNorm",
+        "--position-embedding-type", "rope", "--swiglu", "--untie-embeddings-and-output-weights",
+        "--group-query-attention", "--num-query-groups", "8", "--no-masked-softmax-fusion",
+        "--no-position-embedding", "--rotary-base", "1000000",
+        # MOE_ARGS
+        "--num-experts", "8", "--moe-router-topk", "2", "--moe-router-load-balancing-type",
+        "aux_loss", "--moe-aux-loss-coeff", "1e-2", "--moe-grouped-gemm",
+        "--moe-token-dispatcher-type", "alltoall", "--overlap-param-gather",
+        "--overlap-grad-reduce",
+        # DATA_ARGS
+        "--tokenizer-type", "Llama2Tokenizer", "--tokenizer-model", SP_MODEL,
+        "--data-path", DATA, "--split", "99990,8,2",
+        # TRAINING_ARGS
+        "--micro-batch-size", "1", "--global-batch-size", "256", "--lr", "1e-4",
+        "--train-iters", "500000", "--lr-decay-iters", "320000", "--lr-decay-style", "cosine",
+        "--min-lr", "1.0e-5", "--weight-decay", "0.1", "--lr-warmup-iters", "500",
+        "--clip-grad", "1.0", "--bf16",
+        # MODEL_PARALLEL_ARGS
+        "--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "4",
+        "--expert-model-parallel-size", "8", "--use-distributed-optimizer",
+        "--sequence-parallel",
+        # LOGGING_ARGS
+        "--log-interval", "1", "--save-interval", "10000", "--eval-interval", "1000",
+        "--eval-iters", "10", "--save", CKPT, "--load", CKPT, "--tensorboard-dir",
+        f"{CKPT}/tensorboard", "--no-load-optim", "--no-load-rng",
+    ] + TST,
+}  # fmt: skip
+
+# NVIDIA/Megatron-LM core_v0.19.0 examples/llama/train_llama3_8b_h100_fp8.sh, its mock-data branch
+# (TOKENIZER_ARG=MOCK), DTYPE=fp8, 8 GPUs on one node. The script passes "--split '99,1,0'"
+# inside one array element, so bash hands the quotes through: the value is "'99,1,0'"
+# (megatron-core reads the numbers out of it).
+LLAMA3_8B_FP8 = {
+    "world_size": 8,
+    "env": CONNECTIONS,
+    "argv": [
+        # MODEL_ARGS
+        "--use-mcore-models", "--num-layers", "32", "--hidden-size", "4096",
+        "--ffn-hidden-size", "14336", "--num-attention-heads", "32", "--group-query-attention",
+        "--num-query-groups", "8", "--kv-channels", "128", "--seq-length", "8192",
+        "--max-position-embeddings", "8192", "--position-embedding-type", "rope",
+        "--rotary-base", "1000000", "--rotary-percent", "1.0", "--attention-dropout", "0.0",
+        "--hidden-dropout", "0.0", "--swiglu", "--normalization", "RMSNorm",
+        "--init-method-std", "0.0134", "--attention-backend", "fused", "--apply-layernorm-1p",
+        "--untie-embeddings-and-output-weights", "--disable-bias-linear",
+        # TRAINING_ARGS (+ DDP_ARGS)
+        "--micro-batch-size", "1", "--global-batch-size", "128", "--train-samples",
+        "1953125000", "--lr-decay-samples", "1949218748", "--lr-warmup-samples", "3906252",
+        "--lr", "0.00015", "--min-lr", "0.00001", "--decoupled-lr", "5.0e-4",
+        "--decoupled-min-lr", "4.5e-5", "--lr-decay-style", "cosine", "--clip-grad", "1.0",
+        "--weight-decay", "0.1", "--adam-beta1", "0.9", "--adam-beta2", "0.95", "--bf16",
+        "--grad-reduce-in-bf16", "--cross-entropy-loss-fusion", "--calculate-per-token-loss",
+        "--manual-gc", "--empty-unused-memory-level", "1", "--exit-duration-in-mins", "235",
+        "--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather",
+        # DTYPE_ARGS
+        "--fp8-format", "hybrid", "--fp8-amax-history-len", "1024", "--fp8-amax-compute-algo",
+        "max", "--fp8-param-gather",
+        # MODEL_PARALLEL_ARGS
+        "--tensor-model-parallel-size", "1", "--context-parallel-size", "1",
+        "--sequence-parallel",
+        # DATA_ARGS_LIST (mock)
+        "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128256",
+        "--data-cache-path", CACHE, "--tiktoken-pattern", "v2", "--split", "'99,1,0'",
+        "--no-create-attention-mask-in-dataloader", "--no-mmap-bin-files", "--num-workers",
+        "1",
+        # EVAL_AND_LOGGING_ARGS
+        "--log-interval", "1", "--eval-iters", "32", "--eval-interval", "100",
+        "--save-interval", "1000", "--log-throughput", "--profile", "--profile-step-start",
+        "4", "--profile-step-end", "6", "--ckpt-format", "torch_dist",
+        "--distributed-timeout-minutes", "60", "--save", CKPT, "--load", CKPT,
+        "--tensorboard-dir", TB,
+    ] + TST,
+}  # fmt: skip
 
 
 def _without(argv: list, flag: str, values: int = 1) -> list:
@@ -58,8 +156,14 @@ GPT3_175B_AS_PUBLISHED = {
         "--save", CKPT, "--load", CKPT, "--eval-iters", "10", "--tensorboard-dir", TB,
     ] + TST,
 }  # fmt: skip
+# The script passes no --tokenizer-type, and Megatron-LM 0.19 has no default: its
+# build_tokenizer (set_global_variables, right after validate_args) stops a real run with
+# "tokenizer_type None is not supported" (the dry run does not build the tokenizer and passes
+# it). GPT3_175B adds the type its --vocab-file/--merge-file are for.
 GPT3_175B = dict(
-    GPT3_175B_AS_PUBLISHED, argv=_without(GPT3_175B_AS_PUBLISHED["argv"], "--global-batch-size")
+    GPT3_175B_AS_PUBLISHED,
+    argv=_without(GPT3_175B_AS_PUBLISHED["argv"], "--global-batch-size")
+    + ["--tokenizer-type", "GPT2BPETokenizer"],
 )
 
 # NVIDIA/Megatron-LM core_v0.19.0 examples/gptoss/02_train.sh with GPUS_PER_NODE=4 (the
@@ -272,9 +376,6 @@ QWEN3_30B_A3B = dict(
     + QWEN3_30B_A3B_AS_PUBLISHED["argv"][_i + 2 :],
 )
 
-MIXTRAL_8X7B = dict(MIXTRAL, env=CONNECTIONS)
-LLAMA3_8B_FP8 = dict(LLAMA3_FP8, env=CONNECTIONS)
-
 #: The scripts that pass the dry run as they are (model families: dense GPT with a batch-size
 #: schedule, Llama, Mixtral, Qwen3-MoE, DeepSeek-V3 MLA + MoE, gpt-oss attention).
 SCRIPTS = {
@@ -285,3 +386,192 @@ SCRIPTS = {
     "deepseek_v3_no_mtp": DEEPSEEK_V3_NO_MTP,
     "gpt_oss": GPT_OSS,
 }
+
+
+# --- the same scripts shrunk to 2 CPU processes -------------------------------------------
+
+
+def flag_values(argv: list, i: int) -> int:
+    """The number of values after the flag ``argv[i]``: the words up to the next ``--`` word
+    (``--recompute-modules mlp moe ...`` has several, a switch none)."""
+    n = 0
+    while i + 1 + n < len(argv) and not argv[i + 1 + n].startswith("--"):
+        n += 1
+    return n
+
+
+def shrink(argv: list, sizes: dict, drop=(), paths: dict = None) -> list:
+    """``argv`` with the values of the flags in ``sizes`` replaced (each occurrence; a value is
+    one word, or a list of words) and the flags in ``drop`` removed with their values; every
+    other word kept, in order, with the placeholder paths of ``paths`` replaced.
+
+    Raises:
+        KeyError: a flag of ``drop`` is not in ``argv`` (a stale table).
+    """
+    missing = [flag for flag in drop if flag not in argv]
+    if missing:
+        raise KeyError(f"not in the script: {missing}")
+    out, i = [], 0
+    while i < len(argv):
+        word, n = argv[i], flag_values(argv, i) if argv[i].startswith("--") else 0
+        if word in drop:
+            pass
+        elif word in sizes:
+            value = sizes[word]
+            out += [word, *([value] if isinstance(value, str) else value)]
+        else:
+            for j in range(i, i + 1 + n):
+                text = argv[j]
+                for placeholder, local in (paths or {}).items():
+                    text = text.replace(placeholder, local)
+                out.append(text)
+        i += 1 + n
+    return out
+
+
+#: Sizes every shrunk script takes where it has the flag: 2 layers of width 64, 4 experts
+#: (top 2), 32-token samples, a global batch of 4, 4 iterations (the switch at 2: the run adds
+#: --tst-phase1-iters 2), validation at 2 and 4, a log line each iteration.
+SIZES = {
+    "--num-layers": "2", "--hidden-size": "64", "--ffn-hidden-size": "128",
+    "--num-attention-heads": "4", "--num-query-groups": "2", "--kv-channels": "16",
+    "--seq-length": "32", "--max-position-embeddings": "32", "--num-experts": "4",
+    "--moe-ffn-hidden-size": "64", "--moe-shared-expert-intermediate-size": "64",
+    "--moe-router-topk": "2", "--micro-batch-size": "1", "--global-batch-size": "4",
+    "--train-iters": "4", "--train-samples": "16", "--lr-decay-iters": "4",
+    "--lr-warmup-iters": "1", "--lr-decay-samples": "16", "--lr-warmup-samples": "4",
+    "--vocab-size": "512", "--eval-interval": "2", "--eval-iters": "1",
+    "--save-interval": "4", "--log-interval": "1", "--num-workers": "0", "--split": "80,10,10",
+}  # fmt: skip
+
+# What a CPU run cannot take, each found by running the shrunk script: the flags dropped and
+# the missing piece.
+
+#: FP8 needs Transformer Engine (CUDA only).
+FP8 = ["--fp8-format", "--fp8-amax-history-len", "--fp8-amax-compute-algo", "--fp8-param-gather"]
+#: megatron-core's DistributedOptimizer accepts only ``torch.cuda.*`` parameter types
+#: (``_build_model_and_main_param_groups``), which the CPU runtime does not redirect;
+#: --overlap-param-gather needs it.
+DIST_OPT = ["--use-distributed-optimizer", "--overlap-param-gather"]
+#: megatron-core's Float16OptimizerWithFloat16Params (--bf16, --fp16) accepts only
+#: ``torch.cuda.*`` parameter types, which the CPU runtime does not redirect: fp32 instead.
+HALF = ["--bf16"]
+#: --log-memory-to-tensorboard reads CUDA allocator statistics (``torch.cuda.memory_stats()``
+#: keys), which the CPU runtime's stand-in does not have.
+MEMORY = ["--log-memory-to-tensorboard"]
+#: Grouped GEMM and permute fusion are Transformer Engine (or grouped_gemm) kernels.
+TE_MOE = ["--moe-grouped-gemm", "--moe-permute-fusion"]
+#: --apply-layernorm-1p (zero-centred gamma): the CPU run's norm (the local spec with the
+#: project's norms, tst_megatron.runtime.norm) refuses it without Transformer Engine or Apex.
+LAYERNORM_1P = ["--apply-layernorm-1p"]
+
+#: The two scripts without --num-workers use Megatron-LM's default of 2 DataLoader worker
+#: processes; in a child spawned by the test harness those are spawned too and cannot
+#: pickle Megatron-LM's local ``worker_init_fn`` (under torchrun they are forked).
+WORKERS = ["--num-workers", "0"]
+
+#: Per script: ``script`` (the entry above; DeepSeek-V3 with its MTP layer), ``sizes`` (on
+#: top of :data:`SIZES`: parallel sizes for 2 processes as the family suggests -- GPT-3 TP 2,
+#: Llama DP 2, Mixtral and gpt-oss PP 2, Qwen3 and DeepSeek-V3 EP 2 -- and the family's own
+#: size flags), ``drop`` (flags a CPU run or the local spec cannot take, each
+#: with the reason beside it), ``add`` (flags appended, with the reason), ``data`` (the local
+#: files the script reads).
+SHRUNK = {
+    "gpt3_175b": {
+        "script": GPT3_175B,
+        "sizes": {
+            "--tensor-model-parallel-size": "2", "--pipeline-model-parallel-size": "1",
+            # tokens: a batch of 2 until 4 samples of 32 tokens are consumed, then 4
+            "--step-batch-size-schedule": "0:2 128:4",
+            # Megatron-LM 0.19's GPT2BPETokenizer is Hugging Face's AutoTokenizer "gpt2"
+            # (MegatronHFTokenizer), fetched from the Hub even with --vocab-file and
+            # --merge-file given; no Hub here: the same vocabulary as a local directory
+            "--tokenizer-type": "HuggingFaceTokenizer",
+        },
+        "drop": ["--fp16"],  # as HALF
+        "add": WORKERS + ["--tokenizer-model", HF_DIR],
+        "data": "gpt2",
+    },
+    "llama3_8b_fp8": {
+        "script": LLAMA3_8B_FP8,
+        "sizes": {},
+        # --grad-reduce-in-bf16 goes with --bf16 (HALF)
+        "drop": FP8 + DIST_OPT + HALF + LAYERNORM_1P + ["--grad-reduce-in-bf16"],
+        "data": "mock",
+    },
+    "mixtral_8x7b": {
+        "script": MIXTRAL_8X7B,
+        "sizes": {"--pipeline-model-parallel-size": "2", "--expert-model-parallel-size": "1"},
+        "drop": DIST_OPT + HALF + ["--moe-grouped-gemm"],
+        "add": WORKERS,
+        "data": "sp",
+    },
+    "qwen3_30b_a3b": {
+        "script": QWEN3_30B_A3B,
+        "sizes": {"--expert-model-parallel-size": "2", "--moe-token-dispatcher-type": "alltoall"},
+        "drop": DIST_OPT + HALF + TE_MOE + [
+            "--moe-router-fusion",  # Transformer Engine's fused router
+            "--moe-flex-dispatcher-backend",  # flex: DeepEP (CUDA); alltoall instead
+            # the script's fp8 recipe (Transformer Engine); the precision-aware optimizer
+            # is TE's FusedAdam (OptimizerConfig refuses it without), its dtypes with it
+            "--fp8-recipe", "--fp8-format", "--fp8-param-gather", "--moe-router-padding-for-fp8",
+            "--use-precision-aware-optimizer", "--main-grads-dtype", "--main-params-dtype",
+            "--exp-avg-dtype", "--exp-avg-sq-dtype",
+            "--wandb-project", "--wandb-exp-name",  # wandb is not installed
+        ] + MEMORY,
+        "data": "hf",
+    },
+    "deepseek_v3": {
+        "script": DEEPSEEK_V3,
+        "sizes": {
+            "--expert-model-parallel-size": "2", "--moe-layer-freq": "[0]*1+[1]*1",
+            "--moe-token-dispatcher-type": "alltoall",
+            # without MLA (below) Megatron-LM refuses mla_up_proj recomputation; layernorm
+            # recomputation (CheckpointWithoutOutput) calls Transformer Engine's
+            # FP8GlobalStateManager, undefined without it (NameError on the first forward)
+            "--recompute-modules": ["mlp", "moe"],
+            "--moe-router-num-groups": "2", "--moe-router-group-topk": "1",
+            "--q-lora-rank": "32", "--kv-lora-rank": "16", "--qk-head-dim": "16",
+            "--qk-pos-emb-head-dim": "8", "--v-head-dim": "16",
+        },
+        "drop": DIST_OPT + HALF + TE_MOE + [
+            "--moe-flex-dispatcher-backend",  # flex: HybridEP (CUDA); alltoall instead
+            # Megatron-FSDP (USE_MEGATRON_FSDP=1): Megatron-LM refuses it with
+            # CUDA_DEVICE_MAX_CONNECTIONS=1, which the launcher sets on a CPU; it also needs
+            # the distributed optimizer (above) and NCCL user buffers
+            "--use-megatron-fsdp", "--data-parallel-sharding-strategy",
+            "--init-model-with-meta-device", "--ckpt-format", "--fsdp-double-buffer",
+            "--use-nccl-ub", "--megatron-fsdp-grad-comm-dtype", "--megatron-fsdp-main-grads-dtype",
+            # MLA: MLASelfAttention passes k_channels/v_channels (its q/k and v head sizes
+            # differ) to the core attention; megatron-core's local DotProductAttention takes
+            # neither (only Transformer Engine's does), so MLA cannot run on the local spec:
+            # standard attention with the script's heads (the MLA sizes stay, unused)
+            "--multi-latent-attention",
+        ] + MEMORY,
+        "data": "hf",
+    },
+    "gpt_oss": {
+        "script": GPT_OSS,
+        "sizes": {"--pipeline-model-parallel-size": "2", "--window-size": "8,0"},
+        "drop": FP8 + DIST_OPT + HALF + TE_MOE,
+        "data": "mock",
+    },
+}  # fmt: skip
+
+
+def shrunk(name: str, files: dict, run_dir: str) -> list:
+    """The argv of ``SHRUNK[name]``'s script cut to 2 CPU processes (:func:`shrink` with
+    :data:`SIZES` and the entry's sizes and drops), its paths pointing at ``files``
+    (:func:`tests.e2e.local_data.build_local_files`) and ``run_dir``, then the switch at
+    iteration 2 (``--tst-phase1-iters 2``) and ``--device cpu`` (the launcher adds its CPU
+    flags: the local spec, gloo, no fused kernels)."""
+    entry = SHRUNK[name]
+    data = {"gpt2": files.get("bpe_data"), "hf": files.get("bpe_data")}
+    data.update(sp=files.get("sp_data"), mock=DATA)
+    paths = {CKPT: f"{run_dir}/ckpt", TB: f"{run_dir}/tb", CACHE: f"{run_dir}/cache"}
+    paths.update({DATA: data[entry["data"]], SP_MODEL: files.get("sp"), HF_DIR: files.get("hf")})
+    paths.update({VOCAB: files.get("vocab"), MERGES: files.get("merges")})
+    paths = {k: v for k, v in paths.items() if v is not None}  # a mock-data line reads none
+    argv = shrink(entry["script"]["argv"], dict(SIZES, **entry["sizes"]), entry["drop"], paths)
+    argv += shrink(entry.get("add", []), {}, (), paths)
+    return argv + ["--tst-phase1-iters", "2", "--device", "cpu"]
