@@ -337,6 +337,8 @@ def test_parameter_counts_equal_the_built_models():
         (["--full-validation"], "auto", "1", "--full-validation stops Megatron-LM 0.19"),
         (["--eval-interval", None], "auto", "1", "--eval-interval is required"),
         (["--use-distributed-optimizer"], "cpu", "2", "--use-distributed-optimizer needs CUDA"),
+        (["--bf16"], "cpu", "1", "--bf16 needs CUDA"),
+        (["--log-memory-to-tensorboard"], "cpu", "1", "--log-memory-to-tensorboard reads CUDA"),
         (
             ["--pipeline-model-parallel-size", "2"],
             "cpu",

@@ -387,8 +387,22 @@ def cpu_problems(args) -> list[str]:
       buffers as CUDA tensors (a ``TypeError`` at set-up on a CPU).
     - pipeline parallelism with tied embeddings: megatron-core's embedding-group all-reduce
       of the tied weights calls ``.cuda()``.
+    - ``--bf16`` / ``--fp16``: megatron-core's ``Float16OptimizerWithFloat16Params`` accepts
+      only ``torch.cuda.*`` parameter types.
+    - ``--log-memory-to-tensorboard``: Megatron-LM reads CUDA memory statistics
+      (``KeyError: 'reserved_bytes.all.current'`` at the first log line).
     """
     problems = []
+    for flag, on in (("--bf16", args.bf16), ("--fp16", args.fp16)):
+        if on:
+            problems.append(
+                f"{flag} needs CUDA (megatron-core's mixed-precision optimizer accepts only CUDA "
+                "parameters); a CPU run trains in float32: drop it"
+            )
+    if getattr(args, "log_memory_to_tensorboard", False):
+        problems.append(
+            "--log-memory-to-tensorboard reads CUDA memory statistics; drop it for a CPU run"
+        )
     if args.use_distributed_optimizer:
         problems.append(
             "--use-distributed-optimizer needs CUDA (megatron-core's DistributedOptimizer "
