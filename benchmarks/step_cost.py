@@ -331,7 +331,7 @@ def report(results: dict, args) -> str:
         f"Machine: {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
         f"{device}, 1 process, {args.threads} thread(s). Model: {size}{extra}; micro-batch "
         f"{MICRO_BATCH} = global batch; mock data. Each S: a TST run through the launcher "
-        "(`examples/pretrain_gpt_tst_mlm.py`: Megatron-LM's `pretrain()`), phase 1 then "
+        "(`examples/pretrain_gpt_tst.py`: Megatron-LM's `pretrain()`), phase 1 then "
         "phase 2, and a baseline run (`--tst-bag-size 1`)"
         + (f", {args.repeats} times in alternating order" if args.repeats > 1 else "")
         + f"; median of {rounds} iterations per arm (Megatron-LM's whole iteration: reading "

@@ -5,7 +5,7 @@ length T, WSD schedule and number of steps; they differ only in TST (S, r). The 
 rate of *both* arms is the one that is best for the baseline among ``--lrs`` (tried first).
 Validation is next-token loss on a held-out split, at regular intervals and at the end.
 
-Every arm is one ``torchrun`` of the launcher, ``examples/pretrain_gpt_tst_mlm.py``
+Every arm is one ``torchrun`` of the launcher, ``examples/pretrain_gpt_tst.py``
 (Megatron-LM's own ``pretrain()`` with TST; ``--device cpu``: gloo), with Megatron-LM's
 flags (WSD decay over the last 10 %: ``--lr-wsd-decay-iters``). The curves are read from its
 TensorBoard events: Megatron-LM's ``lm loss validation`` and the launcher's ``tst-phase`` (the
@@ -288,7 +288,7 @@ def launcher(args) -> list[str]:
     return options
 
 
-LAUNCHER = "examples/pretrain_gpt_tst_mlm.py"
+LAUNCHER = "examples/pretrain_gpt_tst.py"
 """The launcher every arm runs: Megatron-LM's ``pretrain()`` with TST."""
 
 

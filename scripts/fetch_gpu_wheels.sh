@@ -15,7 +15,7 @@ cd "$(dirname "$0")/.."
 WHEELS="${WHEELS:-gpu-wheels}"
 mkdir -p "$WHEELS"
 # megatron-core's own requirements besides torch (numpy, packaging), and what the launcher
-# (examples/pretrain_gpt_tst_mlm.py: Megatron-LM's megatron.training, shipped in the
+# (examples/pretrain_gpt_tst.py: Megatron-LM's megatron.training, shipped in the
 # megatron-core wheel) and the check import: pyyaml (megatron.training), psutil
 # (dist_checkpointing), tqdm, sentencepiece (SentencePiece tokenizers).
 "${PYTHON:-python3}" -m pip download --quiet --no-deps --only-binary=:all: \

@@ -7,7 +7,7 @@
 #   5. pretrain a small MoE GPT (4 layers, h=128, 8 experts top-2, RoPE, RMSNorm, SwiGLU)
 #      with TST (S=4, r=0.3) on 2 processes with expert parallelism (EP=2), through the
 #      phase switch to the end, in Megatron-LM's own training loop
-#      (examples/pretrain_gpt_tst_mlm.py); checkpoints, TensorBoard logs;
+#      (examples/pretrain_gpt_tst.py); checkpoints, TensorBoard logs;
 #   6. plot training and validation loss against steps with the switch marked;
 #   7. export the final checkpoint to Hugging Face (Mixtral) and continue a prompt with
 #      plain transformers.
@@ -28,7 +28,7 @@ data=$out/data
     --output-prefix "$data/stdlib" --tokenizer-type SentencePieceTokenizer \
     --tokenizer-model "$data/tokenizer.model" --append-eod --workers 2
 .venv/bin/torchrun --nproc_per_node 2 --master_port "${MASTER_PORT:-29533}" \
-    examples/pretrain_gpt_tst_mlm.py --device cpu \
+    examples/pretrain_gpt_tst.py --device cpu \
     --data-path "$data/stdlib_text_document" --split 98,2,0 --data-cache-path "$data/cache" \
     --tokenizer-type SentencePieceTokenizer --tokenizer-model "$data/tokenizer.model" \
     --vocab-size 4096 --seq-length 128 --max-position-embeddings 128 \

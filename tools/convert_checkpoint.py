@@ -5,7 +5,7 @@
     # Hugging Face directory -> weights-only torch_dist checkpoint for --load (any layout)
     python tools/convert_checkpoint.py import --load hf/Qwen3-30B-A3B --save ckpt/qwen3-moe
 
-export reads checkpoints of Megatron-LM's own loop (examples/pretrain_gpt_tst_mlm.py, or any
+export reads checkpoints of Megatron-LM's own loop (examples/pretrain_gpt_tst.py, or any
 megatron.training.pretrain() run: the model is built from the Megatron-LM ``args`` the
 checkpoint stores, as the launcher builds it). Checkpoints of the former hand-written trainer
 are no longer read (the converter of commit 0dc9f79 reads them). import writes Megatron-LM's

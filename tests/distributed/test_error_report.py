@@ -2,7 +2,7 @@
 with an error, so no rank may exit before the ``error:`` line is out. Rank 0 prints the
 problems once; a problem found on some ranks only is printed by each of them, tagged.
 Through the launcher (:func:`tst_megatron.training.megatron_lm.main`), in-process and under
-torchrun with ``examples/pretrain_gpt_tst_mlm.py``."""
+torchrun with ``examples/pretrain_gpt_tst.py``."""
 
 import contextlib
 import io
@@ -134,7 +134,7 @@ def test_torchrun_launch_with_a_slow_rank0_prints_the_error_once(tmp_path):
         "import os, runpy, sys, time\n"
         "if os.environ['RANK'] == '0':\n"
         "    time.sleep(5)\n"
-        f"sys.argv[0] = {os.path.join(ROOT, 'examples', 'pretrain_gpt_tst_mlm.py')!r}\n"
+        f"sys.argv[0] = {os.path.join(ROOT, 'examples', 'pretrain_gpt_tst.py')!r}\n"
         "runpy.run_path(sys.argv[0], run_name='__main__')\n"
     )
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")

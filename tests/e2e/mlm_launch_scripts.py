@@ -1,5 +1,5 @@
 """Public Megatron-LM (0.19) launch scripts as the argument lists they pass to
-``pretrain_gpt.py``, for the Megatron-LM launcher (``examples/pretrain_gpt_tst_mlm.py``):
+``pretrain_gpt.py``, for the Megatron-LM launcher (``examples/pretrain_gpt_tst.py``):
 changed only by the script name, ``--tst-bag-size`` added, and data, tokenizer and
 checkpoint paths pointing at local names (a dry run reads none of them).
 

@@ -94,7 +94,7 @@ def test_shrunk_script_trains_through_the_switch_on_2_cpu_processes(name, local_
 @pytest.mark.slow
 def test_shrunk_script_under_torchrun_exits_0(tmp_path):
     """The launcher as a user starts it: ``torchrun --nproc_per_node 2
-    examples/pretrain_gpt_tst_mlm.py`` with the shrunk Llama 3 8B line (mock data)."""
+    examples/pretrain_gpt_tst.py`` with the shrunk Llama 3 8B line (mock data)."""
     import os
     import subprocess
     import sys
@@ -105,7 +105,7 @@ def test_shrunk_script_under_torchrun_exits_0(tmp_path):
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(name, None)
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    command += ["--nproc_per_node", "2", "examples/pretrain_gpt_tst_mlm.py", *argv]
+    command += ["--nproc_per_node", "2", "examples/pretrain_gpt_tst.py", *argv]
     result = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-5000:]
     lines = logged(result.stdout)

@@ -1,5 +1,5 @@
 """The GPU path in one command (``scripts/gpu_check.sh``), through the launcher
-(``examples/pretrain_gpt_tst_mlm.py``: Megatron-LM's ``pretrain()`` with TST): the local spec
+(``examples/pretrain_gpt_tst.py``: Megatron-LM's ``pretrain()`` with TST): the local spec
 in bf16 through the switch, the Transformer Engine spec, FP8, distributed optimizer + alltoall
 dispatcher + grouped GEMM, the MCE against megatron-core's fused cross-entropy, the step-cost
 benchmark on CUDA, and an FP8 save/resume. Each check is a row of a Markdown table written to
@@ -31,7 +31,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 from step_cost import LOCAL_CUDA_FLAGS  # noqa: E402
 
-LAUNCHER = "examples/pretrain_gpt_tst_mlm.py"
+LAUNCHER = "examples/pretrain_gpt_tst.py"
 N, N1 = 20, 8  # iterations; the switch at N1
 #: Small but FP8-valid: 128 * 4 = 512 tokens per micro-batch, every width a multiple of 32.
 BASE = [

@@ -7,7 +7,7 @@ command line) trains a tiny MoE GPT with EP=2 on 2 srun tasks through the TST sw
   - preempted (``scancel --batch --signal=USR1``, what ``--signal=B:USR1@N`` delivers) in
     phase 1, it saves at the end of the current step, requeues itself, resumes in phase 1 at
     the right data position, crosses the switch and ends with the uninterrupted run's losses.
-The tasks run Megatron-LM's own loop (``examples/pretrain_gpt_tst_mlm.py``). The reference is
+The tasks run Megatron-LM's own loop (``examples/pretrain_gpt_tst.py``). The reference is
 the uninterrupted run's own log, printed by Megatron-LM's ``training_log`` to 7 digits; a
 resumed run that replays or skips data, or restores a wrong phase or optimizer state, prints
 different numbers (resume is exact on CPU, see tests/distributed/test_megatron_lm.py).

@@ -64,7 +64,7 @@ def dry_run(tmp_path, variables: dict) -> list:
     argv = shlex.split(out.stdout)
     assert argv[:2] == [
         str(REPO / ".venv" / "bin" / "python"),
-        str(REPO / "examples" / "pretrain_gpt_tst_mlm.py"),
+        str(REPO / "examples" / "pretrain_gpt_tst.py"),
     ]
     return argv[2:]
 

@@ -1,5 +1,5 @@
 """The benchmark scripts run (``--smoke``, through the launcher
-``examples/pretrain_gpt_tst_mlm.py`` where they train) and print the expected tables, so they
+``examples/pretrain_gpt_tst.py`` where they train) and print the expected tables, so they
 cannot rot; every launch line of tst_vs_baseline passes the launcher's checks."""
 
 import os
@@ -48,7 +48,7 @@ def test_step_cost_smoke(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     report = out.read_text()
     assert "| S | iteration, phase 1 (ms) | phase 2 (ms) | baseline (ms) |" in report
-    assert "examples/pretrain_gpt_tst_mlm.py" in report
+    assert "examples/pretrain_gpt_tst.py" in report
     rows = [line for line in report.splitlines() if line.startswith("| 4 |")]
     assert len(rows) == 3  # the step-cost row and the two TP-traffic rows
     cells = [float(c) for c in rows[0].strip("|").split("|")]
@@ -122,7 +122,7 @@ def test_tst_vs_baseline_smoke(tmp_path):
     )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     report = (out / "tst_vs_baseline_smoke.md").read_text()
-    assert "examples/pretrain_gpt_tst_mlm.py" in report and "--lr-wsd-decay-iters" in report
+    assert "examples/pretrain_gpt_tst.py" in report and "--lr-wsd-decay-iters" in report
     assert "| arm | final validation loss | tokens consumed | wall-clock (s) |" in report
     assert "| LR | baseline final validation loss |" in report
     rows = [

@@ -201,7 +201,7 @@ def test_entry_point_dry_run_exits_2_with_one_error_line_and_no_traceback():
     validate_args (4 heads do not divide hidden size 30) is one line on stderr, status 2."""
     env = dict(os.environ, PYTHONPATH=ROOT, WORLD_SIZE="1", RANK="0")
     result = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "examples", "pretrain_gpt_tst_mlm.py"), *SMALL,
+        [sys.executable, os.path.join(ROOT, "examples", "pretrain_gpt_tst.py"), *SMALL,
          "--hidden-size", "30", "--dry-run"],
         capture_output=True, text=True, env=env, cwd=ROOT, timeout=600,
     )  # fmt: skip

@@ -1,5 +1,5 @@
 """The GPU recipes of the paper's smallest row (benchmarks/recipes.py) are launch lines the
-launcher (examples/pretrain_gpt_tst_mlm.py, Megatron-LM's pretrain()) accepts for CUDA at their
+launcher (examples/pretrain_gpt_tst.py, Megatron-LM's pretrain()) accepts for CUDA at their
 world size (its --dry-run), and their cost estimate is what the docs say."""
 
 import os
@@ -107,7 +107,7 @@ def test_recipe_passes_the_launchers_dry_run(name):
         PYTHONPATH=ROOT,
     )
     result = subprocess.run(
-        [sys.executable, "examples/pretrain_gpt_tst_mlm.py", "--dry-run", *flags],
+        [sys.executable, "examples/pretrain_gpt_tst.py", "--dry-run", *flags],
         capture_output=True,
         text=True,
         cwd=ROOT,

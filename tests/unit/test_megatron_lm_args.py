@@ -138,7 +138,7 @@ def test_phase1_refusals_do_not_apply_without_a_phase1():
 @pytest.mark.slow
 def test_launcher_refuses_before_any_work_with_one_error_line(tmp_path):
     argv = [
-        sys.executable, os.path.join(ROOT, "examples", "pretrain_gpt_tst_mlm.py"),
+        sys.executable, os.path.join(ROOT, "examples", "pretrain_gpt_tst.py"),
         "--device", "cpu", "--mock-data", "--tokenizer-type", "NullTokenizer",
         "--vocab-size", "128", "--num-layers", "2", "--hidden-size", "32",
         "--num-attention-heads", "4", "--seq-length", "16", "--max-position-embeddings", "16",
@@ -219,7 +219,7 @@ def test_help_lists_megatron_lms_flags_and_ours():
     """``--help`` works (Megatron-LM 0.19.2's own fails on a ``%`` in one help text) and lists
     Megatron-LM's flags with ours."""
     done = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "examples", "pretrain_gpt_tst_mlm.py"), "--help"],
+        [sys.executable, os.path.join(ROOT, "examples", "pretrain_gpt_tst.py"), "--help"],
         capture_output=True,
         text=True,
         timeout=600,

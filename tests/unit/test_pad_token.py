@@ -156,7 +156,7 @@ def test_the_cached_loss_mask_is_never_written(hf, tmp_path):
 
 @pytest.mark.slow
 def test_the_launcher_stops_before_training_naming_the_flag(hf, tmp_path):
-    """The launcher (``examples/pretrain_gpt_tst_mlm.py``, Megatron-LM's ``pretrain()``) on
+    """The launcher (``examples/pretrain_gpt_tst.py``, Megatron-LM's ``pretrain()``) on
     data holding the tokenizer's pad id: it stops with a line naming the file, the id and
     ``--tokenizer-model`` before any training step."""
     tok = _tokenizer(hf, "word")
@@ -175,7 +175,7 @@ def test_the_launcher_stops_before_training_naming_the_flag(hf, tmp_path):
     env = {**os.environ, "PYTHONPATH": ROOT, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}
     env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     proc = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "examples", "pretrain_gpt_tst_mlm.py"), *argv],
+        [sys.executable, os.path.join(ROOT, "examples", "pretrain_gpt_tst.py"), *argv],
         capture_output=True,
         text=True,
         env=env,

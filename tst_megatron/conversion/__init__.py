@@ -2,7 +2,7 @@
 
 - :func:`export_checkpoint`: a ``torch_dist`` checkpoint (any TP/PP/VPP/EP layout, TST or
   not) of Megatron-LM's own loop (``megatron.training.pretrain()``, e.g. the launcher
-  ``examples/pretrain_gpt_tst_mlm.py``; the architecture from its saved Megatron-LM ``args``,
+  ``examples/pretrain_gpt_tst.py``; the architecture from its saved Megatron-LM ``args``,
   :mod:`.mlm`) -> a Hugging Face directory (Qwen3-MoE, Mixtral, Qwen3 or Llama, chosen from
   the settings).
 - :func:`import_checkpoint`: a Hugging Face directory of those architectures -> a

@@ -2,7 +2,7 @@
 dict of a 1-process megatron-core model.
 
 A checkpoint of Megatron-LM's own loop (``megatron.training.pretrain()``, e.g. the launcher
-``examples/pretrain_gpt_tst_mlm.py``) saved with any TP/PP/VPP/EP/expert-TP layout and either
+``examples/pretrain_gpt_tst.py``) saved with any TP/PP/VPP/EP/expert-TP layout and either
 layer spec (Transformer Engine or local) is read by building its model with every parallel
 size 1 (the launcher's :func:`~tst_megatron.training.megatron_lm.build_model_from_args` on
 the checkpoint's own ``args``, :func:`.mlm.one_process_args`) and letting

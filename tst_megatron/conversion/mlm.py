@@ -2,7 +2,7 @@
 makes one.
 
 A checkpoint written by Megatron-LM's ``save_checkpoint`` (the launcher
-``examples/pretrain_gpt_tst_mlm.py``, i.e. ``megatron.training.pretrain()``) stores the run's
+``examples/pretrain_gpt_tst.py``, i.e. ``megatron.training.pretrain()``) stores the run's
 whole ``argparse.Namespace`` as ``args`` in its common state
 (``megatron.training.checkpointing.generate_state_dict``), with the values after
 ``validate_args`` (``kv_channels``, ``ffn_hidden_size``, ``padded_vocab_size``,

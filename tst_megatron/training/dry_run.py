@@ -498,7 +498,7 @@ def _parse(argv: Sequence[str]):
     from megatron.training.arguments import parse_args
 
     saved = sys.argv
-    sys.argv = [saved[0] if saved else "pretrain_gpt_tst_mlm.py", *argv]
+    sys.argv = [saved[0] if saved else "pretrain_gpt_tst.py", *argv]
     try:
         return parse_args(extra_args_provider=_one_line_errors)
     finally:

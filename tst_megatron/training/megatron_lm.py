@@ -1035,7 +1035,7 @@ def parse(argv: Sequence[str]):
         # compute capability is 0.0); a CPU has no CUDA connections to limit.
         os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     saved = sys.argv
-    sys.argv = [saved[0] if saved else "pretrain_gpt_tst_mlm.py", *argv]
+    sys.argv = [saved[0] if saved else "pretrain_gpt_tst.py", *argv]
     try:
         args = parse_and_validate_args(extra_args_provider=add_tst_args)
     except (AssertionError, ValueError) as exc:  # validate_args raises both
