@@ -35,8 +35,8 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
 from tests.distributed.harness import run_distributed  # noqa: E402
-from tests.distributed.test_megatron_lm import _losses  # noqa: E402
-from tests.distributed.test_megatron_lm import _pretrain_child as _launcher_child  # noqa: E402
+from tests.launcher import losses as _losses  # noqa: E402
+from tests.launcher import pretrain_child as _launcher_child  # noqa: E402
 
 pytestmark = pytest.mark.slow
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -7,77 +7,24 @@ lines: rank 0).
 
 from __future__ import annotations
 
-import contextlib
-import io
 import math
 import re
 
 import pytest
 
 from tests.distributed.harness import run_distributed
-
-#: A tiny GPT on mock data: 6 iterations, the switch after 3 (S = 2), validation at 3 and 6.
-BASE = [
-    "--device", "cpu", "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128",
-    "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
-    "--seq-length", "16", "--max-position-embeddings", "16",
-    "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "6",
-    "--lr", "1e-3", "--log-interval", "1", "--eval-interval", "3", "--eval-iters", "1",
-    "--num-workers", "0", "--seed", "1234",
-    "--tst-bag-size", "2", "--tst-phase1-iters", "3",
-    # PP=2 on a CPU needs untied embeddings; the vocabulary is not padded at TP=2
-    "--untie-embeddings-and-output-weights", "--make-vocab-size-divisible-by", "64",
-]  # fmt: skip
-
-EP2 = [
-    "--num-experts", "4", "--expert-model-parallel-size", "2", "--moe-router-topk", "2",
-    "--moe-token-dispatcher-type", "alltoall", "--moe-aux-loss-coeff", "1e-2",
-    "--disable-bias-linear",
-]  # fmt: skip
+from tests.launcher import BASE, EP2, NO_DROPOUT
+from tests.launcher import losses as _losses
+from tests.launcher import pretrain_child as _pretrain_child
+from tests.launcher import without as _without
 
 #: Megatron-LM's thresholds are tokens (16 per sample): a global batch of 4 until 8 samples
 #: are consumed, then 8. Consumed before the switch (3 steps): 4 + 4 + 8 = 16; in all: 40.
 SCHEDULE = "0:4 128:8"
 
 
-def _without(argv, flag):
-    i = argv.index(flag)
-    return argv[:i] + argv[i + 2 :]
-
-
-_TRAIN = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?\| lm loss: ([0-9.E+-]+) \|")
-#: phase 1 reports its multi-hot cross-entropy as ``mce loss`` (no ``lm loss`` on its lines)
-_PHASE1 = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?\| mce loss: ([0-9.E+-]+) \|")
 _CONSUMED = re.compile(r"iteration\s+(\d+)/\s*\d+ \| consumed samples:\s+(\d+) \|")
 _VALID = re.compile(r"validation loss at iteration (\d+) \| lm loss value: ([0-9.E+-]+)")
-
-
-def _pretrain_child(rank, world, *, runs):
-    """Run ``main(argv)`` for each argv in ``runs`` in this process; return what each printed."""
-    from megatron.training.training import destroy_global_state
-
-    from tst_megatron.training import megatron_lm
-
-    printed = []
-    for argv in runs:
-        out = io.StringIO()
-        with contextlib.redirect_stdout(out):
-            megatron_lm.main(argv)
-        destroy_global_state()
-        printed.append(out.getvalue())
-    return printed
-
-
-def _losses(text: str) -> tuple[dict, dict]:
-    """``({iteration: training loss text}, {iteration: validation loss text})``: the training
-    loss is ``lm loss`` in phase 2, ``mce loss`` in phase 1."""
-    train = {int(i): v for i, v in _PHASE1.findall(text)}
-    train.update({int(i): v for i, v in _TRAIN.findall(text)})
-    valid = {int(i): v for i, v in _VALID.findall(text)}
-    return train, valid
-
-
-NO_DROPOUT = ["--hidden-dropout", "0", "--attention-dropout", "0"]
 
 
 @pytest.fixture(scope="module")

@@ -24,12 +24,11 @@ import pytest
 pytest.importorskip("megatron.training")
 
 from tests.distributed.harness import run_distributed  # noqa: E402
-from tests.distributed.test_megatron_lm import BASE, EP2, NO_DROPOUT, _without  # noqa: E402
-from tests.distributed.test_megatron_lm_switch import (  # noqa: E402
-    _pretrain_child,
-    _scalars,
-    _with,
-)
+from tests.launcher import BASE, EP2, NO_DROPOUT  # noqa: E402
+from tests.launcher import pretrain_child_keep_going as _pretrain_child  # noqa: E402
+from tests.launcher import scalars as _scalars  # noqa: E402
+from tests.launcher import with_flag as _with  # noqa: E402
+from tests.launcher import without as _without  # noqa: E402
 
 #: BASE with 4 layers (PP = 2 with 1 layer per virtual stage) and 4 micro-batches per step
 DENSE = _with(_with(BASE + NO_DROPOUT, "--num-layers", "4"), "--global-batch-size", "8")

@@ -28,8 +28,9 @@ import torch
 pytest.importorskip("megatron.training")
 
 from tests.distributed.harness import run_distributed  # noqa: E402
-from tests.distributed.test_megatron_lm import BASE, EP2, NO_DROPOUT  # noqa: E402
-from tests.distributed.test_megatron_lm_switch import _log_lines, _scalars  # noqa: E402
+from tests.launcher import BASE, EP2, NO_DROPOUT  # noqa: E402
+from tests.launcher import log_lines as _log_lines  # noqa: E402
+from tests.launcher import scalars as _scalars  # noqa: E402
 
 N, N1, GBS, T, S = 6, 3, 4, 16, 2  # BASE: 6 iterations, the switch after 3, S = 2
 V = 128  # BASE's --vocab-size (NullTokenizer: EOD is the last id)

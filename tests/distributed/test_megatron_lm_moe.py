@@ -38,10 +38,8 @@ import torch
 pytest.importorskip("megatron.training")
 
 from tests.distributed.harness import run_distributed  # noqa: E402
-from tests.distributed.test_megatron_lm_switch import (  # noqa: E402
-    _pretrain_child,
-    _scalars,
-)
+from tests.launcher import pretrain_child_keep_going as _pretrain_child  # noqa: E402
+from tests.launcher import scalars as _scalars  # noqa: E402
 
 E, F = 4, 12  # experts, expert FFN width
 #: a tiny MoE GPT, biases on (Megatron-LM's default); the switch after 2 of 4 iterations

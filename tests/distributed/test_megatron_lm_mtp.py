@@ -30,12 +30,9 @@ import pytest
 pytest.importorskip("megatron.training")
 
 from tests.distributed.harness import run_distributed  # noqa: E402
-from tests.distributed.test_megatron_lm import (  # noqa: E402
-    BASE,
-    NO_DROPOUT,
-    _losses,
-    _pretrain_child,
-)
+from tests.launcher import BASE, NO_DROPOUT  # noqa: E402
+from tests.launcher import losses as _losses  # noqa: E402
+from tests.launcher import pretrain_child as _pretrain_child  # noqa: E402
 
 MTP = ["--mtp-num-layers", "1", "--position-embedding-type", "rope"]
 _MTP_LOSS = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?\| mtp_1 loss: ([0-9.E+-]+) \|")

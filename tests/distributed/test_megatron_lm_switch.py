@@ -19,75 +19,22 @@ import pytest
 pytest.importorskip("megatron.training")
 
 from tests.distributed.harness import run_distributed  # noqa: E402
-from tests.distributed.test_megatron_lm import BASE, NO_DROPOUT  # noqa: E402
+from tests.launcher import BASE, NO_DROPOUT  # noqa: E402
+from tests.launcher import log_lines as _log_lines  # noqa: E402
+from tests.launcher import pretrain_child_keep_going as _pretrain_child  # noqa: E402
+from tests.launcher import scalars as _scalars  # noqa: E402
+from tests.launcher import with_flag as _with  # noqa: E402
 
 N1 = 3  # BASE: --tst-phase1-iters 3 of --train-iters 6, S = 2, --seq-length 16
 #: every interval misses N1: saves at 4 (and pretrain()'s final save at 6), validation at
 #: 4 (and the final one at 6), log lines at 2, 4, 6 (and 1, Megatron-LM's first iteration)
 INTERVALS = ["--save-interval", "4", "--eval-interval", "4", "--log-interval", "2"]
 
-_LOG = re.compile(r"iteration\s+(\d+)/\s*\d+ \|(.*)")
-_KEY = r"\| {}: ([0-9.E+-]+) \|"
 _VALID = re.compile(r"validation loss at iteration (\d+) \| lm loss value: ([0-9.E+-]+)")
 _SAVING = re.compile(r"saving checkpoint at iteration\s+(\d+) to")
 _RATE = re.compile(
     r"TST: iteration\s+(\d+) \| raw tokens per second: ([0-9.]+) \| raw tokens per sample: (\d+)"
 )
-
-
-def _pretrain_child(rank, world, *, runs):
-    """Run ``main(argv)`` for each argv in ``runs`` in this process; return what each printed
-    (a run that raises returns its traceback, so the other runs' tests still run)."""
-    import contextlib
-    import io
-    import traceback
-
-    from megatron.training.training import destroy_global_state
-
-    from tst_megatron.training import megatron_lm
-
-    printed = []
-    for argv in runs:
-        out = io.StringIO()
-        try:
-            with contextlib.redirect_stdout(out):
-                megatron_lm.main(argv)
-        except Exception:
-            out.write("\nrun failed:\n" + traceback.format_exc())
-        destroy_global_state()
-        printed.append(out.getvalue())
-    return printed
-
-
-def _with(argv, flag, value):
-    """``argv`` with ``flag value`` replacing the flag's value (or appended)."""
-    argv = list(argv)
-    if flag in argv:
-        argv[argv.index(flag) + 1] = value
-        return argv
-    return argv + [flag, value]
-
-
-def _log_lines(text: str) -> dict:
-    """``{iteration: {key: value}}`` of Megatron-LM's training log lines."""
-    lines = {}
-    for i, rest in _LOG.findall(text):
-        values = {}
-        for key in ("lm loss", "mce loss"):
-            m = re.search(_KEY.format(key), "|" + rest)
-            if m:
-                values[key] = float(m.group(1))
-        lines[int(i)] = values
-    return lines
-
-
-def _scalars(tb_dir: str) -> dict:
-    """``{tag: {step: value}}`` of the TensorBoard events in ``tb_dir``."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    events = EventAccumulator(tb_dir, size_guidance={"scalars": 0})
-    events.Reload()
-    return {tag: {e.step: e.value for e in events.Scalars(tag)} for tag in events.Tags()["scalars"]}
 
 
 def _recorded_args(path):

@@ -65,7 +65,7 @@ def test_shrunk_script_keeps_every_other_flag_of_the_script(name):
 @pytest.mark.parametrize("name", sorted(scripts.SHRUNK))
 def test_shrunk_script_trains_through_the_switch_on_2_cpu_processes(name, local_files, tmp_path):
     from tests.distributed.harness import run_distributed
-    from tests.distributed.test_megatron_lm import _pretrain_child
+    from tests.launcher import pretrain_child as _pretrain_child
 
     argv = scripts.shrunk(name, local_files, str(tmp_path))
     (first,), (last,) = run_distributed(_pretrain_child, 2, runs=[argv])  # main() returned

@@ -188,19 +188,6 @@ def test_stream_too_small_is_a_clear_error(tiny):
         _stream(tiny, 4, 100000)
 
 
-def _pretrain_forking_child(rank, world, *, runs):
-    """The launcher runs of :func:`tests.distributed.test_megatron_lm._pretrain_child` with
-    Python's default start method, ``fork``, as in a torchrun worker: a process spawned by the
-    harness inherits ``spawn``, with which the DataLoader cannot pickle the worker init
-    function Megatron-LM's ``build_pretraining_data_loader`` defines inside itself."""
-    import multiprocessing
-
-    from tests.distributed.test_megatron_lm import _pretrain_child
-
-    multiprocessing.set_start_method("fork", force=True)
-    return _pretrain_child(rank, world, runs=runs)
-
-
 @pytest.mark.slow
 def test_launcher_on_a_slice_of_the_real_corpus_workers_read_the_same_batches(tiny, tmp_path):
     """Megatron-LM's loop through the launcher on the real corpus (SentencePiece tokenizer,
@@ -208,7 +195,8 @@ def test_launcher_on_a_slice_of_the_real_corpus_workers_read_the_same_batches(ti
     DataLoader workers (forked after gloo started): the same losses at every iteration, and
     the switch checkpoint."""
     from tests.distributed.harness import run_distributed
-    from tests.distributed.test_megatron_lm import _losses
+    from tests.launcher import losses as _losses
+    from tests.launcher import pretrain_child_forking
 
     d, model, prefix = tiny
     argv = [
@@ -228,7 +216,7 @@ def test_launcher_on_a_slice_of_the_real_corpus_workers_read_the_same_batches(ti
         argv + ["--num-workers", "0"],
         argv + ["--num-workers", "2", "--save", save, "--save-interval", "100"],
     ]
-    ((plain, workers),) = run_distributed(_pretrain_forking_child, 1, runs=runs)
+    ((plain, workers),) = run_distributed(pretrain_child_forking, 1, runs=runs)
     train_0, valid_0 = _losses(plain)
     train_2, valid_2 = _losses(workers)
     assert sorted(train_0) == list(range(1, 7)), plain[-3000:]

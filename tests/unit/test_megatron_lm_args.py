@@ -5,16 +5,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
-import subprocess
-import sys
 
 import pytest
 
 from tst_megatron.superposition.schedule import TSTConfig
 from tst_megatron.training import megatron_lm
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _parse(argv):
@@ -136,17 +131,15 @@ def test_phase1_refusals_do_not_apply_without_a_phase1():
 
 
 @pytest.mark.slow
-def test_launcher_refuses_before_any_work_with_one_error_line(tmp_path):
+def test_launcher_refuses_before_any_work_with_one_error_line(run_launcher):
     argv = [
-        sys.executable, os.path.join(ROOT, "examples", "pretrain_gpt_tst.py"),
         "--device", "cpu", "--mock-data", "--tokenizer-type", "NullTokenizer",
         "--vocab-size", "128", "--num-layers", "2", "--hidden-size", "32",
         "--num-attention-heads", "4", "--seq-length", "16", "--max-position-embeddings", "16",
         "--micro-batch-size", "2", "--global-batch-size", "2", "--train-iters", "10",
         "--lr", "1e-3", "--eval-interval", "5", "--tst-bag-size", "2", "--reset-position-ids",
     ]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": ROOT, "WORLD_SIZE": "1", "RANK": "0", "LOCAL_RANK": "0"}
-    done = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
+    done = run_launcher(*argv, timeout=300)
     errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
     assert done.returncode == 2, done.stderr[-2000:]
     assert len(errors) == 1 and "--reset-position-ids" in errors[0], errors
@@ -215,16 +208,10 @@ def test_no_tst_save_at_switch_is_accepted():
     assert megatron_lm.tst_problems(_switch_args(tst_save_at_switch=False)) == []
 
 
-def test_help_lists_megatron_lms_flags_and_ours():
+def test_help_lists_megatron_lms_flags_and_ours(run_launcher):
     """``--help`` works (Megatron-LM 0.19.2's own fails on a ``%`` in one help text) and lists
     Megatron-LM's flags with ours."""
-    done = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "examples", "pretrain_gpt_tst.py"), "--help"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**os.environ, "PYTHONPATH": ROOT},
-    )
+    done = run_launcher("--help")
     assert done.returncode == 0, done.stderr[-2000:]
     for flag in ("--tst-bag-size", "--num-layers", "--step-batch-size-schedule", "--dry-run"):
         assert flag in done.stdout

@@ -4,10 +4,7 @@ at start-up, one line naming the file and the flag; the dataset's cached loss ma
 written by a sample. Hugging Face tokenizers are built here, from a BPE trained on a few
 lines (no hub access)."""
 
-import os
 import re
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -23,7 +20,6 @@ from tst_megatron.training.data import (
     dataset_pad_id,
 )
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CORPUS = ["the quick brown fox jumps over the lazy dog. " * 20, "def main(argv): return 0\n" * 10]
 EOS = "<|endoftext|>"
 
@@ -155,7 +151,7 @@ def test_the_cached_loss_mask_is_never_written(hf, tmp_path):
 
 
 @pytest.mark.slow
-def test_the_launcher_stops_before_training_naming_the_flag(hf, tmp_path):
+def test_the_launcher_stops_before_training_naming_the_flag(hf, tmp_path, run_launcher):
     """The launcher (``examples/pretrain_gpt_tst.py``, Megatron-LM's ``pretrain()``) on
     data holding the tokenizer's pad id: it stops with a line naming the file, the id and
     ``--tokenizer-model`` before any training step."""
@@ -170,18 +166,7 @@ def test_the_launcher_stops_before_training_naming_the_flag(hf, tmp_path):
         *("--tst-bag-size", "2", "--data-cache-path", str(tmp_path / "cache")),
         *("--eval-interval", "2", "--eval-iters", "1"),
     ]
-    from tst_megatron.runtime.distributed import free_port
-
-    env = {**os.environ, "PYTHONPATH": ROOT, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}
-    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    proc = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "examples", "pretrain_gpt_tst.py"), *argv],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=tmp_path,
-        timeout=600,
-    )
+    proc = run_launcher(*argv)
     # The check runs in the launcher's datasets provider, which pretrain() calls after
     # building the model and before the first step; the launcher's main() does not turn a
     # ConfigError raised inside pretrain() into "error:" lines (yet), so the line is looked
