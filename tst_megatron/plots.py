@@ -1,5 +1,5 @@
 """A PNG of training and validation loss against steps, with the TST switch marked, read
-from the trainer's TensorBoard events."""
+from the launcher's TensorBoard events (Megatron-LM's tags)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The three phase-1 modes (``--tst-mode full|input|output``) through the trainer's phase-1
+"""The three phase-1 modes (``--tst-mode full|input|output``) through the launcher's phase-1
 forward step under tensor parallelism (2 gloo processes, with and without sequence
 parallelism), against a float64 reference written plainly here from the token sequence.
 

@@ -57,7 +57,7 @@ def preprocess(
     ``.idx``, so an ``.idx`` file means its dataset is complete. The range of token ids
     written and the occurrences of the tokenizer's pad id are recorded beside them
     (``<prefix>.token-range.json``, :func:`tst_megatron.data.files.write_stamp`), so the
-    trainer's start-up check of the ids does not read the ``.bin``.
+    launcher's start-up check of the ids does not read the ``.bin``.
 
     Returns ``{key: {"documents": n, "tokens": m, "prefix": dataset prefix}}``.
 
@@ -107,7 +107,7 @@ def preprocess(
         for key in json_keys:
             os.replace(tmp[key][0], final[key][0])
             os.replace(tmp[key][1], final[key][1])
-            # the trainer's start-up check then need not read the .bin (training/data.py)
+            # the launcher's start-up check then need not read the .bin (training/data.py)
             counts = {pad: pads[key]} if pad >= 0 else None
             write_stamp(stats[key]["prefix"], *ranges[key], counts=counts)
     finally:

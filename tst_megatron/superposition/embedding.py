@@ -75,7 +75,7 @@ def bag_embedding(
         position_ids: ``[b, T]`` latent positions for learned absolute position embeddings;
             defaults to ``0..T-1`` for every sample. Ignored for RoPE models.
         check: raise on ids outside ``[0, V)`` (one min/max and one device-to-host read,
-            which stalls a GPU stream). Off by default: the trainer checks ids once where
+            which stalls a GPU stream). Off by default: the launcher checks ids once where
             data enters, and an unchecked out-of-range id embeds as zeros at TP > 1 or
             fails inside the lookup at TP = 1.
 

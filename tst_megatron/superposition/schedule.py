@@ -82,7 +82,7 @@ class TSTConfig:
 class Phase:
     """What one optimizer step does, and where its data comes from.
 
-    The first five fields are the plan (compared, printed); the trainer binds the last two
+    The first five fields are the plan (compared, printed); a training loop binds the last two
     (:meth:`bind`): this module knows nothing of datasets or models.
     """
 
