@@ -21,7 +21,7 @@ _SETTINGS = [
     *("--device", "cpu", "--mock-data", "--tokenizer-type", "NullTokenizer"),
     *("--vocab-size", "64", "--num-layers", "2", "--hidden-size", "32"),
     *("--num-attention-heads", "4", "--seq-length", "16", "--max-position-embeddings", "16"),
-    *("--micro-batch-size", "2", "--train-iters", "4", "--lr", "1e-3"),
+    *("--micro-batch-size", "2", "--train-iters", "4", "--lr", "1e-3", "--eval-interval", "2"),
 ]
 #: One bad setting each; every rank finds it in the checks, before any work: a TST check on
 #: top of Megatron-LM's validation, and a TSTConfig field out of range.
