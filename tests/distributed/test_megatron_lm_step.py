@@ -16,7 +16,7 @@ ARGS = [
     "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
     "--seq-length", str(T), "--max-position-embeddings", str(T),
     "--micro-batch-size", str(B), "--global-batch-size", str(B), "--train-iters", "4",
-    "--lr", "1e-3", "--hidden-dropout", "0", "--attention-dropout", "0", "--seed", "7",
+    "--lr", "1e-3", "--eval-interval", "2", "--hidden-dropout", "0", "--attention-dropout", "0", "--seed", "7",
     "--tst-bag-size", str(S), "--tst-phase1-iters", "2",
 ]  # fmt: skip
 
