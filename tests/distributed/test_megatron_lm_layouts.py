@@ -11,7 +11,7 @@ reach 1F1B's steady state at PP = 2, where both directions are in flight (with v
 stages a batched p2p call paired them in the wrong order, 1e-4 relative off on the first
 step, silently; Megatron-LM's ``validate_args`` refuses ``--no-overlap-p2p-communication``
 there). The phase-1 modes (``--tst-mode input``/``output``) run at TP = 2 + SP from the
-dense model's iteration 1 against 1-process runs of the same mode. DP = 2 (and a resume at
+dense model's iteration-1 weights (``--finetune``) against 1-process runs of the same mode. DP = 2 (and a resume at
 the switch) is covered by ``test_megatron_lm.py``.
 """
 
@@ -47,9 +47,11 @@ MODELS = {
     # ("Expected 2 entries in state dict, but got 4": one optimizer vs dense + expert
     # optimizers), so EP = 2 and its reference start from the weights with a fresh optimizer
     "moe_fresh": (MOE, "moe", ["--no-load-optim"]),
-    # the phase-1 modes of paper section 5.2, from the dense model's iteration 1
-    "input": (DENSE + ["--tst-mode", "input"], "dense", []),
-    "output": (DENSE + ["--tst-mode", "output"], "dense", []),
+    # the phase-1 modes of paper section 5.2, from the dense model's iteration-1 weights as a
+    # new run (--finetune: iteration 0): resuming a phase-1 checkpoint in another mode is
+    # refused (megatron_lm.resume_problems)
+    "input": (DENSE + ["--tst-mode", "input"], "dense", ["--finetune"]),
+    "output": (DENSE + ["--tst-mode", "output"], "dense", ["--finetune"]),
 }
 LAYOUTS = {  # name: (model, flags)
     "tp2_sp": ("dense", TP2),

@@ -216,3 +216,69 @@ def test_help_lists_megatron_lms_flags_and_ours(run_launcher):
     for flag in ("--tst-bag-size", "--num-layers", "--step-batch-size-schedule", "--dry-run"):
         assert flag in done.stdout
     assert "(e.g. 1.10 = 10%)" in " ".join(done.stdout.split())
+
+
+def _resume_args(iteration=0, **tst):
+    """Megatron-LM arguments of a 100-iteration run, S = 4, N1 = 30, at ``iteration``."""
+    values = dict(
+        vars(_parse(["--tst-bag-size", "4", "--tst-phase1-iters", "30"])),
+        train_iters=100,
+        train_samples=None,
+        seq_length=32,
+        iteration=iteration,
+    )
+    values.update({f"tst_{k}": v for k, v in tst.items()})
+    return argparse.Namespace(**values)
+
+
+def test_a_resume_that_would_change_the_tst_run_is_refused():
+    saved = _resume_args()
+    # before the switch: another N1, bag size, mode or weighting changes the phase-1 data/loss
+    (line,) = megatron_lm.resume_problems(_resume_args(10, bag_size=2), saved)
+    assert "--tst-bag-size 4" in line and "--tst-bag-size 2" in line and "iteration 10" in line
+    (line,) = megatron_lm.resume_problems(_resume_args(10, mode="output"), saved)
+    assert "--tst-mode full" in line
+    (line,) = megatron_lm.resume_problems(_resume_args(10, phase1_iters=40), saved)
+    assert "N1 = 30" in line and "N1 = 40" in line
+    # after the old switch, a later N1 would go back to phase 1
+    (line,) = megatron_lm.resume_problems(_resume_args(35, phase1_iters=40), saved)
+    assert "N1 = 30" in line
+    # after both switches anything TST may change; the same settings always resume
+    assert megatron_lm.resume_problems(_resume_args(50, bag_size=2, phase1_iters=40), saved) == []
+    assert megatron_lm.resume_problems(_resume_args(10), saved) == []
+    assert megatron_lm.resume_problems(_resume_args(0, bag_size=2), saved) == []  # not resumed
+    # a checkpoint of Megatron-LM's own pretrain_gpt.py has no --tst-* arguments
+    plain = argparse.Namespace(**{k: v for k, v in vars(saved).items() if not k.startswith("tst_")})
+    assert megatron_lm.resume_problems(_resume_args(10, bag_size=2), plain) == []
+
+
+@pytest.mark.slow
+def test_resuming_phase_1_with_another_bag_size_stops_with_one_line(run_launcher, tmp_path):
+    """Megatron-LM loads the checkpoint; the launcher reads its recorded ``args`` and refuses
+    before any data is read (Megatron-LM's own resume checks know no ``--tst-*`` flag)."""
+    save = str(tmp_path / "ckpt")
+    argv = [
+        "--device", "cpu", "--mock-data", "--tokenizer-type", "NullTokenizer",
+        "--vocab-size", "128", "--num-layers", "1", "--hidden-size", "32",
+        "--num-attention-heads", "4", "--seq-length", "16", "--max-position-embeddings", "16",
+        "--micro-batch-size", "2", "--global-batch-size", "2", "--train-iters", "6",
+        "--lr", "1e-3", "--eval-interval", "6", "--eval-iters", "1", "--num-workers", "0",
+        "--tst-bag-size", "2", "--tst-phase1-iters", "3", "--no-tst-save-at-switch",
+        "--save", save, "--load", save, "--save-interval", "1", "--exit-interval", "1",
+        "--ckpt-format", "torch_dist",
+    ]  # fmt: skip
+    first = run_launcher(*argv)
+    assert first.returncode == 0, first.stderr[-3000:]
+    again = run_launcher(*megatron_lm_with(argv, "--tst-bag-size", "4"))
+    errors = [line for line in again.stderr.splitlines() if line.startswith("error:")]
+    assert again.returncode == 2, again.stderr[-3000:]
+    assert len(errors) == 1 and "--tst-bag-size 2" in errors[0], errors
+    assert "Traceback" not in again.stderr
+    same = run_launcher(*argv)  # the same settings resume
+    assert same.returncode == 0, same.stderr[-3000:]
+
+
+def megatron_lm_with(argv, flag, value):
+    argv = list(argv)
+    argv[argv.index(flag) + 1] = value
+    return argv

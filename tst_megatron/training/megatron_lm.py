@@ -253,6 +253,67 @@ def schedule(args) -> Schedule:
     )
 
 
+def resume_problems(args, saved) -> list[str]:
+    """Why resuming the checkpoint of iteration ``args.iteration``, written by a run with
+    arguments ``saved``, under the arguments ``args`` would train a different TST run than the
+    one the checkpoint is part of; one line each naming the flag (empty: none). Reads only.
+
+    The phase and the data position are functions of the iteration and of ``N1`` (and the
+    phase-1 samples of ``--tst-bag-size`` / ``--tst-mode``), so a resume before the switch
+    under another ``N1``, bag size, mode or bag weighting would go on with other samples or
+    another loss, and a resume after the old switch under a later ``N1`` would go back to
+    phase 1. After the switch of both runs only phase 2 is left: any TST setting may change.
+    Megatron-LM's own resume checks do not know the ``--tst-*`` flags. A checkpoint without
+    them (a run of Megatron-LM's ``pretrain_gpt.py``) is not checked.
+
+    Args:
+        args: this run's Megatron-LM arguments, ``args.iteration`` the loaded iteration.
+        saved: the ``args`` namespace the checkpoint recorded.
+    """
+    iteration = getattr(args, "iteration", 0) or 0
+    if iteration <= 0 or not hasattr(saved, "tst_bag_size"):
+        return []
+    old, new = schedule(saved).n1, schedule(args).n1
+    if iteration >= max(old, new):
+        return []
+    problems = []
+    if old != new:
+        problems.append(
+            f"the checkpoint of iteration {iteration} was written by a run switching at "
+            f"N1 = {old}; this run switches at N1 = {new}: give the checkpoint's "
+            "--tst-phase1-iters / --tst-phase1-fraction and --train-iters (or resume after both "
+            "switches)"
+        )
+    if iteration < new:
+        for field in ("bag_size", "mode", "bag_weighting"):
+            was, now = getattr(saved, f"tst_{field}"), getattr(args, f"tst_{field}")
+            if was != now:
+                flag = "--tst-" + field.replace("_", "-")
+                problems.append(
+                    f"the checkpoint of iteration {iteration} is in TST phase 1 of a run with "
+                    f"{flag} {was}; this run has {flag} {now}: resume with {flag} {was}"
+                )
+    return problems
+
+
+def _checkpoint_args(args):
+    """The ``args`` namespace the checkpoint this run loaded (``--load``, iteration
+    ``args.iteration``) recorded, or None (nothing loaded, not a ``torch_dist`` checkpoint)."""
+    if not args.load or not getattr(args, "iteration", 0):
+        return None
+    import warnings
+
+    from megatron.core import dist_checkpointing
+    from megatron.training.checkpointing import get_checkpoint_name
+
+    path = get_checkpoint_name(args.load, args.iteration, return_base_dir=True)
+    if not os.path.isdir(path) or not os.path.exists(os.path.join(path, "metadata.json")):
+        return None  # not a dist_checkpointing (torch_dist) checkpoint
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return dist_checkpointing.load_common_state_dict(path).get("args")
+
+
 def switch_sample(args) -> int:
     """Training samples consumed before the switch: those of the first ``N1`` steps
     (:func:`consumed_samples`), so the switch is right under a batch-size schedule and after
@@ -663,6 +724,10 @@ class TSTDatasets:
         )
 
         args, tokenizer = get_args(), get_tokenizer()
+        saved = _checkpoint_args(args)
+        problems = [] if saved is None else resume_problems(args, saved)
+        if problems:  # before any data is read; main() prints them once
+            raise ConfigError("\n".join(problems))
         tst = tst_config(args)
         switch, total = switch_sample(args), consumed_samples(args, train_iters(args))
         data = data_settings(args)
