@@ -37,6 +37,9 @@ V = 128  # BASE's --vocab-size (NullTokenizer: EOD is the last id)
 LR = ["--lr-warmup-iters", "2", "--lr-decay-style", "linear", "--min-lr", "1e-4"]
 _VALID = re.compile(r"validation loss at iteration (\d+) \| lm loss value: ([0-9.E+-]+)")
 _SAVING = re.compile(r"saving checkpoint at iteration\s+(\d+) to")
+_RATE = re.compile(
+    r"TST: iteration\s+(\d+) \| raw tokens per second: [0-9.]+ \| raw tokens per sample: (\d+)"
+)
 
 
 def _run_child(rank, world, *, runs):
@@ -219,14 +222,12 @@ def test_tensorboard_scalars_against_steps_and_samples(runs):
     assert tb["tst-phase"] == {i: 1.0 if i <= N1 else 2.0 for i in steps}
     rate = tb["raw-tokens-per-second"]
     assert sorted(rate) == steps  # step i is reported at the first forward after it
-    # raw tokens of a step (S*T per phase-1 sample, T after) over Megatron-LM's iteration
-    # time: the same steps timed by two clocks, so only the order of magnitude is compared
-    # (a rate counting --seq-length tokens in phase 1 would be S = 2 times too low)
-    ratios = {}
-    for i in steps[1:]:  # Megatron-LM times no first iteration
-        per_sample = S * T if i <= N1 else T
-        ratios[i] = rate[i] * tb["iteration-time"][i] / (GBS * per_sample)
-    assert all(0.75 < r < 1.5 for r in ratios.values()), ratios
+    assert all(v > 0 and math.isfinite(v) for v in rate.values())
+    # the tokens the rate counts: S*T per phase-1 sample, T after (a rate counting
+    # --seq-length tokens in phase 1 would be S = 2 times too low); read from the printed
+    # line, not from timings, which two clocks measure differently on a loaded machine
+    per_sample = {int(i): int(n) for i, n in _RATE.findall(out)}
+    assert per_sample == {i: S * T if i <= N1 else T for i in steps}, out[-3000:]
 
 
 def _train_losses(tb) -> dict:
