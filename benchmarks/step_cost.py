@@ -44,6 +44,8 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 from measure import CollectiveBytes, PeakTensorMemory, write, write_index  # noqa: E402
 
+from tst_megatron.training import megatron_lm  # noqa: E402
+
 SMOKE_SIZE = "--num-layers 2 --hidden-size 64 --seq-length 32 --num-experts 4 "
 SMOKE_SIZE += "--moe-ffn-hidden-size 64 --vocab-size 512"
 FULL_SIZE = "--num-layers 4 --hidden-size 256 --seq-length 256 --num-experts 8 "
@@ -54,16 +56,9 @@ MICRO_BATCH = 4
 #: megatron-core's local spec, and the fusions that need their kernels (or a torch.compile
 #: warm-up) off, as the launcher's CPU_FLAGS do on a CPU.
 LOCAL_CUDA_FLAGS = [
-    "--transformer-impl",
-    "local",
-    "--no-persist-layer-norm",
-    "--no-gradient-accumulation-fusion",
-    "--no-rope-fusion",
-    "--no-bias-swiglu-fusion",
-    "--no-bias-gelu-fusion",
-    "--no-bias-dropout-fusion",
-    "--no-masked-softmax-fusion",
-    "--disable-jit-fuser",
+    f
+    for f in megatron_lm.CPU_FLAGS
+    if f not in ("--distributed-backend", "gloo", "--use-cpu-initialization")
 ]
 
 

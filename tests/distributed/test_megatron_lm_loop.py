@@ -31,6 +31,7 @@ from tests.distributed.harness import run_distributed  # noqa: E402
 from tests.launcher import BASE, EP2, NO_DROPOUT  # noqa: E402
 from tests.launcher import log_lines as _log_lines  # noqa: E402
 from tests.launcher import scalars as _scalars  # noqa: E402
+from tests.launcher import with_flag as _with  # noqa: E402
 
 N, N1, GBS, T, S = 6, 3, 4, 16, 2  # BASE: 6 iterations, the switch after 3, S = 2
 V = 128  # BASE's --vocab-size (NullTokenizer: EOD is the last id)
@@ -153,15 +154,6 @@ def _all_runs(root):
         runs[list(argvs).index("sigterm")]["sigterm_after"] = 1
     first, last = run_distributed(_run_child, 2, runs=runs)
     return {name: (first[i], last[i]) for i, name in enumerate(argvs)}
-
-
-def _with(argv, flag, value):
-    """``argv`` with ``flag value`` replacing the flag's value (or appended)."""
-    argv = list(argv)
-    if flag in argv:
-        argv[argv.index(flag) + 1] = value
-        return argv
-    return argv + [flag, value]
 
 
 def _ok(run):

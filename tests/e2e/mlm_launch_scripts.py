@@ -414,9 +414,10 @@ def shrink(argv: list, sizes: dict, drop=(), paths: dict = None) -> list:
     out, i = [], 0
     while i < len(argv):
         word, n = argv[i], flag_values(argv, i) if argv[i].startswith("--") else 0
-        if word in drop:
-            pass
-        elif word in sizes:
+        if word in drop:  # the flag and its values are left out
+            i += 1 + n
+            continue
+        if word in sizes:
             value = sizes[word]
             out += [word, *([value] if isinstance(value, str) else value)]
         else:
