@@ -15,6 +15,15 @@ import pytest
 
 from tests.launcher import ROOT
 
+# Megatron-LM's pretrain() warms up its torch.compile'd fused kernels (bias + SwiGLU/GeLU,
+# bias + dropout + add) whatever the flags say (``set_jit_fusion_options``; its
+# ``--disable-jit-fuser`` comes after the decorators ran): on a CPU an inductor C++ compile,
+# about 5 s per process, of kernels a CPU run never calls (the launcher's CPU_FLAGS turn those
+# fusions off). The tests skip it: every process they start (spawned children, launcher
+# subprocesses, torchrun and Slurm steps) inherits this, so dynamo runs the warm-up eagerly.
+# A user's run still compiles them (README, "Running on a CPU").
+os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+
 
 @pytest.fixture
 def port() -> int:

@@ -386,3 +386,30 @@ def test_eval_iters_0_skips_validation_at_the_switch_too(runs):
     assert "validation loss" not in out
     assert "TST: phase 2 (next-token) from iteration 3 (switch at 3)" in first
     assert "validation" not in first.split("TST: phase 2")[1].split("\n")[0]
+
+
+def _results_queue_child(rank, world, *, argv):
+    """``main(argv)``, then how megatron-core's torch_dist write-results queue was started."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+    from megatron.training.training import destroy_global_state
+
+    from tst_megatron.training import megatron_lm
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        megatron_lm.main(argv)
+    destroy_global_state()
+    return out.getvalue(), filesystem_async._results_queue._manager._ctx.get_start_method()
+
+
+@pytest.mark.slow
+def test_a_cpu_run_starts_the_checkpoint_results_queue_by_fork(tmp_path):
+    """megatron-core starts the queue of its first torch_dist save with a 'spawn' Manager,
+    whose server re-imports the launcher (about 8 s a run on 2 cores); a CPU run starts it by
+    'fork' beforehand, as Megatron-LM's persistent checkpoint worker does."""
+    argv = _with(_with(BASE, "--train-iters", "2"), "--tst-phase1-iters", "1")
+    argv += ["--save", str(tmp_path / "ckpt"), "--save-interval", "2"]
+    argv += ["--ckpt-format", "torch_dist"]
+    ((printed, method),) = run_distributed(_results_queue_child, 1, argv=argv)
+    assert re.findall(r"saving checkpoint at iteration\s+(\d+) to", printed) == ["1", "2"]
+    assert method == "fork"

@@ -1148,6 +1148,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         from tst_megatron.runtime import cpu
 
         cpu.enable(training=True)  # again: modules imported since
+        fork_checkpoint_results_queue()
     cfg = pretrain_cfg_container_from_args(args)
     try:
         pretrain(
@@ -1159,6 +1160,26 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         )
     except ConfigError as exc:  # found inside: the datasets provider's data checks
         _exit_on(exc)
+
+
+def fork_checkpoint_results_queue() -> None:
+    """Start megatron-core's torch_dist write-results queue now, by ``fork`` (a CPU run).
+
+    megatron-core's ``FileSystemWriterAsync`` makes the queue at a process's first torch_dist
+    save (``filesystem_async.get_write_results_queue``) with a multiprocessing ``Manager``
+    started by ``spawn``, whose server process re-imports the launcher and with it torch and
+    megatron-core: about 8 s of both CPU cores at the first save of every run on a 2-core
+    machine. Megatron-LM makes the same queue with ``mp_mode="fork"`` when it starts its
+    persistent checkpoint worker (``megatron.training.async_utils``); this does what that does,
+    through the same public function, before ``pretrain()``. Only for a CPU run: on a GPU the
+    launcher keeps megatron-core's default (no fork of a process that holds a CUDA context).
+    Idempotent (the queue is made once per process).
+    """
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import (
+        get_write_results_queue,
+    )
+
+    get_write_results_queue(mp_mode="fork")
 
 
 def _exit_on(exc: ConfigError) -> typing.NoReturn:
