@@ -274,8 +274,7 @@ def test_resuming_phase_1_with_another_bag_size_stops_with_one_line(run_launcher
     assert again.returncode == 2, again.stderr[-3000:]
     assert len(errors) == 1 and "--tst-bag-size 2" in errors[0], errors
     assert "Traceback" not in again.stderr
-    same = run_launcher(*argv)  # the same settings resume
-    assert same.returncode == 0, same.stderr[-3000:]
+    # the same settings resume: test_megatron_lm_layouts.py (and resume_problems above)
 
 
 def megatron_lm_with(argv, flag, value):
