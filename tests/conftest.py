@@ -21,7 +21,7 @@ from tests.launcher import ROOT
 # about 5 s per process, of kernels a CPU run never calls (the launcher's CPU_FLAGS turn those
 # fusions off). The tests skip it: every process they start (spawned children, launcher
 # subprocesses, torchrun and Slurm steps) inherits this, so dynamo runs the warm-up eagerly.
-# A user's run still compiles them (README, "Running on a CPU").
+# A user's run still compiles them (docs/design.md, "megatron-core on the CPU").
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 
 
