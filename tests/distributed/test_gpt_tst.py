@@ -17,7 +17,7 @@ V, T, S, B, LAYERS, EXPERTS = 64, 8, 4, 2, 2, 4
 MICRO_BATCHES = 2
 
 
-def _config(tp=1, pp=1, ep=1, dispatcher="alltoall", aux=0.0):
+def _config(tp=1, pp=1, ep=1, dispatcher="alltoall"):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     return TransformerConfig(
@@ -29,7 +29,7 @@ def _config(tp=1, pp=1, ep=1, dispatcher="alltoall", aux=0.0):
         moe_router_topk=2,
         moe_ffn_hidden_size=32,
         moe_token_dispatcher_type=dispatcher,
-        moe_aux_loss_coeff=aux,
+        moe_aux_loss_coeff=0.0,
         normalization="RMSNorm",
         gated_linear_unit=True,
         add_bias_linear=False,
@@ -97,7 +97,7 @@ def _mce(model, batch, tp_group):
     return out, loss_func
 
 
-def _model_child(rank, world, *, tp, pp, ep, dispatcher, batches, aux=0.0):
+def _model_child(rank, world, *, tp, pp, ep, dispatcher, batches):
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -113,7 +113,7 @@ def _model_child(rank, world, *, tp, pp, ep, dispatcher, batches, aux=0.0):
     )
     set_seed(7)
     model = build_gpt_model(
-        _config(tp, pp, ep, dispatcher, aux),
+        _config(tp, pp, ep, dispatcher),
         vocab_size=V,
         max_sequence_length=T,
         pre_process=ps.is_pipeline_first_stage(),
