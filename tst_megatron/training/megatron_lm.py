@@ -1168,8 +1168,7 @@ def fork_checkpoint_results_queue() -> None:
     megatron-core's ``FileSystemWriterAsync`` makes the queue at a process's first torch_dist
     save (``filesystem_async.get_write_results_queue``) with a multiprocessing ``Manager``
     started by ``spawn``, whose server process re-imports the launcher and with it torch and
-    megatron-core: about 8 s of both CPU cores at the first save of every run on a 2-core
-    machine. Megatron-LM makes the same queue with ``mp_mode="fork"`` when it starts its
+    megatron-core: about 8 s at each process's first save on a 2-core machine. Megatron-LM makes the same queue with ``mp_mode="fork"`` when it starts its
     persistent checkpoint worker (``megatron.training.async_utils``); this does what that does,
     through the same public function, before ``pretrain()``. Only for a CPU run: on a GPU the
     launcher keeps megatron-core's default (no fork of a process that holds a CUDA context).
