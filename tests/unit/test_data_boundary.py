@@ -167,6 +167,12 @@ def test_weighted_blend_unquoted_and_quoted(tmp_path):
     assert not unquoted.mock_data and data_prefixes(quoted.data_path) == [a, b]
     assert data_settings(parser.parse_args(["--data-path", a])).data_path == a
     assert data_settings(parser.parse_args([])).mock_data  # no --data-path: mock data
+    # --data-args-path: a file holding what --data-path would (Megatron-LM's
+    # get_blend_and_blend_per_split); not mock data
+    args_file = tmp_path / "data_args.txt"
+    args_file.write_text(f"0.7 {a}\n0.3 {b}\n")
+    from_file = data_settings(parser.parse_args(["--data-args-path", str(args_file)]))
+    assert from_file == unquoted and not from_file.mock_data
 
 
 # --- index caches ------------------------------------------------------------------------------

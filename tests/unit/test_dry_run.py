@@ -345,6 +345,17 @@ def test_parameter_counts_equal_the_built_models():
             "2",
             "--pipeline-model-parallel-size > 1 on a CPU needs --untie-embeddings",
         ),
+        (
+            ["--pipeline-model-parallel-size", "2", "--untie-embeddings-and-output-weights"]
+            + ["--mtp-num-layers", "1", "--position-embedding-type", "rope"],
+            "cpu",
+            "2",
+            "--mtp-num-layers with --pipeline-model-parallel-size > 1 needs CUDA",
+        ),
+        # a CPU run appends --transformer-impl local --distributed-backend gloo: a user's
+        # other choice is refused, not overridden
+        (["--transformer-impl", "transformer_engine"], "cpu", "1", "--transformer-impl trans"),
+        (["--distributed-backend", "nccl"], "cpu", "1", "--distributed-backend nccl needs CUDA"),
     ],
 )
 def test_settings_megatron_lm_accepts_but_cannot_run_are_one_error_line(
@@ -363,6 +374,26 @@ def test_settings_megatron_lm_accepts_but_cannot_run_are_one_error_line(
     assert [e for e in _errors(r.stderr + r.stdout) if expected in e], r.stderr + r.stdout
     ok = dry(SMALL + ["--device", device], env={"WORLD_SIZE": world})
     assert ok.returncode == 0, ok.stderr
+
+
+@pytest.mark.parametrize(
+    "extra, expected",
+    [
+        (["--train-data-path", "t"], "--train-data-path is not supported"),
+        (["--valid-data-path", "v"], "--valid-data-path is not supported"),
+        (["--per-split-data-args-path", "s.json"], "--per-split-data-args-path is not"),
+        (["--data-args-path", "/nonexistent/args"], "/nonexistent/args: no readable file"),
+    ],
+)
+def test_data_flags_the_launcher_cannot_honour_are_refused_not_run_on_mock_data(extra, expected):
+    """The datasets provider reads one blend (``--data-path`` or ``--data-args-path``) with
+    ``--split``; Megatron-LM accepts per-split paths alone, and the run would have trained on
+    mock data. Refused in a baseline run (``--tst-bag-size 1``) as in a TST one."""
+    argv = [a for a in SMALL if a != "--mock-data"] + extra
+    for bag in ("1", "2"):
+        r = dry(argv + ["--tst-bag-size", bag, "--device", "cpu"])
+        assert r.returncode == 2
+        assert [e for e in _errors(r.stderr + r.stdout) if expected in e], r.stderr + r.stdout
 
 
 def test_a_cpu_run_with_tp_needs_no_cuda_device_max_connections():

@@ -62,10 +62,23 @@ class DataSettings:
 
 
 def data_settings(args) -> DataSettings:
-    """:class:`DataSettings` from a Megatron-LM argument namespace (``get_args()``)."""
+    """:class:`DataSettings` from a Megatron-LM argument namespace (``get_args()``).
+
+    The data path is ``--data-path``'s words, or with ``--data-args-path`` the words of that
+    file (Megatron-LM's ``get_blend_and_blend_per_split``: the file holds what
+    ``--data-path`` would). Neither: mock data, as in Megatron-LM.
+
+    Raises:
+        OSError: the ``--data-args-path`` file cannot be read (the launcher checks it first:
+            :func:`tst_megatron.training.megatron_lm.data_problems`).
+    """
+    words = args.data_path
+    if getattr(args, "data_args_path", None):
+        with open(args.data_args_path) as f:
+            words = f.read().split()
     return DataSettings(
-        mock_data=bool(args.mock_data or not args.data_path),
-        data_path=" ".join(args.data_path) if args.data_path else None,
+        mock_data=bool(args.mock_data or not words),
+        data_path=" ".join(words) if words else None,
         split=args.split,
         data_cache_path=args.data_cache_path,
         reset_position_ids=args.reset_position_ids,

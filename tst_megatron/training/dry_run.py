@@ -530,14 +530,10 @@ def check(argv: Sequence[str]) -> tuple[Optional[argparse.Namespace], list[str],
         from megatron.training.argument_utils import core_transformer_config_from_args
         from megatron.training.arguments import validate_args
 
-        from tst_megatron.training.megatron_lm import (
-            CPU_FLAGS,
-            cpu_problems,
-            late_megatron_problems,
-            tst_problems,
-        )
+        from tst_megatron.training.megatron_lm import CPU_FLAGS, launch_problems
 
         cpu = _device_flag(argv) == "cpu"
+        user_argv = list(argv)
         if cpu:
             argv += list(CPU_FLAGS)
 
@@ -567,9 +563,7 @@ def check(argv: Sequence[str]) -> tuple[Optional[argparse.Namespace], list[str],
     except (AssertionError, ValueError) as exc:  # Megatron-LM's calculator refused it
         problems.append(validation_error(exc).replace("argument validation", "batch-size schedule"))
         return args, problems, notes
-    problems += late_megatron_problems(args) + tst_problems(args, config=config)
-    if cpu:
-        problems += cpu_problems(args)
+    problems += launch_problems(args, user_argv, cpu=cpu, config=config)
     return args, problems, notes
 
 

@@ -99,9 +99,11 @@ from tst_megatron.training import fields
 from tst_megatron.training.forward import make_phase1_step, make_phase2_step, unwrap
 
 #: Flags appended to the command line of a CPU run: Megatron-LM's defaults assume CUDA
-#: kernels (Transformer Engine, fused norms/RoPE/SwiGLU, gradient-accumulation fusion, NCCL)
-#: and ``pretrain()`` warms up ``torch.compile`` kernels (a C++ compile on a CPU) unless the
-#: JIT fuser is off.
+#: kernels (Transformer Engine, fused norms/RoPE/SwiGLU, gradient-accumulation fusion, NCCL).
+#: ``--disable-jit-fuser`` keeps the fusions' ``torch.compile`` out of the training steps;
+#: ``pretrain()``'s warm-up of them still runs (its decorators ran at import; the tests set
+#: ``TORCHDYNAMO_DISABLE=1``). A user's own ``--transformer-impl`` / ``--distributed-backend``
+#: other than these is refused (:func:`cpu_flag_problems`), not silently overridden.
 CPU_FLAGS = (
     "--transformer-impl",
     "local",
@@ -391,12 +393,34 @@ def _tst_setting_problems(args) -> list[str]:
             f"--dataloader-type {args.dataloader_type} is not supported with TST {bags}: the "
             "phase of a sample is read from its position in the 'single' sampler's order"
         )
-    for flag in ("train_data_path", "valid_data_path", "test_data_path"):
+    return problems
+
+
+def data_problems(args) -> list[str]:
+    """Data flags Megatron-LM accepts that this launcher cannot honour, one line each naming
+    the flag (empty: none). Reads only (``--data-args-path``: whether the file is readable).
+
+    - ``--train-data-path`` / ``--valid-data-path`` / ``--test-data-path`` /
+      ``--per-split-data-args-path``: the datasets provider builds the three splits from one
+      blend with ``--split`` (:func:`~tst_megatron.training.data.build_datasets`); without
+      this check a run given only these would train on mock data.
+    - ``--data-args-path`` naming a file that cannot be read.
+    """
+    problems = []
+    for flag in (
+        "train_data_path",
+        "valid_data_path",
+        "test_data_path",
+        "per_split_data_args_path",
+    ):
         if getattr(args, flag, None):
             problems.append(
                 f"--{flag.replace('_', '-')} is not supported by this launcher yet; use "
-                "--data-path with --split (or --mock-data)"
+                "--data-path (or --data-args-path) with --split, or --mock-data"
             )
+    path = getattr(args, "data_args_path", None)
+    if path and not os.access(path, os.R_OK):
+        problems.append(f"--data-args-path {path}: no readable file there")
     return problems
 
 
@@ -452,6 +476,9 @@ def cpu_problems(args) -> list[str]:
       only ``torch.cuda.*`` parameter types.
     - ``--log-memory-to-tensorboard``: Megatron-LM reads CUDA memory statistics
       (``KeyError: 'reserved_bytes.all.current'`` at the first log line).
+    - ``--mtp-num-layers`` with pipeline parallelism: megatron-core gives the last stage its
+      own copy of the embedding and sets it up with ``weight.data.cuda()``
+      (``LanguageModule.setup_embeddings_and_output_layer``).
     """
     problems = []
     for flag, on in (("--bf16", args.bf16), ("--fp16", args.fp16)):
@@ -473,6 +500,36 @@ def cpu_problems(args) -> list[str]:
         problems.append(
             "--pipeline-model-parallel-size > 1 on a CPU needs --untie-embeddings-and-output-"
             "weights (megatron-core's tied-embedding all-reduce calls .cuda())"
+        )
+    elif args.pipeline_model_parallel_size > 1 and getattr(args, "mtp_num_layers", None):
+        problems.append(
+            "--mtp-num-layers with --pipeline-model-parallel-size > 1 needs CUDA (megatron-core "
+            "sets up the last stage's copy of the embedding with .cuda()); drop one for a CPU run"
+        )
+    return problems
+
+
+def cpu_flag_problems(argv: Sequence[str]) -> list[str]:
+    """The user's own ``--transformer-impl`` / ``--distributed-backend`` that a CPU run's
+    :data:`CPU_FLAGS` would override (``local`` / ``gloo``), one line each (empty: none).
+
+    Args:
+        argv: the command line as the user gave it, before :data:`CPU_FLAGS` are appended.
+    """
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    parser.add_argument("--transformer-impl")
+    parser.add_argument("--distributed-backend")
+    given, _ = parser.parse_known_args(list(argv))
+    problems = []
+    if given.transformer_impl not in (None, "local"):
+        problems.append(
+            f"--transformer-impl {given.transformer_impl} needs CUDA; a CPU run uses local "
+            "(drop the flag or run with --device cuda)"
+        )
+    if given.distributed_backend not in (None, "gloo"):
+        problems.append(
+            f"--distributed-backend {given.distributed_backend} needs CUDA; a CPU run uses "
+            "gloo (drop the flag or run with --device cuda)"
         )
     return problems
 
@@ -1077,6 +1134,25 @@ def _use_prebuilt_dataset_helpers() -> None:
     dataset_utils.compile_helpers = compile_helpers
 
 
+def launch_problems(args, user_argv: Sequence[str], *, cpu: bool, config=None) -> list[str]:
+    """Everything the launcher refuses on top of Megatron-LM's ``validate_args``, one line
+    each (empty: none), in this order: :func:`late_megatron_problems`, :func:`data_problems`,
+    :func:`tst_problems`, and for a CPU run :func:`cpu_problems` and
+    :func:`cpu_flag_problems`. The launch (:func:`parse`) and the dry run call it alike.
+
+    Args:
+        args: Megatron-LM's arguments after ``validate_args``.
+        user_argv: the command line as given, before :data:`CPU_FLAGS` are appended.
+        cpu: a CPU run (``--device cpu``).
+        config: passed to :func:`tst_problems`.
+    """
+    problems = late_megatron_problems(args) + data_problems(args)
+    problems += tst_problems(args, config=config)
+    if cpu:
+        problems += cpu_problems(args) + cpu_flag_problems(user_argv)
+    return problems
+
+
 def parse(argv: Sequence[str]):
     """Megatron-LM's ``parse_and_validate_args`` with :func:`add_tst_args` on ``argv`` (CPU
     flags appended for a CPU run), then :func:`tst_problems`.
@@ -1091,7 +1167,8 @@ def parse(argv: Sequence[str]):
     from megatron.training.arguments import parse_and_validate_args
 
     device = pick_device(argv)
-    argv = list(argv) + (list(CPU_FLAGS) if device == "cpu" else [])
+    user_argv = list(argv)
+    argv = user_argv + (list(CPU_FLAGS) if device == "cpu" else [])
     if device == "cpu":
         from tst_megatron.runtime import cpu
 
@@ -1109,9 +1186,7 @@ def parse(argv: Sequence[str]):
         raise ConfigError(validation_error(exc)) from None
     finally:
         sys.argv = saved
-    problems = late_megatron_problems(args) + tst_problems(args)
-    if device == "cpu":
-        problems += cpu_problems(args)
+    problems = launch_problems(args, user_argv, cpu=device == "cpu")
     if problems:
         raise ConfigError("\n".join(problems))
     return args, device
