@@ -72,6 +72,12 @@ RUNS = {
         "TE bf16",
         "FP8 hybrid, current (per-tensor) scaling: finite, close to bf16",
     ),
+    # the distributed optimizer without Transformer Engine too (the lent H200 has none)
+    "local distopt alltoall": (
+        LOCAL + ["--use-distributed-optimizer", "--moe-token-dispatcher-type", "alltoall"],
+        "local bf16",
+        "local spec: distributed optimizer + alltoall dispatcher, close to local bf16",
+    ),
     "TE distopt alltoall grouped": (
         TE
         + [

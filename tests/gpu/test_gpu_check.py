@@ -75,6 +75,8 @@ def test_its_launch_lines_pass_the_launchers_checks():
     grouped = gpu_check.argv_of("TE distopt alltoall grouped")
     for flag in ("--use-distributed-optimizer", "--moe-grouped-gemm", "alltoall"):
         assert flag in grouped
+    local_distopt = gpu_check.argv_of("local distopt alltoall")  # runs without TE
+    assert "--use-distributed-optimizer" in local_distopt and "alltoall" in local_distopt
     recipes = {
         gpu_check.argv_of(n)[gpu_check.argv_of(n).index("--fp8-recipe") + 1]
         for n in names
@@ -159,10 +161,12 @@ def test_without_transformer_engine_its_rows_say_skipped(monkeypatch):
     rows = []
     results = module.check_training(rows, "log")
     module.check_fp8_resume(rows, "log", results)
-    assert list(results) == ["local bf16"] and trained == [module.argv_of("local bf16")]
-    assert rows[0][2] == "pass"
+    local = [n for n in module.RUNS if not n.startswith("TE")]
+    assert local == ["local bf16", "local distopt alltoall"]
+    assert list(results) == local and trained == [module.argv_of(n) for n in local]
+    assert [r[2] for r in rows if r[1] != module.NO_TE] == ["pass", "pass"]
     te_rows = [r for r in rows if r[1] == module.NO_TE]
-    assert len(te_rows) == len(module.RUNS) - 1 + 1  # every TE run, and the FP8 resume
+    assert len(te_rows) == len(module.RUNS) - len(local) + 1  # every TE run, the FP8 resume
     assert all(r[2] == "-" for r in te_rows)
     assert module.NO_TE == "skipped: Transformer Engine not installed"
     # a run that misses iterations (no switch reached) or goes NaN fails
