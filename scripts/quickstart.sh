@@ -13,7 +13,9 @@
 #      plain transformers.
 # Each step reuses its output when it is already there, so a second run starts training at
 # once (and, when the last checkpoint is at --train-iters, only redraws the plot).
-# Extra arguments are appended to the launcher's flags (any Megatron-LM flag, e.g. --train-iters 800).
+# Extra arguments are appended to the launcher's flags (any Megatron-LM flag). A longer run
+# (e.g. --train-iters 800 --lr-wsd-decay-iters 80) starts over: remove runs/quickstart/checkpoints
+# and runs/quickstart/tensorboard first (Megatron-LM refuses to resume under another length).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
