@@ -462,6 +462,9 @@ HALF = ["--bf16"]
 MEMORY = ["--log-memory-to-tensorboard"]
 #: Grouped GEMM and permute fusion are Transformer Engine (or grouped_gemm) kernels.
 TE_MOE = ["--moe-grouped-gemm", "--moe-permute-fusion"]
+#: --transformer-impl transformer_engine: a CPU run uses the local spec, and the launcher
+#: refuses another --transformer-impl rather than override it (``cpu_flag_problems``).
+TE_IMPL = ["--transformer-impl"]
 #: --apply-layernorm-1p (zero-centred gamma): the CPU run's norm (the local spec with the
 #: project's norms, tst_megatron.runtime.norm) refuses it without Transformer Engine or Apex.
 LAYERNORM_1P = ["--apply-layernorm-1p"]
@@ -510,7 +513,7 @@ SHRUNK = {
     "qwen3_30b_a3b": {
         "script": QWEN3_30B_A3B,
         "sizes": {"--expert-model-parallel-size": "2", "--moe-token-dispatcher-type": "alltoall"},
-        "drop": DIST_OPT + HALF + TE_MOE + [
+        "drop": DIST_OPT + HALF + TE_MOE + TE_IMPL + [
             "--moe-router-fusion",  # Transformer Engine's fused router
             "--moe-flex-dispatcher-backend",  # flex: DeepEP (CUDA); alltoall instead
             # the script's fp8 recipe (Transformer Engine); the precision-aware optimizer
@@ -535,7 +538,7 @@ SHRUNK = {
             "--q-lora-rank": "32", "--kv-lora-rank": "16", "--qk-head-dim": "16",
             "--qk-pos-emb-head-dim": "8", "--v-head-dim": "16",
         },
-        "drop": DIST_OPT + HALF + TE_MOE + [
+        "drop": DIST_OPT + HALF + TE_MOE + TE_IMPL + [
             "--moe-flex-dispatcher-backend",  # flex: HybridEP (CUDA); alltoall instead
             # Megatron-FSDP (USE_MEGATRON_FSDP=1): Megatron-LM refuses it with
             # CUDA_DEVICE_MAX_CONNECTIONS=1, which the launcher sets on a CPU; it also needs
@@ -554,7 +557,7 @@ SHRUNK = {
     "gpt_oss": {
         "script": GPT_OSS,
         "sizes": {"--pipeline-model-parallel-size": "2", "--window-size": "8,0"},
-        "drop": FP8 + DIST_OPT + HALF + TE_MOE,
+        "drop": FP8 + DIST_OPT + HALF + TE_MOE + TE_IMPL,
         "data": "mock",
     },
 }  # fmt: skip
