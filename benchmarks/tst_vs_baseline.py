@@ -602,21 +602,30 @@ def crossing(points: list) -> "tuple | None":
     return None
 
 
-def crossing_text(label: str, points: list) -> str:
+def crossing_text(label: str, points: list, last_seeds: "list | None" = None) -> str:
+    """One line: where the mean gaps ``points`` (``[(steps, gap)]``) change sign, if they do;
+    with ``last_seeds`` (the last length's gap at each seed) it adds when those seeds fall on
+    both sides of zero: a tie within the seeds' spread, whatever the mean's sign."""
     if not points:
         return f"- {label}: not run."
+    tie = ""
+    if last_seeds and min(last_seeds) < 0 < max(last_seeds):
+        tie = (
+            f" At {points[-1][0]} steps its seeds fall on both sides of the baseline "
+            f"({min(last_seeds):+.4f} to {max(last_seeds):+.4f}): a tie within the seeds' spread."
+        )
     found = crossing(points)
     if found:
         n0, n1, estimate = found
         return (
             f"- {label}: crosses the baseline between {n0} and {n1} steps "
-            f"(about {estimate} by linear interpolation in log steps)."
+            f"(about {estimate} by linear interpolation in log steps).{tie}"
         )
     if all(d <= 0 for _, d in points):
-        return f"- {label}: at or below the baseline at every length measured."
+        return f"- {label}: at or below the baseline at every length measured.{tie}"
     return (
         f"- {label}: above the baseline at every length measured "
-        f"(last gap {points[-1][1]:+.4f} nats at {points[-1][0]} steps)."
+        f"(last gap {points[-1][1]:+.4f} nats at {points[-1][0]} steps).{tie}"
     )
 
 
@@ -817,7 +826,9 @@ def horizons_report(args, rows: list, labels: list, train_tokens: int, name: str
                 f"({r['best']['lr']:g}): the gaps above are against the better baseline.",
             ]
     lines += ["", "## Where the curves cross", ""]
-    lines += [crossing_text(label, gaps(rows, label)) for label in labels]
+    for label in labels:
+        seeds = [g for r in rows if (g := seed_gaps(r, label))]
+        lines.append(crossing_text(label, gaps(rows, label), seeds[-1] if seeds else None))
     below = [
         f"{label} at {steps} steps ({gap:+.4f})"
         for label in labels

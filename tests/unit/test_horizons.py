@@ -35,6 +35,10 @@ def test_crossing_is_linear_in_log_steps():
     assert "above the baseline at every length" in crossing_text("S=2 full", [(600, 0.3)])
     assert "at or below the baseline at every length" in crossing_text("x", [(600, -0.1)])
     assert "between 3000 and 6000 steps" in crossing_text("x", points)
+    # the 3000-step S = 2 output gaps of three seeds: the mean is above, the seeds straddle 0
+    straddle = crossing_text("x", [(3000, 0.0009)], [-0.0088, -0.0001, 0.0114])
+    assert "above the baseline" in straddle and "a tie within the seeds' spread" in straddle
+    assert "tie" not in crossing_text("x", [(3000, 0.02)], [0.013, 0.017, 0.031])
     assert parse_arms("2:full,4:output") == [(2, "full"), (4, "output")]
     with pytest.raises(SystemExit):
         parse_arms("2:both")
