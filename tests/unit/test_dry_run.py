@@ -345,8 +345,8 @@ def test_parameter_counts_equal_the_built_models():
             "2",
             "--pipeline-model-parallel-size > 1 on a CPU needs --untie-embeddings",
         ),
-        (
-            ["--pipeline-model-parallel-size", "2", "--untie-embeddings-and-output-weights"]
+        (  # tied embeddings too: both lines, not only the first
+            ["--pipeline-model-parallel-size", "2"]
             + ["--mtp-num-layers", "1", "--position-embedding-type", "rope"],
             "cpu",
             "2",
@@ -356,6 +356,7 @@ def test_parameter_counts_equal_the_built_models():
         # other choice is refused, not overridden
         (["--transformer-impl", "transformer_engine"], "cpu", "1", "--transformer-impl trans"),
         (["--distributed-backend", "nccl"], "cpu", "1", "--distributed-backend nccl needs CUDA"),
+        (["--yaml-cfg", "c.yaml"], "auto", "1", "--yaml-cfg is not supported"),
     ],
 )
 def test_settings_megatron_lm_accepts_but_cannot_run_are_one_error_line(
@@ -383,12 +384,19 @@ def test_settings_megatron_lm_accepts_but_cannot_run_are_one_error_line(
         (["--valid-data-path", "v"], "--valid-data-path is not supported"),
         (["--per-split-data-args-path", "s.json"], "--per-split-data-args-path is not"),
         (["--data-args-path", "/nonexistent/args"], "/nonexistent/args: no readable file"),
+        (["--data-args-path", "/"], "--data-args-path /: no readable file"),  # a directory
+        (["--data-args-path", "EMPTY", "--split", "98,2,0"], "is empty"),
+        (["--data-args-path", __file__], "--data-args-path needs --split"),
     ],
 )
-def test_data_flags_the_launcher_cannot_honour_are_refused_not_run_on_mock_data(extra, expected):
+def test_data_flags_the_launcher_cannot_honour_are_refused_not_run_on_mock_data(
+    extra, expected, tmp_path
+):
     """The datasets provider reads one blend (``--data-path`` or ``--data-args-path``) with
     ``--split``; Megatron-LM accepts per-split paths alone, and the run would have trained on
     mock data. Refused in a baseline run (``--tst-bag-size 1``) as in a TST one."""
+    (tmp_path / "empty").write_text(" \n")
+    extra = [str(tmp_path / "empty") if word == "EMPTY" else word for word in extra]
     argv = [a for a in SMALL if a != "--mock-data"] + extra
     for bag in ("1", "2"):
         r = dry(argv + ["--tst-bag-size", bag, "--device", "cpu"])

@@ -530,7 +530,10 @@ def check(argv: Sequence[str]) -> tuple[Optional[argparse.Namespace], list[str],
         from megatron.training.argument_utils import core_transformer_config_from_args
         from megatron.training.arguments import validate_args
 
-        from tst_megatron.training.megatron_lm import CPU_FLAGS, launch_problems
+        from tst_megatron.training.megatron_lm import CPU_FLAGS, argv_problems, launch_problems
+
+        if argv_problems(argv):
+            return None, argv_problems(argv), notes
 
         cpu = _device_flag(argv) == "cpu"
         user_argv = list(argv)

@@ -404,7 +404,10 @@ def data_problems(args) -> list[str]:
       ``--per-split-data-args-path``: the datasets provider builds the three splits from one
       blend with ``--split`` (:func:`~tst_megatron.training.data.build_datasets`); without
       this check a run given only these would train on mock data.
-    - ``--data-args-path`` naming a file that cannot be read.
+    - ``--data-args-path`` naming no readable file, or a file without a word in it (it would
+      leave the run on mock data), or without ``--split`` (Megatron-LM's ``validate_args``
+      sets its default split only for ``--data-path``; megatron-core's dataset config would
+      assert inside ``pretrain()``).
     """
     problems = []
     for flag in (
@@ -419,9 +422,35 @@ def data_problems(args) -> list[str]:
                 "--data-path (or --data-args-path) with --split, or --mock-data"
             )
     path = getattr(args, "data_args_path", None)
-    if path and not os.access(path, os.R_OK):
+    if path and not (os.path.isfile(path) and os.access(path, os.R_OK)):
         problems.append(f"--data-args-path {path}: no readable file there")
+    elif path:
+        with open(path) as f:
+            if not f.read().split():
+                problems.append(
+                    f"--data-args-path {path} is empty: it should hold what --data-path would "
+                    "(prefixes, optionally with weights)"
+                )
+        if not args.split:
+            problems.append("--data-args-path needs --split (e.g. --split 969,30,1)")
     return problems
+
+
+def argv_problems(argv: Sequence[str]) -> list[str]:
+    """Flags refused as given on the command line, before Megatron-LM parses it (empty:
+    none): ``--yaml-cfg`` (Megatron-LM's experimental YAML config replaces the whole parsed
+    namespace, so the ``--tst-*`` flags, ``--device`` and a CPU run's :data:`CPU_FLAGS` would
+    be lost).
+
+    Args:
+        argv: the command line as the user gave it.
+    """
+    if any(word == "--yaml-cfg" or word.startswith("--yaml-cfg=") for word in argv):
+        return [
+            "--yaml-cfg is not supported by this launcher: Megatron-LM's experimental YAML "
+            "config replaces the whole command line, --tst-* flags included; pass the flags"
+        ]
+    return []
 
 
 def late_megatron_problems(args) -> list[str]:
@@ -501,7 +530,7 @@ def cpu_problems(args) -> list[str]:
             "--pipeline-model-parallel-size > 1 on a CPU needs --untie-embeddings-and-output-"
             "weights (megatron-core's tied-embedding all-reduce calls .cuda())"
         )
-    elif args.pipeline_model_parallel_size > 1 and getattr(args, "mtp_num_layers", None):
+    if args.pipeline_model_parallel_size > 1 and getattr(args, "mtp_num_layers", None):
         problems.append(
             "--mtp-num-layers with --pipeline-model-parallel-size > 1 needs CUDA (megatron-core "
             "sets up the last stage's copy of the embedding with .cuda()); drop one for a CPU run"
@@ -1154,18 +1183,22 @@ def launch_problems(args, user_argv: Sequence[str], *, cpu: bool, config=None) -
 
 
 def parse(argv: Sequence[str]):
-    """Megatron-LM's ``parse_and_validate_args`` with :func:`add_tst_args` on ``argv`` (CPU
-    flags appended for a CPU run), then :func:`tst_problems`.
+    """:func:`argv_problems`, then Megatron-LM's ``parse_and_validate_args`` with
+    :func:`add_tst_args` on ``argv`` (CPU flags appended for a CPU run), then
+    :func:`launch_problems`.
 
     Returns:
         ``(args, device)``.
 
     Raises:
-        ConfigError: Megatron-LM's validation failed (its assertion message) or TST checks
-            found problems (one line each).
+        ConfigError: a refused flag, Megatron-LM's validation failed (its assertion message),
+            or the launcher's checks found problems (one line each).
     """
     from megatron.training.arguments import parse_and_validate_args
 
+    problems = argv_problems(argv)
+    if problems:
+        raise ConfigError("\n".join(problems))
     device = pick_device(argv)
     user_argv = list(argv)
     argv = user_argv + (list(CPU_FLAGS) if device == "cpu" else [])
