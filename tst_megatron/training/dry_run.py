@@ -532,8 +532,9 @@ def check(argv: Sequence[str]) -> tuple[Optional[argparse.Namespace], list[str],
 
         from tst_megatron.training.megatron_lm import CPU_FLAGS, argv_problems, launch_problems
 
-        if argv_problems(argv):
-            return None, argv_problems(argv), notes
+        refused = argv_problems(argv)
+        if refused:
+            return None, refused, notes
 
         cpu = _device_flag(argv) == "cpu"
         user_argv = list(argv)
