@@ -46,10 +46,24 @@ def test_site_packages_reads_installed_code_without_tests(tmp_path):
         for d, _, files in os.walk(root)
         for f in files
         if f.endswith(".py")
+        and not f.startswith("__editable__")
         and not {"tests", "test", "__pycache__", "idle_test", "site-packages"}
         & set(os.path.relpath(d, root).split(os.sep))
     )
     assert texts[0] == open(first, encoding="utf-8", errors="replace").read()
+
+
+def test_site_packages_skips_editable_finders_that_name_the_checkout(tmp_path, monkeypatch):
+    # pip writes __editable___<project>_finder.py with the checkout's absolute path: a corpus
+    # with it changes with where the project is cloned
+    site = tmp_path / "site"
+    (site / "pkg").mkdir(parents=True)
+    (site / "pkg" / "mod.py").write_text("x = 1")
+    (site / "__editable___proj_0_1_0_finder.py").write_text("MAPPING = {'proj': '/work/x'}")
+    paths = dict(sysconfig.get_paths(), purelib=str(site), platlib=str(site))
+    monkeypatch.setattr(sysconfig, "get_paths", lambda: paths)
+    build_corpus("python-site-packages", str(tmp_path / "s.jsonl"))
+    assert _texts(tmp_path / "s.jsonl") == ["x = 1"]
 
 
 def test_system_docs_reads_plain_and_gzip_text(tmp_path):
