@@ -753,6 +753,26 @@ def gaps(rows: list, label: str) -> list:
     return [(r["steps"], sum(g) / len(g)) for r in rows if (g := seed_gaps(r, label))]
 
 
+def below_text(rows: list, labels: list) -> str:
+    """The report's line of the lengths where an arm is below the baseline: below at every
+    seed, or below on the mean only while its seeds fall on both sides of zero (a tie within
+    the seeds' spread, not a win)."""
+    every, mean_only = [], []
+    for label in labels:
+        for r in rows:
+            values = seed_gaps(r, label)
+            if values and max(values) < 0:
+                every.append(f"{label} at {r['steps']} steps ({gap_cell(values)})")
+            elif values and sum(values) < 0:
+                mean_only.append(f"{label} at {r['steps']} steps ({gap_cell(values)})")
+    text = "TST below the baseline at equal steps, at every seed: " + (
+        "; ".join(every) if every else "none"
+    )
+    if mean_only:
+        text += "; below on the mean only, its seeds on both sides (a tie): " + "; ".join(mean_only)
+    return text + "."
+
+
 def gap_cell(values: list) -> str:
     """``+0.0123`` for one seed; ``+0.0123 [-0.0040, +0.0301] (3 seeds)``: mean, then the
     smallest and largest seed's gap."""
@@ -829,15 +849,9 @@ def horizons_report(args, rows: list, labels: list, train_tokens: int, name: str
     for label in labels:
         seeds = [g for r in rows if (g := seed_gaps(r, label))]
         lines.append(crossing_text(label, gaps(rows, label), seeds[-1] if seeds else None))
-    below = [
-        f"{label} at {steps} steps ({gap:+.4f})"
-        for label in labels
-        for steps, gap in gaps(rows, label)
-        if gap < 0
-    ]
     lines += [
         "",
-        "TST below the baseline at equal steps: " + ("; ".join(below) if below else "none") + ".",
+        below_text(rows, labels),
         "",
         f"![TST - baseline against steps]({name}.png)",
         "",

@@ -13,6 +13,7 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 from tst_vs_baseline import (  # noqa: E402
     arm_lr,
+    below_text,
     crossing,
     crossing_text,
     gap_cell,
@@ -79,6 +80,29 @@ def test_seed_gaps_are_paired_by_seed():
     assert gaps([row], "S=2 full") == [(100, pytest.approx(0.0))]
     assert gap_cell(got) == "+0.0000 [-0.1000, +0.1000] (2 seeds)"
     assert gap_cell([0.05]) == "+0.0500"
+
+
+def test_below_the_baseline_needs_every_seed():
+    def row(steps, *seed_pairs):  # (baseline, arm) final validation loss per seed
+        runs = [
+            {"best": {"valid": [(steps, b)]}, "arms": {"S=2 full": {"valid": [(steps, a)]}}}
+            for b, a in seed_pairs
+        ]
+        return dict(runs[0], steps=steps, replicates=runs[1:])
+
+    rows = [
+        row(100, (3.0, 3.1)),  # above
+        row(200, (3.0, 2.9), (3.0, 2.95)),  # below at both seeds
+        row(400, (3.0, 2.9), (3.0, 3.05)),  # mean -0.025, seeds on both sides
+    ]
+    assert below_text(rows, ["S=2 full"]) == (
+        "TST below the baseline at equal steps, at every seed: S=2 full at 200 steps "
+        "(-0.0750 [-0.1000, -0.0500] (2 seeds)); below on the mean only, its seeds on both "
+        "sides (a tie): S=2 full at 400 steps (-0.0250 [-0.1000, +0.0500] (2 seeds))."
+    )
+    assert below_text(rows[:1], ["S=2 full"]) == (
+        "TST below the baseline at equal steps, at every seed: none."
+    )
 
 
 def test_the_final_point_is_megatron_lms_score_of_the_whole_split(monkeypatch, tmp_path):
