@@ -762,7 +762,8 @@ def below_text(rows: list, labels: list) -> str:
         for r in rows:
             values = seed_gaps(r, label)
             if values and max(values) < 0:
-                every.append(f"{label} at {r['steps']} steps ({gap_cell(values)})")
+                one = ", one seed" if len(values) == 1 else ""
+                every.append(f"{label} at {r['steps']} steps ({gap_cell(values)}{one})")
             elif values and sum(values) < 0:
                 mean_only.append(f"{label} at {r['steps']} steps ({gap_cell(values)})")
     text = "TST below the baseline at equal steps, at every seed: " + (

@@ -103,6 +103,10 @@ def test_below_the_baseline_needs_every_seed():
     assert below_text(rows[:1], ["S=2 full"]) == (
         "TST below the baseline at equal steps, at every seed: none."
     )
+    assert below_text([row(800, (3.0, 2.9))], ["S=2 full"]) == (
+        "TST below the baseline at equal steps, at every seed: S=2 full at 800 steps "
+        "(-0.1000, one seed)."
+    )
 
 
 def test_the_final_point_is_megatron_lms_score_of_the_whole_split(monkeypatch, tmp_path):
