@@ -755,8 +755,8 @@ def gaps(rows: list, label: str) -> list:
 
 def below_text(rows: list, labels: list) -> str:
     """The report's line of the lengths where an arm is below the baseline: below at every
-    seed, or below on the mean only while its seeds fall on both sides of zero (a tie within
-    the seeds' spread, not a win)."""
+    seed run, or below on the mean only, not at every seed (a tie within the seeds' spread,
+    not a win)."""
     every, mean_only = [], []
     for label in labels:
         for r in rows:
@@ -766,11 +766,11 @@ def below_text(rows: list, labels: list) -> str:
                 every.append(f"{label} at {r['steps']} steps ({gap_cell(values)}{one})")
             elif values and sum(values) < 0:
                 mean_only.append(f"{label} at {r['steps']} steps ({gap_cell(values)})")
-    text = "TST below the baseline at equal steps, at every seed: " + (
+    text = "TST below the baseline at equal steps, at every seed run: " + (
         "; ".join(every) if every else "none"
     )
     if mean_only:
-        text += "; below on the mean only, its seeds on both sides (a tie): " + "; ".join(mean_only)
+        text += "; below on the mean only, not at every seed (a tie): " + "; ".join(mean_only)
     return text + "."
 
 

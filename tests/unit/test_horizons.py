@@ -96,15 +96,15 @@ def test_below_the_baseline_needs_every_seed():
         row(400, (3.0, 2.9), (3.0, 3.05)),  # mean -0.025, seeds on both sides
     ]
     assert below_text(rows, ["S=2 full"]) == (
-        "TST below the baseline at equal steps, at every seed: S=2 full at 200 steps "
-        "(-0.0750 [-0.1000, -0.0500] (2 seeds)); below on the mean only, its seeds on both "
-        "sides (a tie): S=2 full at 400 steps (-0.0250 [-0.1000, +0.0500] (2 seeds))."
+        "TST below the baseline at equal steps, at every seed run: S=2 full at 200 steps "
+        "(-0.0750 [-0.1000, -0.0500] (2 seeds)); below on the mean only, not at every seed "
+        "(a tie): S=2 full at 400 steps (-0.0250 [-0.1000, +0.0500] (2 seeds))."
     )
     assert below_text(rows[:1], ["S=2 full"]) == (
-        "TST below the baseline at equal steps, at every seed: none."
+        "TST below the baseline at equal steps, at every seed run: none."
     )
     assert below_text([row(800, (3.0, 2.9))], ["S=2 full"]) == (
-        "TST below the baseline at equal steps, at every seed: S=2 full at 800 steps "
+        "TST below the baseline at equal steps, at every seed run: S=2 full at 800 steps "
         "(-0.1000, one seed)."
     )
 

@@ -72,7 +72,8 @@ def _sorted_files(root: str, keep) -> list[str]:
 
 
 def python_site_packages_documents() -> Iterator[str]:
-    """The installed third-party packages' ``.py`` files (purelib, then platlib), sorted."""
+    """The installed third-party packages' ``.py`` files (purelib, then platlib), sorted,
+    without pip's editable finders (:func:`_is_package_source`)."""
     roots = []
     for key in ("purelib", "platlib"):
         root = os.path.realpath(sysconfig.get_paths()[key])
