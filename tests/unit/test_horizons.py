@@ -14,6 +14,7 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 from tst_vs_baseline import (  # noqa: E402
     arm_lr,
     below_text,
+    corpus_digest,
     crossing,
     crossing_text,
     gap_cell,
@@ -24,6 +25,25 @@ from tst_vs_baseline import (  # noqa: E402
     seed_gaps,
     seed_tag,
 )
+
+
+def test_corpus_digest_follows_the_tokens_not_the_path(tmp_path):
+    tokens = bytes(range(256)) * 64
+    for folder in ("a", "b"):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "c_text_document.idx").write_bytes(b"MMIDIDX\x00\x00" + tokens[:40])
+        (tmp_path / folder / "c_text_document.bin").write_bytes(tokens)
+    a, b = (str(tmp_path / f / "c_text_document") for f in ("a", "b"))
+    assert len(corpus_digest(a)) == 16
+    assert corpus_digest(a) == corpus_digest(b)  # the same tokens elsewhere: the same digest
+    changed = bytearray(tokens)
+    changed[1000] ^= 1  # one token's low bit
+    (tmp_path / "b" / "c_text_document.bin").write_bytes(bytes(changed))
+    assert corpus_digest(a) != corpus_digest(b)
+    (tmp_path / "b" / "c_text_document.bin").write_bytes(tokens + b"\x00\x00")  # 2 more bytes
+    assert corpus_digest(a) != corpus_digest(b)
+    with pytest.raises(FileNotFoundError):
+        corpus_digest(str(tmp_path / "missing"))
 
 
 def test_crossing_is_linear_in_log_steps():
@@ -178,5 +198,7 @@ def test_horizons_smoke(tmp_path):
         base, full = (float(p) for p in passes)
         assert full > base > 0  # S = 2 full reads more text than the baseline
     assert "## Where the curves cross" in report and "- S=2 full:" in report
+    data = str(tmp_path / "data" / "stdlib_text_document")
+    assert f"`{corpus_digest(data)}`" in report  # the report names the corpus it ran on
     assert (out / "tst_horizons_smoke.png").read_bytes()[:4] == b"\x89PNG"
     assert "tst_horizons_smoke" in (tmp_path / "results.md").read_text()
