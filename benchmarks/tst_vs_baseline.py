@@ -816,8 +816,9 @@ def horizons_report(args, rows: list, labels: list, train_tokens: int, name: str
         f"N/20, decay over the last 10 %); r = {args.phase1_fraction}; every TST arm uses the "
         "baseline's best LR at that length. Training split: "
         f"{train_tokens:,} tokens; a *pass* is the tokens an arm read divided by that "
-        "(more than 1: the data was repeated). Corpus: SHA-256 of the `.idx` and `.bin` "
-        f"`{args.corpus_digest}` (the same digest, the same tokens).",
+        "(more than 1: the data was repeated). Corpus: the first 16 hex digits of the "
+        f"SHA-256 of the `.idx` and `.bin`, `{args.corpus_digest}` (the same digest, the "
+        "same tokens).",
         "",
         "Validation: the final validation loss (the table, the gaps) is Megatron-LM's own "
         "evaluation of each arm's last checkpoint on the whole validation split "
