@@ -2,7 +2,7 @@
 micro-batch, through the launcher (Megatron-LM's ``pretrain()`` with TST).
 
 For each bag size (S = 4 and 8 by default) one child process runs
-:func:`tst_megatron.training.megatron_lm.main` on mock data: a TST run (``--tst-bag-size S``,
+:func:`tst_megatron.training.main` on mock data: a TST run (``--tst-bag-size S``,
 phase 1 for the first half of the iterations, phase 2 after) and a baseline run
 (``--tst-bag-size 1``), in the order TST, baseline (and with ``--repeats 2`` baseline, TST
 again: drift cancels). It reports side by side, per arm, the medians of:
@@ -18,7 +18,7 @@ again: drift cancels). It reports side by side, per arm, the medians of:
 
 The first iteration of each arm (warm-up) and the one whose memory is measured are not timed.
 The timing hooks into the launcher's forward step (:class:`TimedForwardStep`, a subclass of
-``megatron_lm.TSTForwardStep``), put in place for the benchmark child only. On a shared
+``TSTForwardStep``), put in place for the benchmark child only. On a shared
 machine the timings are noisy: raise ``--rounds``.
 
     .venv/bin/python benchmarks/step_cost.py --output docs/results/step_cost.md   # ~5 min
@@ -44,7 +44,7 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 from measure import CollectiveBytes, PeakTensorMemory, write, write_index  # noqa: E402
 
-from tst_megatron.training import megatron_lm  # noqa: E402
+from tst_megatron.training.flags import CPU_FLAGS  # noqa: E402
 
 SMOKE_SIZE = "--num-layers 2 --hidden-size 64 --seq-length 32 --num-experts 4 "
 SMOKE_SIZE += "--moe-ffn-hidden-size 64 --vocab-size 512"
@@ -56,9 +56,7 @@ MICRO_BATCH = 4
 #: megatron-core's local spec, and the fusions that need their kernels (or a torch.compile
 #: warm-up) off, as the launcher's CPU_FLAGS do on a CPU.
 LOCAL_CUDA_FLAGS = [
-    f
-    for f in megatron_lm.CPU_FLAGS
-    if f not in ("--distributed-backend", "gloo", "--use-cpu-initialization")
+    f for f in CPU_FLAGS if f not in ("--distributed-backend", "gloo", "--use-cpu-initialization")
 ]
 
 
@@ -160,9 +158,9 @@ def run_flags(bag: int, *, smoke: bool, device: str, per_arm: int) -> list[str]:
 
 def _timed_forward_step_class():
     """:class:`TimedForwardStep` (defined on first use: the launcher imports Megatron-LM)."""
-    from tst_megatron.training import megatron_lm
+    from tst_megatron.training.forward import TSTForwardStep
 
-    class TimedForwardStep(megatron_lm.TSTForwardStep):
+    class TimedForwardStep(TSTForwardStep):
         """The launcher's forward step, timing each training iteration: from its first
         training forward to the first training forward of the next iteration (the host
         clock, after a CUDA synchronisation). ``memory_at`` holds 0-based iterations whose
@@ -220,7 +218,8 @@ def run_launcher(argv: list[str], memory_at: set) -> tuple[dict, dict]:
 
     from megatron.training.training import destroy_global_state
 
-    from tst_megatron.training import megatron_lm
+    from tst_megatron.training import forward
+    from tst_megatron.training.cli import main as launch
 
     timed = _timed_forward_step_class()
     timed.memory_at = set(memory_at)
@@ -230,8 +229,8 @@ def run_launcher(argv: list[str], memory_at: set) -> tuple[dict, dict]:
         steps.append(timed())
         return steps[-1]
 
-    with mock.patch.object(megatron_lm, "TSTForwardStep", make):
-        megatron_lm.main(argv)
+    with mock.patch.object(forward, "TSTForwardStep", make):  # cli.main imports it at call
+        launch(argv)
     destroy_global_state()
     return steps[0].times, steps[0].peaks
 

@@ -76,7 +76,7 @@ def pretrain_child(rank, world, *, runs, keep_going=False, fork=False):
     from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker
     from megatron.training.training import destroy_global_state
 
-    from tst_megatron.training import megatron_lm
+    from tst_megatron.training.cli import main
 
     if fork:
         multiprocessing.set_start_method("fork", force=True)
@@ -86,7 +86,7 @@ def pretrain_child(rank, world, *, runs, keep_going=False, fork=False):
         out = io.StringIO()
         try:
             with contextlib.redirect_stdout(out):
-                megatron_lm.main(argv)
+                main(argv)
         except Exception:
             if not keep_going:
                 raise

@@ -1,7 +1,7 @@
 """Hugging Face conversion of checkpoints written by Megatron-LM's own loop.
 
 Tiny models are trained through the TST switch by the launcher on
-``megatron.training.pretrain()`` (:func:`tst_megatron.training.megatron_lm.main`) on 2 gloo
+``megatron.training.pretrain()`` (:func:`tst_megatron.training.main`) on 2 gloo
 processes (a Llama-style dense model with TP=2 + SP, a Mixtral-style MoE with EP=2, a
 Qwen3-MoE with dense and MoE layers, untied, with PP=2 and virtual stages), so the
 checkpoints are Megatron-LM's own (its ``args`` namespace, tracker file, optimizer state).
@@ -326,7 +326,7 @@ def _reshard(rank, *, src, dst, layout):
     from tst_megatron.conversion.mlm import one_process_args
     from tst_megatron.runtime import initialize_model_parallel
     from tst_megatron.runtime.distributed import ParallelConfig
-    from tst_megatron.training.megatron_lm import build_model_from_args
+    from tst_megatron.training.model import build_model_from_args
 
     saved = dist_checkpointing.load_common_state_dict(os.path.join(src, "release"))["args"]
     args = one_process_args(saved)

@@ -76,7 +76,7 @@ def _child(rank, world, *, prefix, bad_prefix, root):
     # pretrain(): one line from rank 0, status 2 on every rank
     from megatron.training.training import destroy_global_state
 
-    from tst_megatron.training.megatron_lm import main
+    from tst_megatron.training.cli import main
 
     argv = [
         *("--device", "cpu", "--data-path", bad_prefix, "--data-cache-path", shared),

@@ -1,7 +1,7 @@
 """Error lines are never lost: a launcher stops every rank as soon as one exits
 with an error, so no rank may exit before the ``error:`` line is out. Rank 0 prints the
 problems once; a problem found on some ranks only is printed by each of them, tagged.
-Through the launcher (:func:`tst_megatron.training.megatron_lm.main`), in-process and under
+Through the launcher (:func:`tst_megatron.training.main`), in-process and under
 torchrun with ``examples/pretrain_gpt_tst.py``."""
 
 import contextlib
@@ -51,7 +51,7 @@ def _main_with_rank0_late(rank, world, *, delay):
     """The launcher's main on each bad setting, rank 0 starting ``delay`` seconds late."""
     from megatron.training.training import destroy_global_state
 
-    from tst_megatron.training.megatron_lm import main
+    from tst_megatron.training.cli import main
 
     out = {}
     for name, argv in BAD.items():

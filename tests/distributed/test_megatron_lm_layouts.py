@@ -49,7 +49,7 @@ MODELS = {
     "moe_fresh": (MOE, "moe", ["--no-load-optim"]),
     # the phase-1 modes of paper section 5.2, from the dense model's iteration-1 weights as a
     # new run (--finetune: iteration 0): resuming a phase-1 checkpoint in another mode is
-    # refused (megatron_lm.resume_problems)
+    # refused (resume_problems)
     "input": (DENSE + ["--tst-mode", "input"], "dense", ["--finetune"]),
     "output": (DENSE + ["--tst-mode", "output"], "dense", ["--finetune"]),
 }

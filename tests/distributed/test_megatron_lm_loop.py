@@ -53,9 +53,10 @@ def _run_child(rank, world, *, runs):
 
     from megatron.training.training import destroy_global_state
 
-    from tst_megatron.training import megatron_lm
+    from tst_megatron.training.cli import main
+    from tst_megatron.training.forward import TSTForwardStep
 
-    plain = megatron_lm.TSTForwardStep
+    plain = TSTForwardStep
     results = []
     for run in runs:
         at = run.get("sigterm_after")
@@ -69,17 +70,17 @@ def _run_child(rank, world, *, runs):
                     os.kill(os.getpid(), signal.SIGTERM)  # what Slurm sends before preemption
                 return super().__call__(data_iterator, model)
 
-        megatron_lm.TSTForwardStep = Step  # this spawned test process only
+        TSTForwardStep = Step  # this spawned test process only
         out, status, failure = io.StringIO(), None, None
         try:
             with contextlib.redirect_stdout(out):
-                megatron_lm.main(run["argv"])
+                main(run["argv"])
         except SystemExit as exc:  # train() exits after a signal save
             status = exc.code
         except Exception:
             failure = traceback.format_exc()
         finally:
-            megatron_lm.TSTForwardStep = plain
+            TSTForwardStep = plain
         destroy_global_state()
         results.append((out.getvalue(), status, failure))
     return results
@@ -393,11 +394,11 @@ def _results_queue_child(rank, world, *, argv):
     from megatron.core.dist_checkpointing.strategies import filesystem_async
     from megatron.training.training import destroy_global_state
 
-    from tst_megatron.training import megatron_lm
+    from tst_megatron.training.cli import main
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        megatron_lm.main(argv)
+        main(argv)
     destroy_global_state()
     return out.getvalue(), filesystem_async._results_queue._manager._ctx.get_start_method()
 

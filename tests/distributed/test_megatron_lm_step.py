@@ -1,4 +1,4 @@
-"""The launcher's forward step (:class:`tst_megatron.training.megatron_lm.TSTForwardStep`) on a
+"""The launcher's forward step (:class:`tst_megatron.training.TSTForwardStep`) on a
 model from its model provider, against a float64 reference written here: phase 1 is the
 multi-hot cross-entropy of bag-averaged inputs, phase 2 and evaluation are next-token
 cross-entropy. One process (spawned: Megatron-LM's globals stay out of pytest's process).
@@ -46,12 +46,14 @@ def _step_child(rank, world):
     from megatron.core import mpu, tensor_parallel
     from megatron.training import get_args
 
-    from tst_megatron.training import megatron_lm
+    from tst_megatron.training.forward import TSTForwardStep
+    from tst_megatron.training.model import model_provider
+    from tst_megatron.training.validate import parse
 
-    megatron_lm.parse(ARGS)
+    parse(ARGS)
     mpu.initialize_model_parallel()
     tensor_parallel.model_parallel_cuda_manual_seed(7)
-    model = megatron_lm.model_provider()
+    model = model_provider()
     args = get_args()
     g = torch.Generator().manual_seed(0)
     stream = torch.randint(0, V, (B, S * T + 1), generator=g)
@@ -65,7 +67,7 @@ def _step_child(rank, world):
         "loss_mask": torch.ones(B, T),
         "position_ids": torch.arange(T).expand(B, T),
     }
-    step = megatron_lm.TSTForwardStep()
+    step = TSTForwardStep()
 
     def run(batch, iteration, training):
         args.curr_iteration = iteration

@@ -1,13 +1,13 @@
 """No device-to-host read per micro-batch from the TST step of the launcher.
 
 One phase-1 and one phase-2 training step of Megatron-LM's loop (``pretrain()`` through
-:func:`tst_megatron.training.megatron_lm.main`: an MoE model, 3 micro-batches) run under a
+:func:`tst_megatron.training.main`: an MoE model, 3 micro-batches) run under a
 ``TorchFunctionMode`` that records every host read of a tensor value (``.item()``,
 ``.tolist()``, ``bool()``, ``int()``, ``float()``, ``.numpy()``, and the data-dependent
 shapes ``nonzero``/``masked_select``/boolean indexing) with its call stack. On a GPU each of
 these waits for the stream. The mode is on for the whole of Megatron-LM's ``train_step`` of
 iterations 1 (phase 1) and 3 (phase 2): the schedule, the launcher's forward step
-(:class:`~tst_megatron.training.megatron_lm.TSTForwardStep`) and its loss function, the
+(:class:`~tst_megatron.training.TSTForwardStep`) and its loss function, the
 backward and the optimizer.
 
 Allowed, because they are not the TST step's:
@@ -19,7 +19,7 @@ Allowed, because they are not the TST step's:
   RNG tracker's comparison of host RNG states, ``finalize_model_grads``'s token count,
   the boolean-mask fill in its cross-entropy (phase 2, as in any baseline run).
 Not allowed: any read made by the TST step itself (``superposition/``,
-``training/forward.py``, ``training/gpt.py``, ``training/megatron_lm.py`` as the innermost
+``training/forward.py``, ``training/gpt.py``, ``training/switch.py`` as the innermost
 project or megatron-core frame) or any other read inside the schedule.
 """
 
@@ -64,7 +64,8 @@ TST_STEP = (
     "tst_megatron/superposition/",
     "tst_megatron/training/forward.py",
     "tst_megatron/training/gpt.py",
-    "tst_megatron/training/megatron_lm.py",
+    "tst_megatron/training/switch.py",
+    "tst_megatron/training/plan.py",
 )
 MEGATRON_OWN = (
     "megatron/core/transformer/moe/",
@@ -90,7 +91,7 @@ def _child(rank, world):
     from megatron.training.training import destroy_global_state
     from torch.overrides import TorchFunctionMode
 
-    from tst_megatron.training import megatron_lm
+    from tst_megatron.training.cli import main
 
     class HostReads(TorchFunctionMode):
         def __init__(self):
@@ -129,7 +130,7 @@ def _child(rank, world):
     mlm_training.train_step = recorded_step  # this spawned test process only
     try:
         with contextlib.redirect_stdout(io.StringIO()):
-            megatron_lm.main(ARGV)
+            main(ARGV)
     finally:
         mlm_training.train_step = real_step
         destroy_global_state()

@@ -111,14 +111,14 @@ def validate_all(world_size: int = 1) -> None:
         ConfigError: the problems of the first launch line that has any, one per line.
     """
     from tst_megatron.errors import ConfigError
-    from tst_megatron.training import dry_run
+    from tst_megatron.training.validate import check
 
     saved = os.environ.get("WORLD_SIZE")
     os.environ["WORLD_SIZE"] = str(world_size)
     try:
         for name in [*RUNS, "FP8 save"]:
             argv = save_argv("/tmp/ckpt") if name == "FP8 save" else argv_of(name)
-            _, problems, _ = dry_run.check(argv)
+            problems = check(argv, dry_run=True).problems
             if problems:
                 raise ConfigError(f"{name}: " + "\n".join(problems))
     finally:

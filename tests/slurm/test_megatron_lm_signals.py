@@ -13,20 +13,21 @@ from tests.distributed.test_megatron_lm import BASE
 
 
 def _signal_during_setup_child(rank, world, *, argv):
-    from tst_megatron.training import megatron_lm
+    from tst_megatron.training.cli import main
+    from tst_megatron.training.model import model_provider
 
-    real_provider = megatron_lm.model_provider
+    real_provider = model_provider
 
     def provider_after_signal(*args, **kwargs):
         os.kill(os.getpid(), signal.SIGTERM)  # the notice arrives before the model exists
         return real_provider(*args, **kwargs)
 
-    megatron_lm.model_provider = provider_after_signal  # this spawned test process only
+    model_provider = provider_after_signal  # this spawned test process only
     out = io.StringIO()
     status = None
     with contextlib.redirect_stdout(out):
         try:
-            megatron_lm.main(argv)
+            main(argv)
         except SystemExit as exc:  # Megatron-LM's train() exits after a signal save
             status = exc.code
     return status, out.getvalue()

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tst_megatron.training.dry_run import check
+from tst_megatron.training.validate import check
 
 REPO = Path(__file__).resolve().parents[2]
 TEMPLATE = REPO / "slurm" / "pretrain_tst_moe.sbatch"
@@ -74,7 +74,8 @@ def checked(argv: list, world: int, monkeypatch) -> object:
     environment sets it for a CUDA run); fails with every problem found."""
     monkeypatch.setenv("WORLD_SIZE", str(world))
     monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")
-    args, problems, _ = check(argv)
+    checked = check(argv, dry_run=True)
+    args, problems = checked.args, checked.problems
     assert not problems, problems
     return args
 

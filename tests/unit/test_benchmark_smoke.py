@@ -76,7 +76,8 @@ def test_raw_tokens_count_what_each_phase_reads():
 def test_tst_vs_baseline_launch_lines_pass_the_launchers_checks(mode, monkeypatch):
     from tst_vs_baseline import lr_flags, model_flags, parse, tst_flags
 
-    from tst_megatron.training import dry_run, megatron_lm
+    from tst_megatron.training.plan import schedule
+    from tst_megatron.training.validate import check
 
     args = parse(mode)
     monkeypatch.setenv("WORLD_SIZE", str(args.nproc_per_node))
@@ -87,13 +88,14 @@ def test_tst_vs_baseline_launch_lines_pass_the_launchers_checks(mode, monkeypatc
         "output": tst_flags(2, 0.3, "output"),
     }
     for arm, extra in arms.items():
-        checked, problems, _ = dry_run.check(shared + lr_flags(2e-3) + extra)
+        result = check(shared + lr_flags(2e-3) + extra, dry_run=True)
+        checked, problems = result.args, result.problems
         assert problems == [], (arm, problems)
         iters = args.train_iters
         assert checked.lr_decay_style == "WSD" and checked.lr_wsd_decay_iters == iters // 10
         # Megatron-LM 0.19's --full-validation stops at its first evaluation (one split)
         assert not checked.full_validation
-        assert megatron_lm.schedule(checked).n1 == (0 if arm == "baseline" else round(0.3 * iters))
+        assert schedule(checked).n1 == (0 if arm == "baseline" else round(0.3 * iters))
 
 
 @pytest.mark.slow

@@ -35,7 +35,7 @@ def _parsed_defaults():
     """Megatron-LM's parse of the minimum (no validation): every dest at its default."""
     from megatron.training.arguments import parse_args
 
-    from tst_megatron.training.megatron_lm import add_tst_args
+    from tst_megatron.training.flags import add_tst_args
 
     with mlm._one_process_argv([]):
         return parse_args(extra_args_provider=add_tst_args)

@@ -22,7 +22,7 @@ import torch
 
 from tests.unit.test_data_boundary import null_tokenizer, write_dataset
 from tst_megatron.training.data import DataSettings, TrainStream, build_datasets
-from tst_megatron.training.megatron_lm import PhasedTrainDataset
+from tst_megatron.training.datasets import PhasedTrainDataset
 
 T = 8
 

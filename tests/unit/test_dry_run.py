@@ -296,8 +296,10 @@ def _build_child(rank, world, *, models):
     from megatron.training.global_vars import unset_global_variables
 
     from tst_megatron.runtime import ParallelConfig, initialize_model_parallel, set_seed
-    from tst_megatron.training import dry_run, megatron_lm
+    from tst_megatron.training import dry_run
     from tst_megatron.training import model as model_module
+    from tst_megatron.training.model import model_provider
+    from tst_megatron.training.validate import parse
 
     model_module.gpt_block_spec = _mla_buildable(model_module.gpt_block_spec)
 
@@ -305,8 +307,8 @@ def _build_child(rank, world, *, models):
     set_seed(1)
     results = {}
     for name, extra in models.items():
-        args, _ = megatron_lm.parse(BUILD_BASE + extra)
-        model = megatron_lm.model_provider()
+        args = parse(BUILD_BASE + extra).args
+        model = model_provider()
         total = sum(p.numel() for p in model.parameters())
         unrouted = 0
         for module_name, module in model.named_modules():

@@ -14,7 +14,8 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 from recipes import RECIPES, estimate  # noqa: E402
 from tst_vs_baseline import lr_flags, parse, tst_flags  # noqa: E402
 
-from tst_megatron.training import dry_run, megatron_lm  # noqa: E402
+from tst_megatron.training.plan import schedule  # noqa: E402
+from tst_megatron.training.validate import check  # noqa: E402
 
 
 def _arms(recipe):
@@ -36,14 +37,15 @@ def test_recipe_passes_the_launchers_checks_for_cuda(name, monkeypatch):
     recipe = RECIPES[name]
     monkeypatch.setenv("WORLD_SIZE", str(recipe.nodes * recipe.gpus_per_node))
     for arm, flags in _arms(recipe).items():
-        args, problems, _ = dry_run.check(flags)
+        checked = check(flags, dry_run=True)
+        args, problems = checked.args, checked.problems
         assert problems == [], (arm, problems)
         assert args.lr == 2e-3 and args.lr_warmup_iters == recipe.lr_warmup_iters
         assert args.untie_embeddings_and_output_weights and args.bf16
         assert args.data_parallel_size == recipe.nodes * recipe.gpus_per_node
         assert args.lr_wsd_decay_iters == recipe.train_iters // 10  # WSD: the last 10 %
         assert args.tst_bag_size == (1 if arm == "baseline" else 6)
-        n1 = megatron_lm.schedule(args).n1
+        n1 = schedule(args).n1
         assert n1 == (0 if arm == "baseline" else round(0.3 * recipe.train_iters))
 
 
@@ -53,7 +55,7 @@ def test_a_broken_recipe_is_caught(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")  # Megatron-LM asks for it with TP
     flags = _arms(recipe)["tst"] + ["--tensor-model-parallel-size", "2"]
-    _, problems, _ = dry_run.check(flags)
+    problems = check(flags, dry_run=True).problems
     assert problems and any("attention" in p or "heads" in p for p in problems), problems
 
 

@@ -9,18 +9,28 @@ import dataclasses
 import pytest
 
 from tst_megatron.superposition.schedule import TSTConfig
-from tst_megatron.training import megatron_lm
+from tst_megatron.training.checks import tst_problems
+from tst_megatron.training.flags import add_tst_args, tst_config
+from tst_megatron.training.plan import (
+    consumed_samples,
+    resume_problems,
+    schedule,
+    switch_sample,
+    train_iters,
+)
+from tst_megatron.training.switch import switch_overrides, switch_validation_samples
 
 
 def _parse(argv):
-    return megatron_lm.add_tst_args(argparse.ArgumentParser()).parse_args(argv)
+    return add_tst_args(argparse.ArgumentParser()).parse_args(argv)
 
 
 def test_tst_flags_are_the_dataclass_fields():
-    parser = megatron_lm.add_tst_args(argparse.ArgumentParser())
+    parser = add_tst_args(argparse.ArgumentParser())
     flags = sorted(o for a in parser._actions for o in a.option_strings if o.startswith("--"))
     assert flags == [
         "--device",
+        "--disable-tst-save-at-switch",
         "--dry-run",
         "--help",
         "--no-tst-save-at-switch",
@@ -31,7 +41,7 @@ def test_tst_flags_are_the_dataclass_fields():
         "--tst-phase1-iters",
     ]
     # defaults are the dataclass defaults; every field has a flag
-    assert megatron_lm.tst_config(_parse([])) == TSTConfig()
+    assert tst_config(_parse([])) == TSTConfig()
     assert {f"tst_{f.name}" for f in dataclasses.fields(TSTConfig)} <= set(vars(_parse([])))
 
 
@@ -40,7 +50,7 @@ def test_tst_flags_parse_into_the_config():
         "--tst-bag-size 4 --tst-phase1-fraction 0.25 --tst-bag-weighting power "
         "--tst-mode input --no-tst-save-at-switch".split()
     )
-    assert megatron_lm.tst_config(args) == TSTConfig(
+    assert tst_config(args) == TSTConfig(
         bag_size=4, phase1_fraction=0.25, bag_weighting="power", mode="input", save_at_switch=False
     )
     with pytest.raises(SystemExit):
@@ -74,25 +84,25 @@ def _megatron_args(**overrides):
 
 def test_a_valid_tst_run_has_no_problem_and_switches_at_n1_global_batches():
     args = _megatron_args()
-    assert megatron_lm.tst_problems(args) == []
-    assert megatron_lm.schedule(args).n1 == 30  # the paper's r = 0.3 of 100 iterations
-    assert megatron_lm.switch_sample(args) == 30 * 8
+    assert tst_problems(args) == []
+    assert schedule(args).n1 == 30  # the paper's r = 0.3 of 100 iterations
+    assert switch_sample(args) == 30 * 8
     samples = _megatron_args(train_iters=None, train_samples=800)  # 100 iterations of 8
-    assert megatron_lm.switch_sample(samples) == 30 * 8
+    assert switch_sample(samples) == 30 * 8
 
 
 def test_the_switch_under_a_step_batch_size_schedule_counts_consumed_samples():
     # Megatron-LM's thresholds are tokens (--seq-length 32 per sample): batch 4 until 640
     # tokens = 20 samples are consumed, then 8. By hand: 5 steps of 4, then steps of 8.
     args = _megatron_args(step_batch_size_schedule="0:4 640:8", tst_phase1_iters=7)
-    assert megatron_lm.consumed_samples(args, 5) == 20
-    assert megatron_lm.switch_sample(args) == 5 * 4 + 2 * 8
+    assert consumed_samples(args, 5) == 20
+    assert switch_sample(args) == 5 * 4 + 2 * 8
     # --train-samples 100: 5 steps reach 20, then (100 - 20) / 8 = 10 steps (update_train_iters)
     by_samples = _megatron_args(
         step_batch_size_schedule="0:4 640:8", train_iters=None, train_samples=100
     )
-    assert megatron_lm.train_iters(by_samples) == 15
-    assert megatron_lm.schedule(by_samples).n1 == round(0.3 * 15)
+    assert train_iters(by_samples) == 15
+    assert schedule(by_samples).n1 == round(0.3 * 15)
 
 
 @pytest.mark.parametrize(
@@ -107,16 +117,16 @@ def test_the_switch_under_a_step_batch_size_schedule_counts_consumed_samples():
     ],
 )
 def test_a_setting_tst_cannot_run_is_one_line_naming_the_flag(overrides, flag):
-    problems = megatron_lm.tst_problems(_megatron_args(**overrides))
+    problems = tst_problems(_megatron_args(**overrides))
     assert len(problems) == 1 and flag in problems[0], problems
     assert "\n" not in problems[0]
 
 
 def test_multi_token_prediction_is_accepted_with_a_phase1():
     # MTP trains in phase 2 only (TSTGPTModel skips its block in phase 1)
-    assert megatron_lm.tst_problems(_megatron_args(mtp_num_layers=1)) == []
-    assert megatron_lm.tst_problems(_megatron_args(mtp_num_layers=2, tst_mode="output")) == []
-    assert megatron_lm.tst_problems(_megatron_args(overlap_param_gather=True)) == []
+    assert tst_problems(_megatron_args(mtp_num_layers=1)) == []
+    assert tst_problems(_megatron_args(mtp_num_layers=2, tst_mode="output")) == []
+    assert tst_problems(_megatron_args(overlap_param_gather=True)) == []
 
 
 def test_phase1_refusals_do_not_apply_without_a_phase1():
@@ -127,7 +137,7 @@ def test_phase1_refusals_do_not_apply_without_a_phase1():
         mtp_num_layers=1,
         overlap_param_gather=True,
     )
-    assert megatron_lm.tst_problems(args) == []
+    assert tst_problems(args) == []
 
 
 @pytest.mark.slow
@@ -168,44 +178,44 @@ def _switch_args(**overrides):
 
 
 def test_switch_overrides_set_only_the_intervals_that_miss_n1():
-    n1 = megatron_lm.schedule(_switch_args()).n1
+    n1 = schedule(_switch_args()).n1
     assert n1 == 30
     every = {"save_interval": 30, "eval_interval": 30, "log_interval": 30}
-    assert megatron_lm.switch_overrides(_switch_args(), n1) == every
+    assert switch_overrides(_switch_args(), n1) == every
     # an interval that already divides N1 is left alone: no second save or validation
     divides = _switch_args(save_interval=10, eval_interval=15, log_interval=1)
-    assert megatron_lm.switch_overrides(divides, n1) == {}
+    assert switch_overrides(divides, n1) == {}
     # no checkpoint without --save or with --no-tst-save-at-switch; validation stays
     for args in (_switch_args(save=None), _switch_args(tst_save_at_switch=False)):
-        assert megatron_lm.switch_overrides(args, n1) == {"eval_interval": 30, "log_interval": 30}
+        assert switch_overrides(args, n1) == {"eval_interval": 30, "log_interval": 30}
     # no validation when it is off or starts later (Megatron-LM's own conditions)
     for off in (
         {"do_valid": False},
         {"eval_iters": 0},
         {"start_eval_at_iter": 31},
     ):
-        assert "eval_interval" not in megatron_lm.switch_overrides(_switch_args(**off), n1), off
+        assert "eval_interval" not in switch_overrides(_switch_args(**off), n1), off
     # --eval-interval / --save-interval unset: the switch still gets its own
     unset = _switch_args(eval_interval=None, save_interval=None)
-    assert megatron_lm.switch_overrides(unset, n1) == every
+    assert switch_overrides(unset, n1) == every
     # no switch inside the run: nothing
-    assert megatron_lm.switch_overrides(_switch_args(skip_train=True), n1) == {}
-    assert megatron_lm.switch_overrides(_switch_args(tst_phase1_iters=100), 100) == {}
-    assert megatron_lm.switch_overrides(_switch_args(tst_bag_size=1), 0) == {}
+    assert switch_overrides(_switch_args(skip_train=True), n1) == {}
+    assert switch_overrides(_switch_args(tst_phase1_iters=100), 100) == {}
+    assert switch_overrides(_switch_args(tst_bag_size=1), 0) == {}
 
 
 def test_the_validation_set_is_sized_for_the_round_at_the_switch():
     # Megatron-LM sizes (100 // 25 + 1) rounds of 2 iterations of 8; the switch adds one
-    assert megatron_lm.switch_validation_samples(_switch_args()) == 2 * 8
-    assert megatron_lm.switch_validation_samples(_switch_args(eval_interval=15)) == 0
-    assert megatron_lm.switch_validation_samples(_switch_args(eval_iters=0)) == 0
-    assert megatron_lm.switch_validation_samples(_switch_args(full_validation=True)) == 0
-    assert megatron_lm.switch_validation_samples(_switch_args(skip_train=True)) == 0
-    assert megatron_lm.switch_validation_samples(_switch_args(eval_global_batch_size=4)) == 8
+    assert switch_validation_samples(_switch_args()) == 2 * 8
+    assert switch_validation_samples(_switch_args(eval_interval=15)) == 0
+    assert switch_validation_samples(_switch_args(eval_iters=0)) == 0
+    assert switch_validation_samples(_switch_args(full_validation=True)) == 0
+    assert switch_validation_samples(_switch_args(skip_train=True)) == 0
+    assert switch_validation_samples(_switch_args(eval_global_batch_size=4)) == 8
 
 
 def test_no_tst_save_at_switch_is_accepted():
-    assert megatron_lm.tst_problems(_switch_args(tst_save_at_switch=False)) == []
+    assert tst_problems(_switch_args(tst_save_at_switch=False)) == []
 
 
 def test_help_lists_megatron_lms_flags_and_ours(run_launcher):
@@ -218,14 +228,14 @@ def test_help_lists_megatron_lms_flags_and_ours(run_launcher):
     assert "(e.g. 1.10 = 10%)" in " ".join(done.stdout.split())
 
 
-def _resume_args(iteration=0, **tst):
-    """Megatron-LM arguments of a 100-iteration run, S = 4, N1 = 30, at ``iteration``."""
+def _resume_args(**tst):
+    """Megatron-LM arguments of a 100-iteration run, S = 4, N1 = 30."""
     values = dict(
         vars(_parse(["--tst-bag-size", "4", "--tst-phase1-iters", "30"])),
         train_iters=100,
         train_samples=None,
+        global_batch_size=8,
         seq_length=32,
-        iteration=iteration,
     )
     values.update({f"tst_{k}": v for k, v in tst.items()})
     return argparse.Namespace(**values)
@@ -234,22 +244,42 @@ def _resume_args(iteration=0, **tst):
 def test_a_resume_that_would_change_the_tst_run_is_refused():
     saved = _resume_args()
     # before the switch: another N1, bag size, mode or weighting changes the phase-1 data/loss
-    (line,) = megatron_lm.resume_problems(_resume_args(10, bag_size=2), saved)
+    (line,) = resume_problems(_resume_args(bag_size=2), saved, 10)
     assert "--tst-bag-size 4" in line and "--tst-bag-size 2" in line and "iteration 10" in line
-    (line,) = megatron_lm.resume_problems(_resume_args(10, mode="output"), saved)
+    (line,) = resume_problems(_resume_args(mode="output"), saved, 10)
     assert "--tst-mode full" in line
-    (line,) = megatron_lm.resume_problems(_resume_args(10, phase1_iters=40), saved)
+    (line,) = resume_problems(_resume_args(bag_weighting="power"), saved, 10)
+    assert "--tst-bag-weighting uniform" in line
+    (line,) = resume_problems(_resume_args(phase1_iters=40), saved, 10)
     assert "N1 = 30" in line and "N1 = 40" in line
-    # after the old switch, a later N1 would go back to phase 1
-    (line,) = megatron_lm.resume_problems(_resume_args(35, phase1_iters=40), saved)
+    # after the switch, phase 2's order still depends on the windows phase 1 read: N1 (also
+    # through --train-iters), the bag size and the global batch
+    (line,) = resume_problems(_resume_args(phase1_iters=40), saved, 35)
     assert "N1 = 30" in line
-    # after both switches anything TST may change; the same settings always resume
-    assert megatron_lm.resume_problems(_resume_args(50, bag_size=2, phase1_iters=40), saved) == []
-    assert megatron_lm.resume_problems(_resume_args(10), saved) == []
-    assert megatron_lm.resume_problems(_resume_args(0, bag_size=2), saved) == []  # not resumed
+    (line,) = resume_problems(_resume_args(phase1_iters=20), saved, 50)
+    assert "N1 = 30" in line and "N1 = 20" in line
+    (line,) = resume_problems(_resume_args(bag_size=2), saved, 50)
+    assert "--tst-bag-size 4" in line
+    (line,) = resume_problems(_resume_args(mode="output"), saved, 50)  # 1 window per sample
+    assert "--tst-mode full" in line
+    train_iters_changed = argparse.Namespace(**{**vars(_resume_args()), "train_iters": 200})
+    train_iters_changed.tst_phase1_iters, saved_fraction = None, _resume_args(phase1_iters=None)
+    saved_fraction.tst_phase1_fraction = train_iters_changed.tst_phase1_fraction = 0.3
+    (line,) = resume_problems(train_iters_changed, saved_fraction, 50)
+    assert "N1 = 30" in line and "N1 = 60" in line
+    (line,) = resume_problems(
+        argparse.Namespace(**{**vars(saved), "global_batch_size": 16}), saved, 50
+    )
+    assert "--global-batch-size" in line
+    # what phase 2 does not read may change after the switch: the loss's weighting, and the
+    # mode between the two that read S windows per sample
+    assert resume_problems(_resume_args(bag_weighting="power"), saved, 50) == []
+    assert resume_problems(_resume_args(mode="input"), saved, 50) == []
+    assert resume_problems(_resume_args(), saved, 10) == []
+    assert resume_problems(_resume_args(bag_size=2), saved, 0) == []  # not resumed
     # a checkpoint of Megatron-LM's own pretrain_gpt.py has no --tst-* arguments
     plain = argparse.Namespace(**{k: v for k, v in vars(saved).items() if not k.startswith("tst_")})
-    assert megatron_lm.resume_problems(_resume_args(10, bag_size=2), plain) == []
+    assert resume_problems(_resume_args(bag_size=2), plain, 10) == []
 
 
 @pytest.mark.slow

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from tst_megatron.errors import ConfigError
-from tst_megatron.training.megatron_lm import export_torchrun_env
+from tst_megatron.training.cli import export_torchrun_env
 
 #: Task 5 of an 8-task step on two nodes (4 per node): what srun sets.
 SRUN_TASK = {
@@ -64,7 +64,7 @@ def test_wsd_without_its_decay_length_is_refused_before_the_model_is_built():
     """Megatron-LM asserts on it in ``OptimizerParamScheduler`` after building the model."""
     import types
 
-    from tst_megatron.training.megatron_lm import late_megatron_problems
+    from tst_megatron.training.checks import late_megatron_problems
 
     def args(**kw):
         base = dict(

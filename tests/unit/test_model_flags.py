@@ -47,7 +47,8 @@ def _rope_child(rank, world, *, cases):
     from megatron.training.global_vars import unset_global_variables
 
     from tst_megatron.runtime import ParallelConfig, initialize_model_parallel, set_seed
-    from tst_megatron.training import megatron_lm
+    from tst_megatron.training.model import model_provider
+    from tst_megatron.training.validate import parse
 
     initialize_model_parallel(ParallelConfig())
     set_seed(1)  # megatron-core's RNG tracker (read by the attention's dropout region)
@@ -55,8 +56,8 @@ def _rope_child(rank, world, *, cases):
     positions = torch.arange(16).expand(2, 16)
     results = {}
     for name, (extra, _, _) in cases.items():
-        megatron_lm.parse(BASE + extra)
-        model = megatron_lm.model_provider()
+        parse(BASE + extra)
+        model = model_provider()
         with torch.no_grad():
             for i, p in enumerate(model.parameters()):  # the same weights in every case
                 g = torch.Generator().manual_seed(i)

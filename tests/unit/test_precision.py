@@ -142,8 +142,10 @@ def test_fp8_width_of_all_moe_layers_ignores_the_dense_width():
 def test_fp8_shapes_are_checked_when_the_launcher_parses_too():
     """``tst_problems`` without a config (the launcher's ``parse``) builds Megatron-LM's
     ``TransformerConfig`` itself and finds the same problem as the dry run."""
-    from tst_megatron.training import dry_run, megatron_lm
+    from tst_megatron.training.checks import tst_problems
+    from tst_megatron.training.validate import check
 
-    args, problems, _ = dry_run.check(BASE + FP8 + ["--hidden-size", "200"])
+    checked = check(BASE + FP8 + ["--hidden-size", "200"], dry_run=True)
+    args, problems = checked.args, checked.problems
     assert len(problems) == 3, problems  # hidden size, attention and qkv widths
-    assert megatron_lm.tst_problems(args) == problems
+    assert tst_problems(args) == problems

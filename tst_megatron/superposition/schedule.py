@@ -14,35 +14,43 @@ from typing import Callable, Optional
 
 from tst_megatron.superposition.bags import BagWeighting, TSTMode, mode_reads_bags
 
+#: r when neither --tst-phase1-iters nor --tst-phase1-fraction is given: the paper's 0.3.
+DEFAULT_PHASE1_FRACTION = 0.3
+
 
 @dataclasses.dataclass(frozen=True)
 class TSTConfig:
-    """Token Superposition Training settings; each field is a ``--tst-*`` flag.
-
-    ``bag_size = 1`` or zero phase-1 iterations is a plain baseline run.
-    """
+    """Token superposition training (Peng et al. 2026): the first iterations train on bags
+    of S contiguous tokens (input: the mean of their embeddings; output: the whole next bag,
+    multi-hot cross-entropy), the rest is ordinary next-token training. --tst-bag-size 1
+    (the default) is a plain Megatron-LM run."""
 
     bag_size: int = 1
-    """S: tokens per bag in phase 1 (``--tst-bag-size``); 1 disables TST."""
+    """Tokens per bag (S) in phase 1. 1 turns TST off. The paper used 6 for dense models and
+    16 for its MoE. Default: 1."""
     phase1_iters: Optional[int] = None
-    """N1: optimizer steps in phase 1 (``--tst-phase1-iters``); None = use the fraction."""
+    """Iterations in phase 1 (N1). Give this or --tst-phase1-fraction, not both. Default:
+    0.3 of --train-iters."""
     phase1_fraction: Optional[float] = None
-    """r: phase-1 share of ``--train-iters`` (``--tst-phase1-fraction``), N1 = round(r * N).
-    None with ``phase1_iters`` None means 0.3 when ``bag_size > 1`` (the paper's r)."""
+    """Share of --train-iters in phase 1 (r); N1 = round(r x train iterations). Default: 0.3
+    when --tst-bag-size > 1 and --tst-phase1-iters is not given."""
     bag_weighting: BagWeighting = "uniform"
-    """Slot weights of the MCE loss: ``uniform`` or ``power`` (``--tst-bag-weighting``)."""
+    """Weights of the S targets of a bag in the phase-1 loss: uniform, or power (weight
+    1/(k+1) for the k-th token, normalised; the paper found it steadier at S >= 8). Default:
+    uniform."""
     save_at_switch: bool = True
-    """Save a checkpoint at step N1 (disable with ``--no-tst-save-at-switch``)."""
+    """Do not save a checkpoint at the end of phase 1 (by default one is saved there when
+    --save is given)."""
     mode: TSTMode = "full"
-    """Phase-1 superposition (``--tst-mode``; paper section 5.2): ``full`` = bag-averaged
-    input, MCE over the next bag (samples of S*T tokens); ``input`` = bag-averaged input,
-    target the next bag's first token (S*T tokens); ``output`` = ordinary token input, MCE
-    over the S tokens after each position (T tokens, as the baseline)."""
+    """What phase 1 superposes: full (bag-averaged input and the next bag as the target),
+    input (bag-averaged input, next token of the bag as the target) or output (ordinary
+    input, the next S tokens as the target; reads as much text as a baseline). Default:
+    full."""
 
     def validate(self, train_iters: int) -> list[str]:
         """The problems of these settings, one line each naming the flag (empty: none).
         Reads only; the choice of ``bag_weighting`` is checked from its ``Literal`` type by
-        the caller (:func:`tst_megatron.training.megatron_lm.tst_problems`)."""
+        the caller (:func:`tst_megatron.training.checks.tst_problems`)."""
         problems = []
         if (
             isinstance(self.bag_size, bool)
@@ -74,7 +82,7 @@ class TSTConfig:
             return 0
         if self.phase1_iters is not None:
             return self.phase1_iters
-        fraction = 0.3 if self.phase1_fraction is None else self.phase1_fraction
+        fraction = DEFAULT_PHASE1_FRACTION if self.phase1_fraction is None else self.phase1_fraction
         return int(round(fraction * train_iters))
 
 

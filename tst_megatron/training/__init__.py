@@ -1,14 +1,19 @@
-"""TST inside Megatron-LM's own training loop (``megatron.training.pretrain()``).
+"""TST inside Megatron-LM's own training loop (``megatron.training.pretrain()``), one module
+per job:
 
-- :mod:`.megatron_lm`: the launcher: ``--tst-*`` flags, the model, dataset and forward-step
-  providers, the TST checks, the switch's checkpoint, validation and log line;
-- :mod:`.dry_run`: ``--dry-run`` (Megatron-LM's validation and the TST checks, no processes);
-- :mod:`.gpt`: ``TSTGPTModel`` (a ``GPTModel`` with the TST loss seam);
-- :mod:`.model`: local layer specs and ``build_gpt_model``;
-- :mod:`.data`: datasets and the phase-aware TST sample stream;
-- :mod:`.forward`: the forward-step functions of both phases;
-- :mod:`.fp8`: FP8 shape rules from the model's ``TransformerConfig``;
-- :mod:`.fields`: command-line flags from dataclass fields.
+- :mod:`.cli`: the launcher's ``main`` (checks, then ``pretrain()``), torchrun/Slurm glue;
+- :mod:`.flags`: ``--tst-*`` (from :class:`~tst_megatron.superposition.schedule.TSTConfig`),
+  ``--dry-run``, ``--device``, the flags a CPU run appends;
+- :mod:`.plan`: train iterations, consumed samples, ``N1``, the switch sample, resume checks;
+- :mod:`.checks`: the launcher's rules on top of Megatron-LM's validation;
+- :mod:`.validate`: the one check path of the launch and the dry run;
+- :mod:`.assumed`: what a dry run answers for a cluster's GPU and Transformer Engine;
+- :mod:`.dry_run`: ``--dry-run``'s report (layout, parameter counts, TST plan);
+- :mod:`.model`: the model provider and local layer specs; :mod:`.gpt`: ``TSTGPTModel``;
+- :mod:`.datasets`: the datasets provider; :mod:`.data`: datasets and the TST sample stream;
+  :mod:`.index_cache`: megatron-core's index caches per node;
+- :mod:`.forward`: the forward step of both phases; :mod:`.switch`: the switch at ``N1``;
+- :mod:`.fp8`: FP8 shape rules from the model's ``TransformerConfig``.
 """
 
 from tst_megatron.training.model import build_gpt_model, gpt_block_spec

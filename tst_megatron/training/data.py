@@ -12,7 +12,7 @@ shuffle undone), its samples are consecutive windows of the packed token stream:
   independent windows (``docs/design.md``, "The schedule").
 A blend has one stream per dataset (:func:`stream_parts`); a block never straddles two.
 Training sample ``i`` of the run is read by Megatron-LM's own sampler and ``DataLoader``
-(``--num-workers``; :class:`~tst_megatron.training.megatron_lm.PhasedTrainDataset` maps it to
+(``--num-workers``; :class:`~tst_megatron.training.PhasedTrainDataset` maps it to
 a phase-1 or phase-2 sample), so the data position is a pure function of the consumed
 samples. Validation reads its own split in the dataset's own (shuffled) sample order, so its
 batches hold independent windows too.
@@ -70,7 +70,7 @@ def data_settings(args) -> DataSettings:
 
     Raises:
         OSError: the ``--data-args-path`` file cannot be read (the launcher checks it first:
-            :func:`tst_megatron.training.megatron_lm.data_problems`).
+            :func:`tst_megatron.training.data_problems`).
     """
     words = args.data_path
     if getattr(args, "data_args_path", None):

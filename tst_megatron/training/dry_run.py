@@ -1,76 +1,21 @@
-"""``--dry-run`` of the Megatron-LM launcher (:mod:`tst_megatron.training.megatron_lm`): what a
-launch line would do at ``WORLD_SIZE=N``, without starting processes, initialising
-``torch.distributed``, reading data or a tokenizer, or building the model.
-
-:func:`dry_run` runs Megatron-LM's own ``parse_args`` and ``validate_args`` (with the
-launcher's ``--tst-*`` flags), then the TST checks (:func:`~megatron_lm.tst_problems`) and
-Megatron-LM's batch-size schedule checks, and prints the layout, the model and its parameter
-counts (:func:`parameter_counts`, arithmetic) and the TST plan; or every problem found, one
-``error: ...`` line each (an assertion inside ``validate_args`` becomes one line, not a
-traceback). Exit status 0 or 2.
-
-The launch line is checked as a CUDA run (``--device cpu``: as a CPU run, with the flags a CPU
-run appends); nothing CUDA is needed here. ``validate_args`` asks the GPU two things, and on
-a machine without one the dry run answers them as for :data:`ASSUMED_GPU` (an H100, compute
-capability 9.0, the machine the public launch scripts are written for) through a stand-in
-``torch`` given to the two Megatron-LM modules that ask (``megatron.training.arguments``,
-``megatron.training.utils.common_utils``) for the duration of the call only, then restored:
-
-- ``torch.cuda.get_device_capability()`` with ``--moe-grouped-gemm`` (needs >= 8);
-- ``get_device_arch_version()`` (``torch.cuda.get_device_properties``) with TP or CP > 1:
-  below Blackwell Megatron-LM asserts ``CUDA_DEVICE_MAX_CONNECTIONS=1``, so that check runs
-  as on an H100 against this process's environment (the public scripts export it; export it
-  for the dry run too).
-
-After ``validate_args`` the model's ``TransformerConfig`` is built from the arguments
-(Megatron-LM's ``core_transformer_config_from_args``; its ``__post_init__`` checks what
-``validate_args`` does not, e.g. attention heads divisible by TP): a dataclass, no model.
-
-Transformer Engine is not imported. When it is not installed, the TE version checks of
-``validate_args`` and ``TransformerConfig`` (``is_te_min_version`` / ``get_te_version`` in
-``megatron.training.arguments`` and ``megatron.core.transformer.transformer_config``:
-``--qk-clip``, ``--delay-wgrad-compute``, MoE FP8, ...) are answered for
-:data:`ASSUMED_TE_VERSION`, by the same scoped replacement of those names in those modules.
+"""``--dry-run``: the launch's own checks (:func:`tst_megatron.training.validate.check`, run
+with ``dry_run=True``) plus a report of what the launch line would do at ``WORLD_SIZE=N``:
+the layout, the batch, the model and its parameter counts (:func:`parameter_counts`,
+arithmetic) and the TST plan; or every problem found, one ``error: ...`` line each. Exit
+status 0 or 2. Nothing is started: no process group, no model, no data, no GPU (a launch
+line for CUDA is checked as for an H100 with Transformer Engine when this machine has
+neither: :mod:`tst_megatron.training.assumed`).
 """
 
 from __future__ import annotations
 
-import argparse
-import contextlib
 import dataclasses
-import io
 import os
 import sys
-import traceback
-import types
-import warnings
 from typing import Optional, Sequence
-from unittest import mock
 
-import torch
-
-#: What a dry run on a machine without CUDA answers for the GPU (``validate_args`` reads
-#: ``major``/``minor``): an H100 (Hopper, compute capability 9.0).
-ASSUMED_GPU = types.SimpleNamespace(
-    name="NVIDIA H100 80GB HBM3 (assumed by --dry-run)",
-    major=9,
-    minor=0,
-    total_memory=80 * 2**30,
-    multi_processor_count=132,
-)
-
-#: The Transformer Engine version the version checks of ``validate_args`` and
-#: ``TransformerConfig`` are answered for when TE is not installed (the highest version
-#: megatron-core 0.19's checks ask about).
-ASSUMED_TE_VERSION = "2.14.0"
-
-#: The Megatron-LM modules whose ``torch`` global is the stand-in during validation.
-_GPU_ASKING_MODULES = ("megatron.training.arguments", "megatron.training.utils.common_utils")
-
-#: The modules whose ``is_te_min_version`` (and ``get_te_version``) answer for
-#: :data:`ASSUMED_TE_VERSION` during validation when TE is not installed.
-_TE_ASKING_MODULES = ("megatron.training.arguments", "megatron.core.transformer.transformer_config")
-
+from tst_megatron.training.flags import tst_config
+from tst_megatron.training.plan import _batch_calculator, schedule, switch_sample
 
 # --- parameter counts ----------------------------------------------------------------------
 
@@ -236,117 +181,6 @@ def padded_vocab_size(args) -> Optional[int]:
     )
 
 
-# --- validation without a GPU --------------------------------------------------------------
-
-
-class _AssumedCuda(types.ModuleType):
-    """``torch.cuda`` as the two GPU-asking Megatron-LM modules see it in a dry run without
-    CUDA: device properties and capability of :data:`ASSUMED_GPU`, the rest torch's."""
-
-    def __init__(self):
-        super().__init__("torch.cuda (tst_megatron dry-run stand-in)")
-
-    def __getattr__(self, name):
-        return getattr(torch.cuda, name)
-
-    @staticmethod
-    def get_device_properties(device=None):
-        return ASSUMED_GPU
-
-    @staticmethod
-    def get_device_capability(device=None):
-        return (ASSUMED_GPU.major, ASSUMED_GPU.minor)
-
-
-class _AssumedTorch(types.ModuleType):
-    """``torch`` with :class:`_AssumedCuda` as ``torch.cuda``; every other name torch's."""
-
-    def __init__(self):
-        super().__init__("torch (tst_megatron dry-run stand-in)")
-        self.cuda = _AssumedCuda()
-
-    def __getattr__(self, name):
-        return getattr(torch, name)
-
-
-def _te_installed() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("transformer_engine") is not None
-
-
-def _assumed_te_version():
-    """``get_te_version`` answered: :data:`ASSUMED_TE_VERSION`."""
-    from packaging.version import Version
-
-    return Version(ASSUMED_TE_VERSION)
-
-
-def _assumed_te_min_version(version: str, check_equality: bool = True) -> bool:
-    """``is_te_min_version`` answered for :data:`ASSUMED_TE_VERSION`."""
-    from packaging.version import Version
-
-    have, want = Version(ASSUMED_TE_VERSION), Version(version)
-    return have >= want if check_equality else have > want
-
-
-@contextlib.contextmanager
-def _validation_environment(notes: list):
-    """During the block, the GPU questions of ``validate_args`` are answered for
-    :data:`ASSUMED_GPU` when this machine has no CUDA, and its TE version checks for
-    :data:`ASSUMED_TE_VERSION` when TE is not installed; ``notes`` gets a line for each.
-    Only the ``torch`` / ``is_te_min_version`` globals of the modules in
-    :data:`_GPU_ASKING_MODULES` are swapped, and restored on exit."""
-    import importlib
-
-    saved = []
-    try:
-        if not torch.cuda.is_available():
-            stand_in = _AssumedTorch()
-            for name in _GPU_ASKING_MODULES:
-                module = importlib.import_module(name)
-                saved.append((module, "torch", module.torch))
-                module.torch = stand_in
-            notes.append(
-                f"no GPU here: validated as for compute capability {ASSUMED_GPU.major}."
-                f"{ASSUMED_GPU.minor} (H100)"
-            )
-        if not _te_installed():
-            for name in _TE_ASKING_MODULES:
-                module = importlib.import_module(name)
-                saved.append((module, "is_te_min_version", module.is_te_min_version))
-                module.is_te_min_version = _assumed_te_min_version
-                if hasattr(module, "get_te_version"):
-                    saved.append((module, "get_te_version", module.get_te_version))
-                    module.get_te_version = _assumed_te_version
-            notes.append(
-                f"Transformer Engine not installed here: its version checks answered as "
-                f"for TE {ASSUMED_TE_VERSION}"
-            )
-        yield
-    finally:
-        for module, attr, value in reversed(saved):
-            setattr(module, attr, value)
-
-
-def validation_error(exc: BaseException) -> str:
-    """One line for an exception raised by Megatron-LM's argument validation: its message
-    with whitespace collapsed or, for a bare ``assert``, the failing source line and where
-    it is (``file:line``)."""
-    message = " ".join(str(exc).split())
-    if message:
-        return f"Megatron-LM's argument validation: {message}"
-    frames = traceback.extract_tb(exc.__traceback__)
-    if not frames:
-        return f"Megatron-LM's argument validation: {type(exc).__name__}"
-    frame = frames[-1]
-    where = "/".join(frame.filename.split(os.sep)[-3:])
-    return (
-        f"Megatron-LM's argument validation: {type(exc).__name__} at {where}:{frame.lineno}: "
-        f"{(frame.line or '').strip()}"
-    )
-
-
 # --- the dry run ---------------------------------------------------------------------------
 
 
@@ -359,7 +193,6 @@ def _human(n: int) -> str:
 
 def _batch_lines(args, dp: int) -> list[str]:
     """The batch, or the batch-size schedule step by step (Megatron-LM's calculator)."""
-    from tst_megatron.training.megatron_lm import _batch_calculator
 
     per_micro = args.micro_batch_size * dp
     calculator = _batch_calculator(args)
@@ -386,12 +219,9 @@ def describe(args) -> list[str]:
     """The run as lines of text (layout, batch, model, parameters, TST plan) from validated
     Megatron-LM arguments with the launcher's ``--tst-*`` flags.
 
-    Raises:
-        ValueError, AssertionError: Megatron-LM's batch-size schedule calculator refused the
-            schedule (it is built here, as ``set_global_variables`` would).
+    The arguments have passed :func:`~tst_megatron.training.validate.check` (the batch-size
+    schedule calculator included).
     """
-    from tst_megatron.training.megatron_lm import schedule, switch_sample, tst_config
-
     tp, pp, cp = (
         args.tensor_model_parallel_size,
         args.pipeline_model_parallel_size,
@@ -472,162 +302,24 @@ def describe(args) -> list[str]:
     return lines
 
 
-class ParserError(Exception):
-    """Megatron-LM's argument parser rejected the command line (argparse's message)."""
-
-
-def _one_line_errors(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """The launcher's flags added to ``parser`` (Megatron-LM's, built for this call), whose
-    ``error`` raises :class:`ParserError` instead of printing the whole usage and exiting."""
-    from tst_megatron.training.megatron_lm import add_tst_args
-
-    def error(message):
-        raise ParserError(message)
-
-    parser = add_tst_args(parser)
-    parser.error = error  # this parser object only
-    return parser
-
-
-def _parse(argv: Sequence[str]):
-    """Megatron-LM's ``parse_args`` with the launcher's flags, ``sys.argv`` restored after.
-
-    Raises:
-        ParserError: argparse rejected ``argv`` (unknown flag, bad value).
-    """
-    from megatron.training.arguments import parse_args
-
-    saved = sys.argv
-    sys.argv = [saved[0] if saved else "pretrain_gpt_tst.py", *argv]
-    try:
-        return parse_args(extra_args_provider=_one_line_errors)
-    finally:
-        sys.argv = saved
-
-
-def check(argv: Sequence[str]) -> tuple[Optional[argparse.Namespace], list[str], list[str]]:
-    """Validate a launch line at this process's ``WORLD_SIZE`` without any work.
-
-    Megatron-LM's ``parse_args``, ``validate_args`` and ``core_transformer_config_from_args``
-    (prints and warnings captured, GPU and TE questions answered as the module docstring
-    says), then, when those pass, Megatron-LM's batch-size schedule calculator and the
-    launcher's checks (:func:`~tst_megatron.training.megatron_lm.tst_problems`: TST, and FP8
-    shapes from that ``TransformerConfig``). ``--device cpu`` appends the
-    launcher's CPU flags first, as a CPU run does; otherwise nothing is appended.
-
-    Returns:
-        ``(args, problems, notes)``: the validated arguments (None when ``validate_args``
-        or the parser refused), every problem found (one line each, naming the flag or
-        giving Megatron-LM's message), and notes on what the dry run assumed.
-
-    Megatron-LM's import-time warnings (no Transformer Engine or Apex here) and the prints
-    and warnings of its validation are not shown.
-    """
-    argv = list(argv)
-    problems, notes = [], []
-    captured = io.StringIO()
-    with _quiet(), contextlib.redirect_stdout(captured):
-        from megatron.training.argument_utils import core_transformer_config_from_args
-        from megatron.training.arguments import validate_args
-
-        from tst_megatron.training.megatron_lm import CPU_FLAGS, argv_problems, launch_problems
-
-        refused = argv_problems(argv)
-        if refused:
-            return None, refused, notes
-
-        cpu = _device_flag(argv) == "cpu"
-        user_argv = list(argv)
-        if cpu:
-            argv += list(CPU_FLAGS)
-
-        try:
-            args = _parse(argv)
-        except ParserError as exc:
-            return None, [f"Megatron-LM's argument parser: {exc}"], notes
-    # a CPU run sets CUDA_DEVICE_MAX_CONNECTIONS=1 itself when unset (megatron_lm.parse)
-    connections = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "1" if cpu else None)
-    env = {} if connections is None else {"CUDA_DEVICE_MAX_CONNECTIONS": connections}
-    with _validation_environment(notes), _quiet(), mock.patch.dict(os.environ, env):
-        try:
-            with contextlib.redirect_stdout(captured):
-                validate_args(args)
-        except (AssertionError, ValueError) as exc:
-            # validate_args stops at its first failed check and leaves the arguments half
-            # filled in: the TST checks would read defaults it has not set yet, so they wait
-            return None, [validation_error(exc)], notes
-        try:  # TransformerConfig.__post_init__ checks more (heads divisible by TP, MoE, MLA)
-            with contextlib.redirect_stdout(captured):
-                config = core_transformer_config_from_args(_without_te_kernels(args, notes))
-        except (AssertionError, ValueError) as exc:
-            line = validation_error(exc).replace("argument validation", "TransformerConfig")
-            return None, [line], notes
-    try:
-        problems += _schedule_problems(args)
-    except (AssertionError, ValueError) as exc:  # Megatron-LM's calculator refused it
-        problems.append(validation_error(exc).replace("argument validation", "batch-size schedule"))
-        return args, problems, notes
-    problems += launch_problems(args, user_argv, cpu=cpu, config=config)
-    return args, problems, notes
-
-
-#: Switches whose ``TransformerConfig`` check is "is Transformer Engine's kernel importable
-#: here" (``apply_rope_fusion``: RoPE fusion, on by default; ``moe_permute_fusion``:
-#: ``--moe-permute-fusion``), not a check of the settings.
-_TE_KERNEL_SWITCHES = ("apply_rope_fusion", "moe_permute_fusion")
-
-
-def _without_te_kernels(args, notes: list):
-    """``args``, or without Transformer Engine installed a copy with
-    :data:`_TE_KERNEL_SWITCHES` off (a note names those that were on): a machine without TE
-    cannot say whether the cluster's has the kernels."""
-    if _te_installed():
-        return args
-    on = [name for name in _TE_KERNEL_SWITCHES if getattr(args, name, False)]
-    if not on:
-        return args
-    notes.append(f"Transformer Engine kernels not checked ({', '.join(on)}): TE not installed here")
-    return argparse.Namespace(**{**vars(args), **dict.fromkeys(on, False)})
-
-
-def _schedule_problems(args) -> list[str]:
-    """Megatron-LM's checks of ``--step-batch-size-schedule``: its calculator's own (raised
-    when it is built, as ``set_global_variables`` builds it), and the divisibility of each
-    global batch the run reaches by micro-batch x DP, which ``train()`` asserts when it gets
-    there (``update_num_microbatches(..., consistency_check=True)``)."""
-    from tst_megatron.training.megatron_lm import _batch_calculator, consumed_samples, train_iters
-
-    calculator = _batch_calculator(args)
-    if calculator is None:
-        return []
-    per_step = args.micro_batch_size * args.data_parallel_size
-    total = consumed_samples(args, train_iters(args))
-    return [
-        f"--step-batch-size-schedule: global batch {batch} (from sample {threshold:,}) is not "
-        f"divisible by --micro-batch-size {args.micro_batch_size} x data-parallel size "
-        f"{args.data_parallel_size}; Megatron-LM asserts it when the run gets there"
-        for threshold, batch in calculator.schedule
-        if threshold < total and batch % per_step
-    ]
-
-
 def dry_run(argv: Sequence[str], *, out=None, err=None) -> int:
-    """``--dry-run``: check ``argv`` for ``WORLD_SIZE`` processes (default 1; environment) and
-    print the run (stdout) or every problem (``error: ...`` lines on stderr). Prints from rank
-    0 only (``RANK``, else ``SLURM_PROCID``, default 0).
+    """``--dry-run``: :func:`~tst_megatron.training.validate.check` ``argv`` for
+    ``WORLD_SIZE`` processes (default 1) as the launch does, and print the run (stdout) or
+    every problem (``error: ...`` lines on stderr). Prints from rank 0 only (``RANK``, else
+    ``SLURM_PROCID``, default 0).
 
     Returns:
         0 when no problem was found, else 2.
     """
+    from tst_megatron.training.validate import check
+
     out, err = out or sys.stdout, err or sys.stderr
+    checked = check(argv, dry_run=True)
     rank0 = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0"
-    args, problems, notes = check(argv)
+    problems, notes = list(checked.problems), checked.notes
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if not problems:
-        try:
-            lines = describe(args)
-        except (AssertionError, ValueError) as exc:
-            problems.append(validation_error(exc))
+        lines = describe(checked.args)
     if not rank0:
         return 2 if problems else 0
     if problems:
@@ -637,7 +329,7 @@ def dry_run(argv: Sequence[str], *, out=None, err=None) -> int:
             print(f" note: {line}", file=err)
         print(f"dry run: {len(problems)} problem(s) for world size {world}", file=err, flush=True)
         return 2
-    device = "CPU" if _device_flag(argv) == "cpu" else "CUDA"
+    device = "CPU" if checked.device == "cpu" else "CUDA"
     print(f"dry run: world size {world}, checked as a {device} run", file=out)
     for line in notes:
         print(f" note: {line}", file=out)
@@ -645,26 +337,3 @@ def dry_run(argv: Sequence[str], *, out=None, err=None) -> int:
         print(f" {line}", file=out)
     print("dry run: no problems found", file=out, flush=True)
     return 0
-
-
-@contextlib.contextmanager
-def _quiet():
-    """Python warnings and log records below ERROR off for the block (restored after):
-    megatron-core warns at import that Transformer Engine and Apex are missing, and torch
-    logs that no CUDA runtime is found."""
-    import logging
-
-    previous = logging.root.manager.disable
-    logging.disable(logging.WARNING)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            yield
-    finally:
-        logging.disable(previous)
-
-
-def _device_flag(argv: Sequence[str]) -> str:
-    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-    pre.add_argument("--device", default="auto")
-    return pre.parse_known_args(list(argv))[0].device

@@ -1,6 +1,6 @@
 """Model construction: a plain megatron-core ``GPTModel`` in both TST phases.
 
-The launcher's model provider (:func:`tst_megatron.training.megatron_lm.build_model_from_args`,
+The launcher's model provider (:func:`build_model_from_args`,
 also the checkpoint converter's) takes the local layer specs from here
 (:func:`gpt_block_spec`, :func:`local_mtp_block_spec`); :func:`build_gpt_model` builds a
 ``TSTGPTModel`` from a ``TransformerConfig`` directly (tests, benchmarks). TST adds no module
@@ -289,7 +289,116 @@ def tag_expert_grad_reduction(model, config: TransformerConfig) -> None:
                     param.sequence_parallel = False
 
 
-def padded_vocab_size(vocab_size: int, *, divisible_by: int, tp: int) -> int:
-    """Megatron-LM's padding: the smallest multiple of ``divisible_by * tp`` >= ``vocab_size``."""
-    multiple = divisible_by * tp
-    return -(-vocab_size // multiple) * multiple
+# --- Megatron-LM's model provider ------------------------------------------------------
+
+
+def model_provider(
+    pre_process: bool = True,
+    post_process: bool = True,
+    vp_stage: Optional[int] = None,
+    config=None,
+    pg_collection=None,
+):
+    """Megatron-LM model provider: :func:`build_model_from_args` on Megatron-LM's global
+    ``args`` (``megatron.training.get_args()``)."""
+    from megatron.training import get_args
+
+    return build_model_from_args(
+        get_args(),
+        pre_process=pre_process,
+        post_process=post_process,
+        vp_stage=vp_stage,
+        config=config,
+        pg_collection=pg_collection,
+    )
+
+
+def build_model_from_args(
+    args,
+    *,
+    pre_process: bool = True,
+    post_process: bool = True,
+    vp_stage: Optional[int] = None,
+    config=None,
+    pg_collection=None,
+):
+    """A :class:`TSTGPTModel` (a ``GPTModel`` with the TST loss seam; same parameters and
+    state-dict keys) for Megatron-LM's ``args`` namespace ``args`` (the launcher's, or one a
+    checkpoint stores), with Megatron-LM's own configuration. The one way a model is built
+    from arguments: the launcher's :func:`model_provider` and the checkpoint converter
+    (:mod:`tst_megatron.conversion.megatron`) both call it. megatron-core's parallel state
+    must be initialised (its sizes those of ``args``).
+
+    The ``TransformerConfig`` comes from ``core_transformer_config_from_args`` and the GPT
+    settings from ``gpt_config_from_args`` (``megatron.training.argument_utils``); the layer
+    spec is ``--spec`` when given; with ``--transformer-impl local`` megatron-core's local
+    block spec with the project's sequence-parallel norms and expert fc2
+    (:func:`~tst_megatron.training.model.gpt_block_spec`); else Megatron-LM's
+    ``megatron.training.models.gpt.default_layer_spec`` (Transformer Engine's spec, MoE block
+    specs, experimental attention variants). The MTP block spec is Megatron-LM's
+    ``mtp_block_spec``, or with the local block spec
+    :func:`~tst_megatron.training.model.local_mtp_block_spec` (the same norms). The
+    ``GPTModel`` arguments are those of ``GPTModelBuilder.build_model`` (Megatron-LM 0.19.2),
+    which cannot build a ``GPTModel`` subclass (it names ``GPTModel`` itself), hence this
+    copy of its call. Expert
+    parameters are tagged for their gradient reduction
+    (:func:`~tst_megatron.training.model.tag_expert_grad_reduction`) before DDP wraps them.
+    """
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnBackend
+    from megatron.core.transformer.heterogeneous.heterogeneous_config import (
+        HeterogeneousTransformerConfig,
+    )
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.training.argument_utils import gpt_config_from_args
+    from megatron.training.models.gpt import default_layer_spec, mtp_block_spec
+
+    from tst_megatron.runtime import cpu
+
+    cfg = gpt_config_from_args(args, config=config)
+    spec = cfg.transformer_layer_spec
+    plain_local = (
+        cfg.transformer.transformer_impl == "local"
+        and cfg.transformer.experimental_attention_variant is None
+        and not isinstance(cfg.transformer, HeterogeneousTransformerConfig)
+    )
+    local = spec is None and plain_local
+    if local:
+        # megatron-core's local block spec with the project's norms (TP + SP without TE or
+        # Apex) and expert fc2 (MoE with biases): tst_megatron.training.model.gpt_block_spec
+        spec = gpt_block_spec(cfg.transformer, transformer_impl="local", vp_stage=vp_stage)
+    elif spec is None:
+        spec = default_layer_spec(cfg, vp_stage)
+    elif not isinstance(spec, ModuleSpec) and callable(spec):
+        spec = spec(cfg, vp_stage=vp_stage)
+    if cfg.attention_backend == AttnBackend.local and hasattr(spec, "submodules"):
+        spec.submodules.self_attention.submodules.core_attention = DotProductAttention
+    model = TSTGPTModel(
+        config=cfg.transformer,
+        transformer_layer_spec=spec,
+        mtp_block_spec=(
+            local_mtp_block_spec(cfg.transformer, vp_stage=vp_stage)  # the same norms
+            if local
+            else mtp_block_spec(cfg, spec, vp_stage=vp_stage)
+        ),
+        vocab_size=args.padded_vocab_size,
+        max_sequence_length=cfg.seq_length,
+        fp16_lm_cross_entropy=cfg.fp16_lm_cross_entropy,
+        parallel_output=cfg.parallel_output,
+        share_embeddings_and_output_weights=cfg.share_embeddings_and_output_weights,
+        position_embedding_type=cfg.position_embedding_type,
+        rotary_percent=cfg.rotary_percent,
+        rotary_base=cfg.rotary_base,
+        rope_scaling=cfg.rope_scaling,
+        rope_scaling_factor=cfg.rope_scaling_factor,
+        seq_len_interpolation_factor=cfg.seq_len_interpolation_factor,
+        scatter_embedding_sequence_parallel=cfg.scatter_embedding_sequence_parallel,
+        pre_process=pre_process,
+        post_process=post_process,
+        pg_collection=pg_collection,
+        vp_stage=vp_stage,
+    )
+    # experts summed over their expert-DP group only (megatron-core also sums the fc2 bias
+    # over TP at expert TP 1 < TP): before DDP reads the tags
+    tag_expert_grad_reduction(model, cfg.transformer)
+    return cpu.keep_on_cpu(model) if cpu.is_enabled() else model

@@ -1,0 +1,412 @@
+"""The rules a launch line must pass on top of Megatron-LM's ``validate_args`` and
+``TransformerConfig``, each a function returning one line per problem, naming the flag
+(empty: none); they read and never raise. :mod:`tst_megatron.training.validate` runs them
+with Megatron-LM's own checks, for the real launch and ``--dry-run`` alike. Covered: the
+rules megatron-core enforces only inside the first step (sequence parallelism, interleaved
+pipelines), settings Megatron-LM accepts but cannot run, data flags, TST, FP8 shapes, a CPU
+run's limits, and a resume that would not continue its checkpoint's run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import traceback
+from typing import Sequence
+
+from tst_megatron.training.flags import tst_config
+from tst_megatron.training.plan import (
+    _batch_calculator,
+    checkpoint_to_resume,
+    consumed_samples,
+    resume_problems,
+    scheduler_problems,
+    train_iters,
+)
+
+
+def tst_problems(args, *, config=None) -> list[str]:
+    """Every setting this launcher refuses before any work on top of Megatron-LM's
+    ``validate_args``, one line each naming the flag (empty: none): what TST cannot run
+    (:func:`_tst_setting_problems`), then with ``--fp8-format`` the GEMM shapes Transformer
+    Engine would refuse in the first step
+    (:func:`~tst_megatron.training.fp8.fp8_shape_problems`). Reads only.
+
+    Args:
+        args: Megatron-LM's arguments after ``validate_args``.
+        config: the model's ``TransformerConfig`` when the caller built it (:func:`check`);
+            otherwise, with ``--fp8-format``, built here by Megatron-LM's
+            ``core_transformer_config_from_args`` (the sizes FP8 checks are Megatron-LM's).
+    """
+    return _tst_setting_problems(args) + _fp8_problems(args, config)
+
+
+def _fp8_problems(args, config) -> list[str]:
+    """:func:`~tst_megatron.training.fp8.fp8_shape_problems` of the run (empty without FP8)."""
+    if not getattr(args, "fp8", None):
+        return []
+    from tst_megatron.training.fp8 import fp8_shape_problems
+
+    if config is None:
+        from megatron.training.argument_utils import core_transformer_config_from_args
+
+        try:
+            config = core_transformer_config_from_args(args)
+        except (AssertionError, ValueError) as exc:
+            return [validation_error(exc, "TransformerConfig")]
+    return fp8_shape_problems(
+        config, seq_length=args.seq_length, micro_batch_size=args.micro_batch_size
+    )
+
+
+def _tst_setting_problems(args) -> list[str]:
+    """The settings TST cannot run, one line each naming the flag. Reads only."""
+    tst = tst_config(args)
+    iters = train_iters(args)
+    problems = tst.validate(max(iters, 1))
+    if problems or tst.phase1_steps(iters) == 0:
+        return problems
+    bags = "(--tst-bag-size > 1)"
+    for flag, on in (
+        ("--reset-position-ids", args.reset_position_ids),
+        ("--reset-attention-mask", args.reset_attention_mask),
+    ):
+        if on:
+            problems.append(
+                f"{flag} is not supported in TST phase 1 {bags}: bags are formed on the packed "
+                "token stream; drop the flag or set --tst-bag-size 1"
+            )
+    if getattr(args, "mtp_num_layers", None) and getattr(args, "overlap_param_gather", False):
+        problems.append(
+            f"--overlap-param-gather is not supported with --mtp-num-layers and a TST phase 1 "
+            f"{bags}: the MTP block does not run in phase 1, so a bucket of MTP parameters "
+            "would keep its all-gather in flight at the optimizer step; drop the flag"
+        )
+    if getattr(args, "phase_transition_iterations", None):
+        problems.append(
+            f"--phase-transition-iterations is not supported with TST {bags}: it restarts "
+            "the sampler in each phase; TST switches in-process at N1"
+        )
+    if args.dataloader_type != "single":
+        problems.append(
+            f"--dataloader-type {args.dataloader_type} is not supported with TST {bags}: the "
+            "phase of a sample is read from its position in the 'single' sampler's order"
+        )
+    return problems
+
+
+def data_problems(args) -> list[str]:
+    """Data flags Megatron-LM accepts that this launcher cannot honour, one line each naming
+    the flag (empty: none). Reads only (``--data-args-path``: whether the file is readable).
+
+    - ``--train-data-path`` / ``--valid-data-path`` / ``--test-data-path`` /
+      ``--per-split-data-args-path``: the datasets provider builds the three splits from one
+      blend with ``--split`` (:func:`~tst_megatron.training.data.build_datasets`); without
+      this check a run given only these would train on mock data.
+    - ``--data-args-path`` naming no readable file, or a file without a word in it (it would
+      leave the run on mock data), or without ``--split`` (Megatron-LM's ``validate_args``
+      sets its default split only for ``--data-path``; megatron-core's dataset config would
+      assert inside ``pretrain()``).
+    """
+    problems = []
+    for flag in (
+        "train_data_path",
+        "valid_data_path",
+        "test_data_path",
+        "per_split_data_args_path",
+    ):
+        if getattr(args, flag, None):
+            problems.append(
+                f"--{flag.replace('_', '-')} is not supported by this launcher yet; use "
+                "--data-path (or --data-args-path) with --split, or --mock-data"
+            )
+    path = getattr(args, "data_args_path", None)
+    if path and not (os.path.isfile(path) and os.access(path, os.R_OK)):
+        problems.append(f"--data-args-path {path}: no readable file there")
+    elif path:
+        with open(path) as f:
+            if not f.read().split():
+                problems.append(
+                    f"--data-args-path {path} is empty: it should hold what --data-path would "
+                    "(prefixes, optionally with weights)"
+                )
+        if not args.split:
+            problems.append("--data-args-path needs --split (e.g. --split 969,30,1)")
+    return problems
+
+
+def argv_problems(argv: Sequence[str]) -> list[str]:
+    """Flags refused as given on the command line, before Megatron-LM parses it (empty:
+    none): ``--yaml-cfg`` (Megatron-LM's experimental YAML config replaces the whole parsed
+    namespace, so the ``--tst-*`` flags, ``--device`` and a CPU run's :data:`CPU_FLAGS` would
+    be lost).
+
+    Args:
+        argv: the command line as the user gave it.
+    """
+    if any(word == "--yaml-cfg" or word.startswith("--yaml-cfg=") for word in argv):
+        return [
+            "--yaml-cfg is not supported by this launcher: Megatron-LM's experimental YAML "
+            "config replaces the whole command line, --tst-* flags included; pass the flags"
+        ]
+    return []
+
+
+def late_megatron_problems(args) -> list[str]:
+    """Settings Megatron-LM's ``validate_args`` accepts but its ``pretrain()`` refuses only
+    after building the model, one line each naming the flag (empty: none). Reads only.
+
+    - ``--lr-decay-style WSD`` without ``--lr-wsd-decay-iters`` (iteration-based run) or
+      ``--lr-wsd-decay-samples`` (sample-based run): ``get_optimizer_param_scheduler`` passes
+      ``wsd_decay_steps=None`` and ``OptimizerParamScheduler`` asserts on it.
+    - no ``--eval-interval`` (0.19's default is None) in a training run without
+      ``--full-validation``: ``get_train_valid_test_num_samples`` computes
+      ``train_iters // eval_interval`` and stops with a ``TypeError``.
+    - ``--full-validation`` with one validation set: ``evaluate()`` indexes the int
+      ``--eval-iters`` (``eval_iters[0]`` of ``torch.tensor(int).tolist()``) and stops with a
+      ``TypeError`` at the first evaluation (megatron-core 0.19.2).
+    """
+    problems = []
+    if args.full_validation and not getattr(args, "multiple_validation_sets", False):
+        problems.append(
+            "--full-validation stops Megatron-LM 0.19 at its first evaluation with one "
+            "validation set (a TypeError in evaluate()); size --eval-iters to the validation "
+            "split instead"
+        )
+    elif args.eval_interval is None and not args.skip_train:
+        problems.append(
+            "--eval-interval is required (Megatron-LM 0.19 has no default and would stop with "
+            "a TypeError while sizing the validation set)"
+        )
+    if args.lr_decay_style == "WSD":
+        flag, value = (
+            ("--lr-wsd-decay-iters", args.lr_wsd_decay_iters)
+            if args.train_iters
+            else ("--lr-wsd-decay-samples", args.lr_wsd_decay_samples)
+        )
+        if value is None:
+            problems.append(
+                f"--lr-decay-style WSD needs {flag} (the length of the decay; Megatron-LM's "
+                "scheduler has no default and would stop after building the model)"
+            )
+    return problems
+
+
+def cpu_problems(args) -> list[str]:
+    """Settings a CPU run (``--device cpu``) cannot do, one line each naming the flag (empty:
+    none). Reads only.
+
+    - ``--use-distributed-optimizer``: megatron-core's ``DistributedOptimizer`` builds its
+      buffers as CUDA tensors (a ``TypeError`` at set-up on a CPU).
+    - pipeline parallelism with tied embeddings: megatron-core's embedding-group all-reduce
+      of the tied weights calls ``.cuda()``.
+    - ``--bf16`` / ``--fp16``: megatron-core's ``Float16OptimizerWithFloat16Params`` accepts
+      only ``torch.cuda.*`` parameter types.
+    - ``--log-memory-to-tensorboard``: Megatron-LM reads CUDA memory statistics
+      (``KeyError: 'reserved_bytes.all.current'`` at the first log line).
+    - ``--mtp-num-layers`` with pipeline parallelism: megatron-core gives the last stage its
+      own copy of the embedding and sets it up with ``weight.data.cuda()``
+      (``LanguageModule.setup_embeddings_and_output_layer``).
+    """
+    problems = []
+    for flag, on in (("--bf16", args.bf16), ("--fp16", args.fp16)):
+        if on:
+            problems.append(
+                f"{flag} needs CUDA (megatron-core's mixed-precision optimizer accepts only CUDA "
+                "parameters); a CPU run trains in float32: drop it"
+            )
+    if getattr(args, "log_memory_to_tensorboard", False):
+        problems.append(
+            "--log-memory-to-tensorboard reads CUDA memory statistics; drop it for a CPU run"
+        )
+    if args.use_distributed_optimizer:
+        problems.append(
+            "--use-distributed-optimizer needs CUDA (megatron-core's DistributedOptimizer "
+            "builds CUDA buffers); drop it for a CPU run"
+        )
+    if args.pipeline_model_parallel_size > 1 and not args.untie_embeddings_and_output_weights:
+        problems.append(
+            "--pipeline-model-parallel-size > 1 on a CPU needs --untie-embeddings-and-output-"
+            "weights (megatron-core's tied-embedding all-reduce calls .cuda())"
+        )
+    if args.pipeline_model_parallel_size > 1 and getattr(args, "mtp_num_layers", None):
+        problems.append(
+            "--mtp-num-layers with --pipeline-model-parallel-size > 1 needs CUDA (megatron-core "
+            "sets up the last stage's copy of the embedding with .cuda()); drop one for a CPU run"
+        )
+    return problems
+
+
+def cpu_flag_problems(argv: Sequence[str]) -> list[str]:
+    """The user's own ``--transformer-impl`` / ``--distributed-backend`` that a CPU run's
+    :data:`CPU_FLAGS` would override (``local`` / ``gloo``), one line each (empty: none).
+
+    Args:
+        argv: the command line as the user gave it, before :data:`CPU_FLAGS` are appended.
+    """
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    parser.add_argument("--transformer-impl")
+    parser.add_argument("--distributed-backend")
+    given, _ = parser.parse_known_args(list(argv))
+    problems = []
+    if given.transformer_impl not in (None, "local"):
+        problems.append(
+            f"--transformer-impl {given.transformer_impl} needs CUDA; a CPU run uses local "
+            "(drop the flag or run with --device cuda)"
+        )
+    if given.distributed_backend not in (None, "gloo"):
+        problems.append(
+            f"--distributed-backend {given.distributed_backend} needs CUDA; a CPU run uses "
+            "gloo (drop the flag or run with --device cuda)"
+        )
+    return problems
+
+
+def parallel_problems(args, config) -> list[str]:
+    """Layout rules megatron-core enforces only inside the first training step, one line each
+    naming the flag (empty: none). Reads only.
+
+    - Sequence parallelism splits each rank's sequence across TP: ``--seq-length`` / CP must
+      be divisible by TP. TST's phases both run ``--seq-length`` positions (phase 1 folds
+      ``S*T`` tokens into ``T`` bags), so one rule covers both.
+    - The interleaved pipeline schedule (``--num-layers-per-virtual-pipeline-stage`` or
+      ``--num-virtual-stages-per-pipeline-rank``) needs, for each global batch of M
+      micro-batches, ``PP <= N <= M`` and ``M mod N`` 0 or ``>= PP``, N being
+      ``--microbatch-group-size-per-virtual-pipeline-stage`` (default PP): megatron-core's
+      ``forward_backward_pipelining_with_interleaving`` (0.19) raises otherwise.
+
+    Args:
+        args: Megatron-LM's arguments after ``validate_args``.
+        config: the model's ``TransformerConfig`` (for the micro-batch group size).
+    """
+    problems = []
+    tp, cp, t = args.tensor_model_parallel_size, args.context_parallel_size, args.seq_length
+    if args.sequence_parallel and tp > 1 and t % (cp * tp):
+        problems.append(
+            f"--seq-length {t} with --sequence-parallel: each rank's {t // cp if t % cp == 0 else t / cp:g} "
+            f"positions (--seq-length / CP {cp}) must be divisible by "
+            f"--tensor-model-parallel-size {tp}; give a --seq-length divisible by {cp * tp}"
+        )
+    pp, vpp = args.pipeline_model_parallel_size, args.virtual_pipeline_model_parallel_size
+    if pp > 1 and vpp and vpp > 1:
+        group = getattr(config, "microbatch_group_size_per_vp_stage", None) or pp
+        per_step = args.micro_batch_size * args.data_parallel_size
+        total = consumed_samples(args, train_iters(args))
+        batches = {batch for first, batch in _schedule_steps(args) if first < total}
+        if getattr(args, "eval_iters", 0):
+            batches.add(getattr(args, "eval_global_batch_size", None) or args.global_batch_size)
+        for batch in sorted(batches):
+            m = batch // per_step
+            if not pp <= group <= m or 0 < m % group < pp:
+                problems.append(
+                    f"the interleaved pipeline (PP {pp}, {vpp} virtual stages) with global batch "
+                    f"{batch} = {m} micro-batches of {args.micro_batch_size} x DP "
+                    f"{args.data_parallel_size}: megatron-core needs PP {pp} <= "
+                    f"--microbatch-group-size-per-virtual-pipeline-stage {group} <= {m} and "
+                    f"{m} mod {group} = 0 or >= {pp}; change --global-batch-size or the group size"
+                )
+    return problems
+
+
+def _schedule_steps(args) -> list[tuple[int, int]]:
+    """``[(first sample, global batch)]``: one step for a constant batch."""
+    calculator = _batch_calculator(args)
+    return [(0, args.global_batch_size)] if calculator is None else list(calculator.schedule)
+
+
+def schedule_problems(args) -> list[str]:
+    """Megatron-LM's checks of ``--step-batch-size-schedule``: the divisibility of each global
+    batch the run reaches by micro-batch x DP, which ``train()`` asserts only when it gets
+    there (``update_num_microbatches(..., consistency_check=True)``). The calculator's own
+    checks raise when it is built (:func:`check` reports them)."""
+    if _batch_calculator(args) is None:
+        return []
+    per_step = args.micro_batch_size * args.data_parallel_size
+    total = consumed_samples(args, train_iters(args))
+    return [
+        f"--step-batch-size-schedule: global batch {batch} (from sample {first:,}) is not "
+        f"divisible by --micro-batch-size {args.micro_batch_size} x data-parallel size "
+        f"{args.data_parallel_size}; Megatron-LM asserts it when the run gets there"
+        for first, batch in _schedule_steps(args)
+        if first < total and batch % per_step
+    ]
+
+
+def resume_checks(args) -> list[str]:
+    """The problems of resuming the checkpoint ``--load`` holds (empty: nothing to resume):
+    :func:`~tst_megatron.training.plan.resume_problems` (TST) and
+    :func:`~tst_megatron.training.plan.scheduler_problems` (Megatron-LM's schedule check)."""
+    found = checkpoint_to_resume(args)
+    if found is None:
+        return []
+    iteration, common = found
+    saved = common.get("args")
+    problems = [] if saved is None else resume_problems(args, saved, iteration)
+    return problems + scheduler_problems(args, common.get("opt_param_scheduler"), iteration)
+
+
+def launch_notes(args) -> list[str]:
+    """What the user should know before the run starts, one line each (empty: nothing).
+
+    - ``--moe-router-load-balancing-type global_aux_loss``: megatron-core (0.19) accumulates
+      its token counts over the micro-batches and data-parallel ranks of a step, so the loss
+      and its gradient depend on the layout (DP x micro-batches), unlike ``aux_loss``.
+    """
+    kinds = args.moe_router_load_balancing_type
+    kinds = [kinds] if isinstance(kinds, str) else list(kinds or [])
+    notes = []
+    if args.num_experts and "global_aux_loss" in kinds:
+        notes.append(
+            "--moe-router-load-balancing-type global_aux_loss: megatron-core counts the tokens "
+            "per expert over the data-parallel ranks and micro-batches of a step, so its value "
+            "and gradient change with DP and --micro-batch-size (the same run under another "
+            "layout trains differently; aux_loss does not). TST keeps its meaning: a phase-1 "
+            "bag counts as one token"
+        )
+    return notes
+
+
+def launch_problems(
+    args, user_argv: Sequence[str], *, device: str, config=None, launch: bool = False
+) -> list[str]:
+    """Everything the launcher refuses after Megatron-LM's ``validate_args`` and
+    ``TransformerConfig``, one line each (empty: none): :func:`schedule_problems`,
+    :func:`parallel_problems`, :func:`late_megatron_problems`, :func:`data_problems`,
+    :func:`tst_problems`, for a CPU run :func:`cpu_problems` and :func:`cpu_flag_problems`,
+    and, when nothing else is wrong, :func:`resume_checks`.
+
+    Args:
+        args: Megatron-LM's arguments after ``validate_args``.
+        user_argv: the command line as given, before :data:`CPU_FLAGS` are appended.
+        device: ``"cpu"`` or ``"cuda"``.
+        config: the model's ``TransformerConfig``.
+        launch: a real launch (not a dry run): ``--device cuda`` must see a GPU.
+    """
+    import torch
+
+    problems = schedule_problems(args) + parallel_problems(args, config)
+    problems += late_megatron_problems(args) + data_problems(args)
+    problems += tst_problems(args, config=config)
+    if device == "cpu":
+        problems += cpu_problems(args) + cpu_flag_problems(user_argv)
+    elif launch and not torch.cuda.is_available():
+        problems.append("--device cuda: no GPU is visible here (use --device cpu for a CPU run)")
+    return problems or resume_checks(args)
+
+
+def validation_error(exc: BaseException, where: str = "argument validation") -> str:
+    """One line for an exception raised by Megatron-LM's checks (``where``: which): its
+    message with whitespace collapsed or, for a bare ``assert``, the failing source line and
+    where it is (``file:line``)."""
+    message = " ".join(str(exc).split())
+    if message:
+        return f"Megatron-LM's {where}: {message}"
+    frames = traceback.extract_tb(exc.__traceback__)
+    if not frames:
+        return f"Megatron-LM's {where}: {type(exc).__name__}"
+    frame = frames[-1]
+    place = "/".join(frame.filename.split(os.sep)[-3:])
+    return (
+        f"Megatron-LM's {where}: {type(exc).__name__} at {place}:{frame.lineno}: "
+        f"{(frame.line or '').strip()}"
+    )

@@ -1,0 +1,98 @@
+"""Megatron-LM's datasets provider for TST: training sample ``i`` is a phase-1 sample before
+the switch and a phase-2 window after it; validation and test are megatron-core's ordinary
+next-token splits."""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+from tst_megatron.training.flags import tst_config
+from tst_megatron.training.plan import consumed_samples, switch_sample, train_iters
+from tst_megatron.training.switch import switch_validation_samples
+
+
+class PhasedTrainDataset(torch.utils.data.Dataset):
+    """Training sample ``i`` of the run, in Megatron-LM's consumed-samples order: phase-1
+    sample ``i`` (``S*T + 1`` tokens; ``T + 1`` with ``--tst-mode output``) for
+    ``i < switch``, else phase-2 sample ``i - switch`` (``T + 1`` tokens).
+
+    A micro-batch never straddles the switch (it is at a global-batch boundary), so the
+    default collation stacks samples of one length. Each item is a dict of ``tokens``,
+    ``labels``, ``loss_mask`` (and in phase 2 ``position_ids``) tensors.
+
+    Args:
+        stream: the project's :class:`~tst_megatron.training.data.TrainStream`.
+        switch: samples consumed before the switch (:func:`switch_sample`).
+        total: samples of the whole run (:func:`consumed_samples` of ``--train-iters``).
+    """
+
+    def __init__(self, stream, *, switch: int, total: int):
+        self.stream, self.switch, self.total = stream, switch, total
+
+    def __len__(self) -> int:
+        return self.total
+
+    def __getitem__(self, i: int) -> dict:
+        if i < self.switch:
+            return self.stream.phase1_sample(i)
+        return self.stream.phase2_sample(i - self.switch)
+
+
+class TSTDatasets:
+    """Megatron-LM train/valid/test datasets provider ``(num_samples) -> (train, valid, test)``.
+
+    Every rank builds its datasets (``is_distributed = True``): the batch is read by each
+    TP rank and pipeline stage rather than broadcast from TP rank 0, because phase-1
+    micro-batches are ``S`` times longer than the ``--seq-length`` buffers that Megatron-LM's
+    ``get_batch_on_this_tp_rank`` allocates. The datasets are megatron-core's
+    (``GPTDataset`` / ``MockGPTDataset`` of ``--seq-length`` windows) built by the project's
+    :func:`~tst_megatron.training.data.build_datasets` (per-node index caches, ids checked
+    where data enters).
+    """
+
+    is_distributed = True
+
+    def __call__(self, num_samples: Sequence[Optional[int]], vp_stage: Optional[int] = None):
+        from megatron.training import get_args, get_tokenizer
+
+        from tst_megatron.training.data import (
+            TrainStream,
+            build_datasets,
+            check_data_files,
+            check_mock_data,
+            data_settings,
+            dataset_pad_id,
+            training_windows,
+        )
+
+        args, tokenizer = get_args(), get_tokenizer()
+        tst = tst_config(args)
+        switch, total = switch_sample(args), consumed_samples(args, train_iters(args))
+        data = data_settings(args)
+        if data.mock_data:
+            check_mock_data(tokenizer, tokenizer.vocab_size)
+        else:
+            check_data_files(
+                data.data_path,
+                tokenizer.vocab_size,
+                cache_path=data.data_cache_path,
+                pad_id=dataset_pad_id(tokenizer),
+            )
+        per_sample = tst.windows_per_sample()
+        windows = training_windows(
+            data, phase1_samples=switch, phase2_samples=total - switch, per_sample=per_sample
+        )
+        _, valid_n, test_n = num_samples
+        if valid_n is not None:  # the extra round at the switch (switch_overrides)
+            valid_n += switch_validation_samples(args)
+        train, valid, test = build_datasets(
+            data,
+            tokenizer,
+            seq_length=args.seq_length,
+            samples=(windows, 1 if valid_n is None else valid_n, test_n or 0),
+            seed=args.seed,
+        )
+        stream = TrainStream(train, bag_size=per_sample, phase1_samples=switch, seed=args.seed)
+        return PhasedTrainDataset(stream, switch=switch, total=total), valid, test
