@@ -283,9 +283,10 @@ def test_a_resume_that_would_change_the_tst_run_is_refused():
 
 
 @pytest.mark.slow
-def test_resuming_phase_1_with_another_bag_size_stops_with_one_line(run_launcher, tmp_path):
-    """Megatron-LM loads the checkpoint; the launcher reads its recorded ``args`` and refuses
-    before any data is read (Megatron-LM's own resume checks know no ``--tst-*`` flag)."""
+def test_a_resume_with_another_bag_size_or_train_iters_stops_with_one_line(run_launcher, tmp_path):
+    """The launcher reads the checkpoint's recorded ``args`` and learning-rate schedule and
+    refuses before any work (Megatron-LM's own resume checks know no ``--tst-*`` flag; its
+    scheduler's assertion comes after the model is built)."""
     save = str(tmp_path / "ckpt")
     argv = [
         "--device", "cpu", "--mock-data", "--tokenizer-type", "NullTokenizer",
@@ -304,6 +305,13 @@ def test_resuming_phase_1_with_another_bag_size_stops_with_one_line(run_launcher
     assert again.returncode == 2, again.stderr[-3000:]
     assert len(errors) == 1 and "--tst-bag-size 2" in errors[0], errors
     assert "Traceback" not in again.stderr
+    # another --train-iters: Megatron-LM's scheduler would assert after building the model
+    longer = run_launcher(*megatron_lm_with(argv, "--train-iters", "8"))
+    errors = [line for line in longer.stderr.splitlines() if line.startswith("error:")]
+    assert longer.returncode == 2, longer.stderr[-3000:]
+    assert len(errors) == 1 and "--override-opt-param-scheduler" in errors[0], errors
+    assert "lr_decay_steps 12 -> 16" in errors[0], errors  # iterations x global batch 2
+    assert "Traceback" not in longer.stderr and "building GPT model" not in longer.stdout
     # the same settings resume: test_megatron_lm_layouts.py (and resume_problems above)
 
 

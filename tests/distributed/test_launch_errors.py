@@ -1,0 +1,121 @@
+"""One launch path: every class of problem the dry run reports stops a real 2-process launch
+before any work, as one ``error:`` line printed once (rank 0), exit status 2 on every rank,
+no traceback and no usage block; and the line is the dry run's.
+
+The classes: Megatron-LM's parser (a misspelled flag), its ``validate_args``, the model's
+``TransformerConfig`` (heads not divisible by TP; MoE biases at expert TP 2), the rules
+megatron-core enforces only inside the first step (sequence parallelism with a length TP does
+not divide; the interleaved pipeline's micro-batch counts), a TST setting and a CPU limit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.distributed.harness import run_distributed
+from tests.launcher import BASE, ROOT
+
+#: name: (flags added to tests.launcher.BASE, a fragment of the one error line)
+CASES = {
+    "parser": (["--tst-bag-sise", "2"], "unrecognized arguments: --tst-bag-sise 2"),
+    "validate_args": (["--micro-batch-size", "3"], "must be divisible by"),
+    "TransformerConfig heads": (
+        ["--hidden-size", "48", "--num-attention-heads", "3", "--tensor-model-parallel-size", "2"],
+        "num_attention_heads (3) must be a multiple of tensor_model_parallel_size (2)",
+    ),
+    "TransformerConfig MoE bias": (
+        ["--num-experts", "4", "--expert-tensor-parallel-size", "2"]
+        + ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
+        "Bias in Moe is only supported when ETP==1",
+    ),
+    "sequence parallel length": (
+        ["--seq-length", "7", "--tensor-model-parallel-size", "2", "--sequence-parallel"],
+        "--seq-length 7 with --sequence-parallel",
+    ),
+    "interleaved micro-batches": (
+        ["--num-layers", "4", "--pipeline-model-parallel-size", "2"]
+        + ["--num-layers-per-virtual-pipeline-stage", "1", "--global-batch-size", "6"],
+        "the interleaved pipeline (PP 2, 2 virtual stages) with global batch 6 = 3 micro-batches",
+    ),
+    "TST setting": (["--reset-position-ids"], "--reset-position-ids is not supported"),
+    "CPU limit": (["--bf16"], "--bf16 needs CUDA"),
+}
+
+
+def _launch_and_dry_run_child(rank, world, *, cases):
+    """For each case: the launcher's ``main`` (the real launch, in this process) and, on rank
+    0, its dry run; return ``{name: (status, stdout, stderr, dry-run error lines)}``."""
+    from tst_megatron.training.cli import main
+    from tst_megatron.training.dry_run import dry_run
+
+    results = {}
+    for name, argv in cases.items():
+        out, err = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                main(argv)
+                status = 0
+            except SystemExit as exc:
+                status = exc.code
+        dry_err = io.StringIO()
+        if rank == 0:
+            dry_run([*argv, "--dry-run"], out=io.StringIO(), err=dry_err)
+        dry_lines = [line for line in dry_err.getvalue().splitlines() if line.startswith("error:")]
+        results[name] = (status, out.getvalue(), err.getvalue(), dry_lines)
+    return results
+
+
+@pytest.mark.slow
+def test_every_class_of_problem_stops_a_real_launch_in_one_line():
+    cases = {name: BASE + extra for name, (extra, _) in CASES.items()}
+    rank0, rank1 = run_distributed(_launch_and_dry_run_child, world_size=2, cases=cases)
+    for name, (_, fragment) in CASES.items():
+        status, out, err, dry_lines = rank0[name]
+        errors = [line for line in err.splitlines() if line.startswith("error:")]
+        assert status == 2, (name, err[-2000:])
+        assert len(errors) == 1 and fragment in errors[0], (name, err[-2000:])
+        assert errors == dry_lines, (name, errors, dry_lines)  # the dry run's line
+        for text in (out, err):
+            assert "Traceback" not in text and "usage:" not in text, (name, text[-2000:])
+        # refused before pretrain(): no model, no data
+        assert "building GPT model" not in out and "> building train" not in out, name
+        status1, out1, err1, _ = rank1[name]
+        assert status1 == 2 and "error:" not in err1 + out1, (name, err1[-2000:])
+
+
+def _torchrun(tmp_path, *flags):
+    from tst_megatron.runtime.distributed import free_port
+
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    script = os.path.join(ROOT, "examples", "pretrain_gpt_tst.py")
+    return subprocess.run(
+        [torchrun, "--nproc_per_node", "2", "--master_port", str(free_port()), script, *flags],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": ROOT},
+        cwd=tmp_path,
+        timeout=300,
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["parser", "TransformerConfig heads"])
+def test_a_torchrun_launch_prints_exactly_one_error_line(tmp_path, case):
+    """The reported launches, through torchrun: a misspelled flag printed argparse's usage
+    block from each rank; heads TP does not divide gave a traceback from each rank."""
+    extra, fragment = CASES[case]
+    done = _torchrun(tmp_path, *BASE, *extra)
+    text = done.stdout + done.stderr
+    errors = [line for line in text.splitlines() if line.startswith("error:")]
+    assert done.returncode != 0
+    assert len(errors) == 1 and fragment in errors[0], text[-3000:]
+    assert "usage:" not in text, text[-3000:]
+    # torchrun's own failure report names the exit code of each rank; no Python exception
+    assert "Traceback" not in done.stdout and "Error:" not in done.stdout, done.stdout[-2000:]
+    assert "exitcode  : 2" in done.stderr or "exit code: 2" in done.stderr, done.stderr[-2000:]
