@@ -149,6 +149,8 @@ def model_flags(args, data_prefix: str) -> list[str]:
             data_cache_path=os.path.join(args.work_dir, "data-cache"),
         )
     tok = args.tokenizer_model or os.path.join(args.data_dir, "tokenizer.model")
+    if args.model == "moe" and args.horizons:
+        return moe_horizon_flags(args) + _common_flags(args, data_prefix, tok)
     if args.model == "dense" and not args.smoke:
         return _common_flags(args, data_prefix, tok) + [
             "--num-layers",
@@ -202,6 +204,49 @@ def model_flags(args, data_prefix: str) -> list[str]:
     return size + _common_flags(args, data_prefix, tok) + (moe if args.model == "moe" else [])
 
 
+MOE_FFN_HIDDEN_SIZE = 128
+"""Width of each expert of the ``--horizons --model moe`` arms (top-2: 256 active, against the
+dense arms' 512; 8 experts: 1024 in all)."""
+
+
+def moe_horizon_flags(args) -> list[str]:
+    """The ``--horizons --model moe`` model: a small Qwen3-MoE-like GPT (RMSNorm, SwiGLU
+    experts, qk-layernorm, GQA, untied embeddings from :func:`_common_flags`): 4 layers (2 in
+    --smoke), h = 128 (64), 4 heads over 2 KV groups, every layer an MoE of 8 experts top-2
+    (``--moe-ffn-hidden-size`` :data:`MOE_FFN_HIDDEN_SIZE`), the alltoall dispatcher, EP = 2
+    on the 2 processes, a dropless router with Megatron-LM's aux loss at 1e-2, and per-layer
+    router metrics in TensorBoard (``--moe-per-layer-logging``)."""
+    layers, hidden, seq = ("2", "64", "32") if args.smoke else ("4", "128", str(args.seq_length))
+    expert = str(MOE_FFN_HIDDEN_SIZE // (2 if args.smoke else 1))
+    return [
+        "--num-layers",
+        layers,
+        "--hidden-size",
+        hidden,
+        "--ffn-hidden-size",
+        str(4 * int(hidden)),  # Megatron-LM wants one; every layer is an MoE layer
+        "--seq-length",
+        seq,
+        "--group-query-attention",
+        "--num-query-groups",
+        "2",
+        "--qk-layernorm",
+        "--num-experts",
+        "8",
+        "--moe-router-topk",
+        "2",
+        "--moe-ffn-hidden-size",
+        expert,
+        "--expert-model-parallel-size",
+        "2",
+        "--moe-router-load-balancing-type",
+        "aux_loss",
+        "--moe-aux-loss-coeff",
+        "1e-2",
+        "--moe-per-layer-logging",
+    ]
+
+
 def _common_flags(args, data_prefix: str, tok: str) -> list[str]:
     return [
         "--device",
@@ -209,7 +254,7 @@ def _common_flags(args, data_prefix: str, tok: str) -> list[str]:
         "--data-path",
         data_prefix,
         "--split",
-        "98,2,0",
+        args.split,
         "--data-cache-path",
         os.path.join(args.data_dir, "cache"),
         "--tokenizer-type",
@@ -290,6 +335,13 @@ def launcher(args) -> list[str]:
 
 LAUNCHER = "examples/pretrain_gpt_tst.py"
 """The launcher every arm runs: Megatron-LM's ``pretrain()`` with TST."""
+MOE_LAUNCHER = "benchmarks/moe_launcher.py"
+"""The ``--horizons --model moe`` arms' launcher: :data:`LAUNCHER` plus the router's load
+imbalance in TensorBoard (``benchmarks/moe_launcher.py``)."""
+
+
+def launcher_script(args) -> str:
+    return MOE_LAUNCHER if args.model == "moe" and args.horizons else LAUNCHER
 
 
 def flag_value(flags: list, name: str, default=None):
@@ -320,12 +372,26 @@ def read_arm(tensorboard_dir: str, flags: list) -> dict:
     tag = validation_tag(scalars)
     if tag is None or not phases:
         raise RuntimeError(f"{tensorboard_dir}: no validation loss or tst-phase series")
-    return {
+    arm = {
         "valid": scalars[tag],
         "switch": switch_iteration(phases),
         "tokens": raw_tokens(flags, phases),
         "steps": phases[-1][0],
     }
+    router = {tag: points for tag, points in scalars.items() if is_router_tag(tag)}
+    if router:
+        arm["router"] = router
+    return arm
+
+
+ROUTER_TAGS = ("load_balancing_loss", "load_imbalance")
+"""The router's TensorBoard series an MoE arm records: Megatron-LM's aux loss (over its
+coefficient; mean over layers) and ``benchmarks/moe_launcher.py``'s max/mean tokens per
+expert, each also per layer (``moe/<tag>_layer_<i>``, ``--moe-per-layer-logging``)."""
+
+
+def is_router_tag(tag: str) -> bool:
+    return tag in ROUTER_TAGS or any(tag.startswith(f"moe/{name}_layer_") for name in ROUTER_TAGS)
 
 
 #: Megatron-LM's validation line (``evaluate_and_print_results``, last rank).
@@ -342,7 +408,9 @@ def whole_split_iters(args) -> int:
     return max(1, (args.valid_tokens - 1) // seq // gbs)
 
 
-def score_whole_split(options, flags, ckpt: str, eval_iters: int, env) -> "tuple | None":
+def score_whole_split(
+    options, flags, ckpt: str, eval_iters: int, env, script: str = LAUNCHER
+) -> "tuple | None":
     """Megatron-LM's own evaluation of the checkpoint ``ckpt`` on the whole validation split:
     the launcher with ``--load ckpt --skip-train --eval-iters eval_iters`` (with
     ``--skip-train`` Megatron-LM sizes the split to ``eval_iters`` global batches and reads it
@@ -354,7 +422,7 @@ def score_whole_split(options, flags, ckpt: str, eval_iters: int, env) -> "tuple
     (``eval_iters[0]`` after ``torch.tensor(args.eval_iters).tolist()``) and stops the run;
     hence this route, for the final evaluation.
     """
-    command = [TORCHRUN, *options, LAUNCHER, *flags, "--load", ckpt, "--skip-train"]
+    command = [TORCHRUN, *options, script, *flags, "--load", ckpt, "--skip-train"]
     command += ["--no-load-optim", "--no-load-rng", "--eval-iters", str(eval_iters)]
     result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
     if result.returncode != 0:
@@ -377,9 +445,11 @@ def run_arm(args, name: str, flags: list[str]) -> dict:
 
     arm_dir = os.path.join(args.work_dir, name)
     saved = os.path.join(arm_dir, "arm.json")
-    if args.reuse and os.path.exists(saved):
+    if (args.reuse or args.report_only) and os.path.exists(saved):
         with open(saved) as f:
             return json.load(f)
+    if args.report_only:
+        return None
     tb = os.path.join(arm_dir, "tensorboard")
     if os.path.isdir(arm_dir) and args.node_rank == 0:
         shutil.rmtree(arm_dir)
@@ -388,7 +458,7 @@ def run_arm(args, name: str, flags: list[str]) -> dict:
     ckpt = os.path.join(arm_dir, "checkpoint")
     score = whole_split_iters(args) if args.horizons else None
     save = ["--save", ckpt, "--save-interval", str(args.train_iters), "--no-tst-save-at-switch"]
-    command = [TORCHRUN, *options, LAUNCHER, *flags, "--tensorboard-dir", tb]
+    command = [TORCHRUN, *options, launcher_script(args), *flags, "--tensorboard-dir", tb]
     command += save if score else []
     env = dict(os.environ, PYTHONWARNINGS="ignore")
     start = time.perf_counter()
@@ -397,7 +467,11 @@ def run_arm(args, name: str, flags: list[str]) -> dict:
     if result.returncode != 0:
         raise RuntimeError(f"arm {name} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
     # a fresh rendezvous port (the training run's may still be held)
-    final = score_whole_split(launcher(args), flags, ckpt, score, env) if score else None
+    final = (
+        score_whole_split(launcher(args), flags, ckpt, score, env, launcher_script(args))
+        if score
+        else None
+    )
     if args.node_rank != 0:
         return None
     arm = {
@@ -534,12 +608,22 @@ def describe(args) -> str:
         if args.model == "moe"
         else "dense GPT (4 layers, h = 128, ffn 512, DP = 2)"
     )
-    if args.smoke:
+    if args.model == "moe" and args.horizons:
+        layers, hidden = (2, 64) if args.smoke else (4, 128)
+        model = (
+            f"Qwen3-MoE-like GPT ({layers} layers, h = {hidden}, 4 heads / 2 KV groups, "
+            f"qk-layernorm, RMSNorm, every layer 8 SwiGLU experts of "
+            f"{MOE_FFN_HIDDEN_SIZE // (2 if args.smoke else 1)} top-2, dropless, alltoall "
+            "dispatcher, aux loss 1e-2, EP = 2 and DP = 2 on the 2 processes, untied "
+            "embeddings)"
+        )
+    elif args.smoke:
         model = f"{args.model} GPT (smoke size: 2 layers, h = 64)"
     gbs, seq = batch_shape(args)
     return (
         f"{model}, T = {seq}, micro-batch 4, global batch {gbs}, WSD; {args.corpus_label} corpus "
-        f"(SentencePiece {args.vocab_size}), 98/2 train/validation split"
+        f"(SentencePiece {args.vocab_size}), "
+        f"{'/'.join(getattr(args, 'split', '98,2,0').split(',')[:2])} train/validation split"
     )
 
 
@@ -560,6 +644,8 @@ def run_baselines(args, base_flags: list[str], lrs, prefix: str = "") -> tuple[l
         arm = run_arm(
             args, f"{prefix}baseline-lr{lr:g}", base_flags + lr_flags(lr) + ["--tst-bag-size", "1"]
         )
+        if arm is None and args.report_only:  # not run yet
+            continue
         if arm is None:  # not node 0
             arm = {"valid": [(0, 0.0)], "wall_s": 0.0}
         arm["lr"] = lr
@@ -569,6 +655,8 @@ def run_baselines(args, base_flags: list[str], lrs, prefix: str = "") -> tuple[l
             f"({arm['wall_s']:.0f} s)",
             flush=True,
         )
+    if not baselines:
+        return [], None
     return baselines, min(baselines, key=lambda b: b["valid"][-1][1])
 
 
@@ -647,30 +735,37 @@ def crossing_text(label: str, points: list, last_seeds: "list | None" = None) ->
     )
 
 
-def parse_arms(text: str) -> list[tuple[int, str]]:
-    """``"2:full,4:full,2:input"`` -> ``[(2, "full"), (4, "full"), (2, "input")]``."""
+def parse_arms(text: str) -> list[tuple]:
+    """``"2:full,4:full,2:input"`` -> ``[(2, "full"), (4, "full"), (2, "input")]``; an item
+    ``S:mode:r`` gives the arm its own phase-1 fraction: ``"8:full:0.25"`` -> ``(8, "full",
+    0.25)`` (the others use ``--phase1-fraction``)."""
     arms = []
     for item in text.split(","):
-        size, _, mode = item.partition(":")
-        if mode not in ("full", "input", "output"):
-            raise SystemExit(f"error: --arms item {item!r} must be S:full, S:input or S:output")
-        arms.append((int(size), mode))
+        size, mode, *rest = item.split(":") + [""]
+        rest = [x for x in rest if x]
+        if mode not in ("full", "input", "output") or len(rest) > 1:
+            raise SystemExit(
+                f"error: --arms item {item!r} must be S:full, S:input or S:output, "
+                "optionally :r (e.g. 8:full:0.25)"
+            )
+        arms.append((int(size), mode, float(rest[0])) if rest else (int(size), mode))
     return arms
 
 
-def arm_label(size: int, mode: str) -> str:
-    return f"S={size} {mode}"
+def arm_label(size: int, mode: str, fraction: "float | None" = None) -> str:
+    return f"S={size} {mode}" + (f" r={fraction:g}" if fraction is not None else "")
 
 
 def run_horizons(args, prefix: str) -> None:
     """Every length of ``--horizons``: the baseline at its best LR, then the arms; the report
-    is rewritten after each length, so an interrupted run keeps what it measured."""
+    is rewritten after each length, so an interrupted run keeps what it measured. With
+    ``--report-only`` nothing runs: the report is written from the arm files there are."""
     arms = parse_arms(args.arms)
-    split = "99,1,0" if args.preset else "98,2,0"
-    train_tokens, args.valid_tokens = (split_tokens(prefix, split, i) for i in (0, 1))
+    train_tokens, args.valid_tokens = (split_tokens(prefix, args.split, i) for i in (0, 1))
     args.corpus_digest = corpus_digest(prefix)
     rows, previous_best = [], None
-    for steps in sorted(int(x) for x in args.horizons.split(",")):
+    lengths = sorted(int(x) for x in args.horizons.split(","))
+    for steps in lengths:
         args.train_iters = steps
         args.eval_interval = max(1, steps // (4 if args.smoke else EVAL_ROUNDS))
         base_flags = model_flags(args, prefix)
@@ -680,49 +775,71 @@ def run_horizons(args, prefix: str) -> None:
             horizon_lrs(args, steps, previous_best),
             prefix=f"h{steps}-{seed_tag(args)}",
         )
+        if best is None:  # --report-only, this length's baseline not run yet
+            continue
         previous_best = best["lr"]
         row = {"steps": steps, "baselines": baselines, "best": best, "replicates": []}
         row["arms"] = run_horizon_arms(args, arms, steps, base_flags, best["lr"])
         first_seed = args.seed
-        for seed in args.seeds_list if steps >= args.seeds_min_steps else []:
+        seeded = steps >= args.seeds_min_steps and (
+            args.seeds_max_steps is None or steps <= args.seeds_max_steps
+        )
+        for seed in args.seeds_list if seeded else []:
             if seed == first_seed:
                 continue
             args.seed = seed  # a replicate: the same arms at another --seed, the same LR
             flags = model_flags(args, prefix)
-            (base,), _ = run_baselines(
-                args, flags, [best["lr"]], prefix=f"h{steps}-{seed_tag(args)}"
-            )
-            replicate = {"seed": seed, "best": base}
+            bases, _ = run_baselines(args, flags, [best["lr"]], prefix=f"h{steps}-{seed_tag(args)}")
+            replicate = {"seed": seed, "best": bases[0] if bases else None}
             replicate["arms"] = run_horizon_arms(args, arms, steps, flags, best["lr"])
-            row["replicates"].append(replicate)
+            if replicate["best"] is not None:
+                row["replicates"].append(replicate)
             args.seed = first_seed
         rows.append(row)
         if args.node_rank == 0:
-            name = "tst_horizons" + ("_smoke" if args.smoke else "") + seed_tag(args, "_")
-            labels = [arm_label(s, m) for s, m in arms]
-            plot_horizons(rows, labels, os.path.join(args.output_dir, name + ".png"))
-            text = horizons_report(args, rows, labels, train_tokens, name)
-            write(os.path.join(args.output_dir, name + ".md"), text)
-            write_index(args.output_dir)
-            print(text, flush=True)
+            write_horizons_report(args, rows, arms, train_tokens)
+
+
+def horizons_name(args) -> str:
+    """The report's file name: ``tst_moe`` for the MoE arms, ``tst_horizons`` for the dense
+    ones; ``_smoke`` and another seed's ``_seed<N>`` appended."""
+    name = args.report_name or ("tst_moe" if args.model == "moe" else "tst_horizons")
+    return name + ("_smoke" if args.smoke else "") + seed_tag(args, "_")
+
+
+def write_horizons_report(args, rows: list, arms: list, train_tokens: int) -> None:
+    name = horizons_name(args)
+    labels = [arm_label(*spec) for spec in arms]
+    plot_horizons(rows, labels, os.path.join(args.output_dir, name + ".png"))
+    text = horizons_report(args, rows, labels, train_tokens, name)
+    if args.model == "moe":
+        router_png = name + "_router.png"
+        if plot_router(rows, labels, os.path.join(args.output_dir, router_png)):
+            text += "\n" + router_report(rows, labels, router_png)
+        text += "\n" + dense_speedup_report(args.dense_report)
+    write(os.path.join(args.output_dir, name + ".md"), text)
+    write_index(args.output_dir)
+    print(text, flush=True)
 
 
 def run_horizon_arms(args, arms: list, steps: int, base_flags: list, lr: float) -> dict:
     """The TST arms of one length at ``args.seed``: ``{label: arm}`` (node 0)."""
     done = {}
-    for index, (size, mode) in enumerate(arms):
+    for index, spec in enumerate(arms):
         if index >= args.arms_at_every_length and steps > args.extra_arms_max_steps:
             continue
+        size, mode = spec[:2]
+        fraction = spec[2] if len(spec) > 2 else args.phase1_fraction
         arm = run_arm(
             args,
-            f"h{steps}-{seed_tag(args)}s{size}-{mode}-r{args.phase1_fraction}",
-            base_flags + lr_flags(lr) + tst_flags(size, args.phase1_fraction, mode),
+            f"h{steps}-{seed_tag(args)}s{size}-{mode}-r{fraction}",
+            base_flags + lr_flags(lr) + tst_flags(size, fraction, mode),
         )
         if arm is None:
             continue
-        done[arm_label(size, mode)] = arm
+        done[arm_label(*spec)] = arm
         print(
-            f"h{steps} seed {args.seed} {arm_label(size, mode)}: final validation loss "
+            f"h{steps} seed {args.seed} {arm_label(*spec)}: final validation loss "
             f"{arm['valid'][-1][1]:.4f} ({arm['wall_s']:.0f} s)",
             flush=True,
         )
@@ -802,13 +919,202 @@ def gap_cell(values: list) -> str:
     return f"{mean:+.4f} [{min(values):+.4f}, {max(values):+.4f}] ({len(values)} seeds)"
 
 
+# --- the paper's metric: equal-loss speedup -------------------------------------------
+
+
+def equal_loss_steps(curve: list, loss: float) -> tuple:
+    """The baseline length ``L'`` that reaches ``loss``: ``curve`` is the baseline's final
+    validation loss at each measured length, ``[(steps, loss)]``; ``L'`` is interpolated
+    linearly in log(steps) between the two measured lengths whose losses bracket ``loss``
+    (the shortest such pair). Returns ``(L', "")``, or ``(None, "beyond")`` when ``loss`` is
+    below every measured baseline loss (the baseline needs more than its longest length),
+    ``(None, "above")`` when it is above every one (less than its shortest length).
+
+    Baseline lengths 1000 -> 3.0 and 4000 -> 2.0, loss 2.5: ``L' = exp(log 1000 + log 4 / 2)
+    = 2000``."""
+    import math
+
+    points = sorted(curve)
+    if not points:
+        raise ValueError("no baseline lengths")
+    for (n0, l0), (n1, l1) in zip(points, points[1:]):
+        if min(l0, l1) <= loss <= max(l0, l1):
+            if l0 == l1:
+                return float(n0), ""
+            x = math.log(n0) + (math.log(n1) - math.log(n0)) * (l0 - loss) / (l0 - l1)
+            return math.exp(x), ""
+    if len(points) == 1 and loss == points[0][1]:
+        return float(points[0][0]), ""
+    if loss < min(v for _, v in points):
+        return None, "beyond"
+    if loss > max(v for _, v in points):
+        return None, "above"
+    return None, "unbracketed"  # a non-monotone curve that still misses loss: not expected
+
+
+def equal_loss_speedup(curve: list, steps: int, loss: float) -> tuple:
+    """``L' / L`` for an arm of ``steps`` = L with final validation loss ``loss``
+    (:func:`equal_loss_steps`), as ``(value, where)``: ``where`` "" (exact), ``">"`` (beyond
+    the longest baseline: the speedup is more than ``longest / L``, the value given), ``"<"``
+    (above the shortest: less than ``shortest / L``)."""
+    found, where = equal_loss_steps(curve, loss)
+    lengths = [n for n, _ in curve]
+    if where == "beyond":
+        return max(lengths) / steps, ">"
+    if where == "above":
+        return min(lengths) / steps, "<"
+    if where:
+        return float("nan"), "?"
+    return found / steps, ""
+
+
+def baseline_curve(rows: list) -> list:
+    """``[(steps, baseline final validation loss)]``, the mean over the seeds run at each
+    length (the first seed's best-LR baseline and its replicates)."""
+    curve = []
+    for r in rows:
+        losses = [r["best"]["valid"][-1][1]] + [
+            x["best"]["valid"][-1][1] for x in r.get("replicates", [])
+        ]
+        curve.append((r["steps"], sum(losses) / len(losses)))
+    return curve
+
+
+def seed_speedups(rows: list, row: dict, label: str) -> list:
+    """One arm's equal-loss speedup at one length, one ``(value, where)`` per seed: the
+    seed's paired gap (arm - the same seed's baseline, :func:`seed_gaps`) added to the
+    baseline curve's loss at that length (:func:`baseline_curve`, the mean over seeds), then
+    read off that curve. Pairing removes the seed's offset, as the gaps do."""
+    curve = baseline_curve(rows)
+    at = dict(curve)[row["steps"]]
+    return [equal_loss_speedup(curve, row["steps"], at + g) for g in seed_gaps(row, label)]
+
+
+def speedup_cell(values: list) -> str:
+    """``1.85`` (one seed); ``1.85 [1.60, 2.10] (3 seeds)``: mean, smallest, largest; with
+    any seed outside the measured baselines, each seed's value (``>2.00``: beyond the longest
+    baseline, more than that; ``<0.50``: above the shortest, less than that)."""
+    if not values:
+        return "not run"
+    if any(where for _, where in values):
+        cells = [f"{where}{value:.2f}" for value, where in values]
+        note = (
+            " (beyond the longest baseline)"
+            if all(w == ">" for _, w in values)
+            else " (above the shortest baseline)"
+            if all(w == "<" for _, w in values)
+            else ""
+        )
+        return ", ".join(cells) + note
+    mean = sum(v for v, _ in values) / len(values)
+    if len(values) == 1:
+        return f"{mean:.2f}"
+    low, high = min(v for v, _ in values), max(v for v, _ in values)
+    return f"{mean:.2f} [{low:.2f}, {high:.2f}] ({len(values)} seeds)"
+
+
+def speedup_section(rows: list, labels: list) -> list:
+    """The report's lines of the equal-loss speedup of every arm at every length."""
+    curve = baseline_curve(rows)
+    lines = [
+        "## Equal-loss speedup (the paper's metric)",
+        "",
+        "For a TST arm of L steps with final validation loss x: the baseline length L' that "
+        "reaches x, linear in log(steps) between the measured baseline lengths (each its own "
+        "complete WSD run at its best LR; the mean over the seeds run at that length: "
+        + ", ".join(f"{n}: {v:.4f}" for n, v in curve)
+        + "); speedup = L'/L. Each seed's x is its paired gap added to the baseline's mean "
+        "at L; a cell gives the mean and, in brackets, the smallest and largest seed. `>a`: "
+        "below the longest baseline's loss, a speedup of more than a; `<a`: above the "
+        "shortest baseline's loss, less than a.",
+        "",
+        "| steps | " + " | ".join(labels) + " |",
+        "|---|" + "---|" * len(labels),
+    ]
+    for r in rows:
+        cells = [speedup_cell(seed_speedups(rows, r, label)) for label in labels]
+        lines.append(f"| {r['steps']} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def dense_speedup_report(path: str) -> str:
+    """The equal-loss speedups of the dense horizons table ``path`` (its markdown table:
+    steps, LR, baseline loss, then per arm ``mean [min, max]`` gaps): the baseline curve is
+    the table's baseline column, an arm's loss that plus its gap; the spread comes from the
+    smallest and largest seed's gap (the speedup falls as the loss rises)."""
+    if not path or not os.path.exists(path):
+        return ""
+    rows, labels = dense_table(open(path).read())
+    if not rows:
+        return ""
+    curve = [(n, base) for n, base, _ in rows]
+    lines = [
+        "## Equal-loss speedup of the dense table",
+        "",
+        f"From `{os.path.relpath(path, ROOT)}` (its baseline column: "
+        + ", ".join(f"{n}: {v:.4f}" for n, v in curve)
+        + "; each arm's loss is that plus its gap). A cell: the speedup of the mean gap, then "
+        "in brackets those of the largest and smallest seed gap where the table gives them.",
+        "",
+        "| steps | " + " | ".join(labels) + " |",
+        "|---|" + "---|" * len(labels),
+    ]
+    for n, base, cells in rows:
+        out = []
+        for gaps_ in cells:
+            if gaps_ is None:
+                out.append("not run")
+                continue
+            mean = equal_loss_speedup(curve, n, base + gaps_[0])
+            text = f"{mean[1]}{mean[0]:.2f}"
+            if len(gaps_) == 3:
+                worst, best_ = (equal_loss_speedup(curve, n, base + g) for g in gaps_[2:0:-1])
+                text += f" [{worst[1]}{worst[0]:.2f}, {best_[1]}{best_[0]:.2f}]"
+            out.append(text)
+        lines.append(f"| {n} | " + " | ".join(out) + " |")
+    longest = max(n for n, _ in curve)
+    lines += [
+        "",
+        f"`>a`: the arm is below the {longest}-step baseline, the longest measured; its "
+        f"speedup is more than a (a {2 * longest}-step baseline would say how much more). "
+        "`<a`: above the shortest baseline.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def dense_table(text: str) -> tuple:
+    """``([(steps, baseline loss, [gaps or None per arm])], labels)`` from a horizons report's
+    table; gaps are ``[mean]`` or ``[mean, min, max]``."""
+    number = r"[+-]?\d+\.\d+"
+    rows, labels = [], []
+    for line in text.splitlines():
+        if line.startswith("| steps | baseline LR |"):
+            labels = [c.split(":")[0].strip() for c in line.strip("|").split("|")[3:]]
+        elif labels and re.match(r"\| \d+ \|", line):
+            cells = [c.strip() for c in line.strip().strip("|").split("|")]
+            base = float(re.match(number, cells[2]).group())
+            arms = []
+            for cell in cells[3:]:
+                values = [float(x) for x in re.findall(number, cell)]
+                if cell.startswith("not run") or not values:
+                    arms.append(None)
+                    continue
+                arms.append(values[:3] if "[" in cell else values[:1])
+            rows.append((int(cells[0]), base, arms))
+        elif rows:
+            break
+    return rows, labels
+
+
 def horizons_report(args, rows: list, labels: list, train_tokens: int, name: str) -> str:
     _, seq = batch_shape(args)
     header = "| steps | baseline LR | baseline final validation loss (passes) | " + " | ".join(
         f"{label}: TST - baseline (passes)" for label in labels
     )
+    title = "MoE: TST vs baseline" if args.model == "moe" else "TST vs baseline"
     lines = [
-        "# TST vs baseline across training horizons",
+        f"# {title} across training horizons",
         "",
         machine_line(args),
         "",
@@ -871,9 +1177,9 @@ def horizons_report(args, rows: list, labels: list, train_tokens: int, name: str
     for label in labels:
         seeds = [g for r in rows if (g := seed_gaps(r, label))]
         lines.append(crossing_text(label, gaps(rows, label), seeds[-1] if seeds else None))
+    lines += ["", below_text(rows, labels), ""]
+    lines += speedup_section(rows, labels)
     lines += [
-        "",
-        below_text(rows, labels),
         "",
         f"![TST - baseline against steps]({name}.png)",
         "",
@@ -916,6 +1222,158 @@ def plot_horizons(rows: list, labels: list, path: str) -> None:
     ax.set_xlabel("training steps (each run its own WSD schedule; equal FLOPs per step)")
     ax.set_ylabel("TST - baseline final validation loss (nats)")
     save_figure(fig, ax, path)
+
+
+# --- router health (MoE) -------------------------------------------------------------
+
+
+def router_length(rows: list, labels: list) -> "dict | None":
+    """The row whose router curves the report plots: the one with the most TST arms that
+    recorded them (the longest of those)."""
+    candidates = [r for r in rows if "router" in r["best"]]
+    if not candidates:
+        return None
+    return max(
+        candidates,
+        key=lambda r: (sum("router" in r["arms"].get(label, {}) for label in labels), r["steps"]),
+    )
+
+
+def smooth(points: list, window: int) -> list:
+    """A trailing moving average of ``[(step, value)]`` (``window`` points)."""
+    out, total = [], 0.0
+    for i, (step, value) in enumerate(points):
+        total += value
+        if i >= window:
+            total -= points[i - window][1]
+        out.append((step, total / min(i + 1, window)))
+    return out
+
+
+def window_mean(points: list, start: int, stop: int) -> "float | None":
+    """The mean of ``[(step, value)]`` over ``start < step <= stop``."""
+    values = [v for step, v in points if start < step <= stop]
+    return sum(values) / len(values) if values else None
+
+
+def layer_tags(router: dict, name: str) -> list:
+    prefix = f"moe/{name}_layer_"
+    return sorted((t for t in router if t.startswith(prefix)), key=lambda t: int(t[len(prefix) :]))
+
+
+def plot_router(rows: list, labels: list, path: str) -> bool:
+    """The router's health against steps for the baseline and every TST arm of one length
+    (:func:`router_length`): the aux loss (over its coefficient, mean over layers) and the
+    load imbalance (max/mean tokens per expert, the worst layer and the mean over layers),
+    moving averages over N/60 steps, each arm's switch marked. False when no arm has them."""
+    row = router_length(rows, labels)
+    if row is None:
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    window = max(1, row["steps"] // 60)
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5), dpi=110)
+    arms = [("baseline", row["best"])] + [
+        (label, row["arms"][label]) for label in labels if "router" in row["arms"].get(label, {})
+    ]
+    for index, (label, arm) in enumerate(arms):
+        router, color = arm["router"], f"C{index}"
+        style = dict(color=color, lw=1.2 if label == "baseline" else 1.0)
+        if "load_balancing_loss" in router:
+            axes[0].plot(*zip(*smooth(router["load_balancing_loss"], window)), label=label, **style)
+        if "load_imbalance" in router:
+            axes[1].plot(*zip(*smooth(router["load_imbalance"], window)), label=label, **style)
+        tags = layer_tags(router, "load_imbalance")
+        if tags:
+            worst = [
+                (step, max(router[t][i][1] for t in tags))
+                for i, (step, _) in enumerate(router[tags[0]])
+            ]
+            axes[2].plot(*zip(*smooth(worst, window)), label=label, **style)
+        if arm.get("switch"):
+            for ax in axes:
+                ax.axvline(arm["switch"], color=color, ls="--", lw=0.8)
+    titles = (
+        "aux loss / coefficient (mean over layers)",
+        "load imbalance, max/mean tokens per expert (mean over layers)",
+        "load imbalance, worst layer",
+    )
+    for ax, title in zip(axes, titles):
+        ax.set_title(title, fontsize=9)
+        ax.set_xlabel(f"iteration ({row['steps']}-step runs; dashed: each arm's switch)")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return True
+
+
+def router_report(rows: list, labels: list, png: str) -> str:
+    """The router-health section: per arm, the load imbalance and the aux loss in phase 1
+    (after the warmup), in the first N/20 steps after the switch and in the last 10 % of the
+    run, each against the baseline's over the same steps."""
+    row = router_length(rows, labels)
+    base = row["best"]["router"]
+    n = row["steps"]
+    lines = [
+        "## Router health across the switch",
+        "",
+        f"The {n}-step runs of seed {seed_of(row['best'])}. Load imbalance: max over mean tokens "
+        "per expert in a layer, over every token of an iteration's global batch (1 is "
+        "perfect, 4 the worst for top-2 of 8), recorded by `benchmarks/moe_launcher.py` in "
+        "Megatron-LM's MoE metrics tracker, mean over the layers (`load_imbalance`) and per "
+        "layer (`moe/load_imbalance_layer_<i>`); aux loss: Megatron-LM's "
+        "`load_balancing_loss` (over its coefficient, 1 at uniform routing). Dropless routing: "
+        "no capacity, no dropped tokens. Each cell: the arm, then (the baseline over the same "
+        "iterations).",
+        "",
+        "| arm | switch | imbalance: phase 1 | imbalance: first N/20 after the switch | "
+        "imbalance: last 10 % | aux loss: phase 1 | aux loss: first N/20 after | aux loss: "
+        "last 10 % | worst layer, phase 1 |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    notes = []
+    for label in labels:
+        arm = row["arms"].get(label)
+        if not arm or "router" not in arm or not arm.get("switch"):
+            continue
+        router, switch = arm["router"], arm["switch"]
+        windows = [(n // 20, switch), (switch, switch + n // 20), (n - n // 10, n)]
+        cells = [label, str(switch)]
+        for name in ROUTER_TAGS[::-1]:
+            for start, stop in windows:
+                mine, theirs = (window_mean(r.get(name, []), start, stop) for r in (router, base))
+                cells.append(
+                    f"{mine:.3f} ({theirs:.3f})" if mine is not None and theirs is not None else "-"
+                )
+        tags = layer_tags(router, "load_imbalance")
+        worst = [(t, window_mean(router[t], n // 20, switch)) for t in tags]
+        worst = [(t, v) for t, v in worst if v is not None]
+        if worst:
+            t, v = max(worst, key=lambda x: x[1])
+            cells.append(f"layer {t.rsplit('_', 1)[1]}: {v:.3f}")
+        else:
+            cells.append("-")
+        lines.append("| " + " | ".join(cells) + " |")
+        phase1 = [window_mean(r.get("load_imbalance", []), n // 20, switch) for r in (router, base)]
+        last = [window_mean(r.get("load_imbalance", []), n - n // 10, n) for r in (router, base)]
+        if None not in phase1 + last:
+            notes.append(
+                f"- {label}: phase 1 imbalance {phase1[0]:.3f} vs the baseline's {phase1[1]:.3f} "
+                f"({100 * (phase1[0] / phase1[1] - 1):+.1f} %); last 10 %: {last[0]:.3f} vs "
+                f"{last[1]:.3f} ({100 * (last[0] / last[1] - 1):+.1f} %)."
+            )
+    lines += ["", *notes, "", f"![router health against steps]({png})", ""]
+    return "\n".join(lines)
+
+
+def seed_of(arm: dict) -> str:
+    words = shlex.split(arm.get("command", ""))
+    return words[words.index("--seed") + 1] if "--seed" in words else "?"
 
 
 # --- entry point ----------------------------------------------------------------------------
@@ -973,12 +1431,23 @@ def parse(argv=None):
         "baseline (at the first seed's best LR) and the arms run at each; gaps are paired by seed",
     )
     p.add_argument("--seeds-min-steps", type=int, default=3000)
+    p.add_argument(
+        "--seeds-max-steps",
+        type=int,
+        default=None,
+        help="--seeds only at lengths up to this (e.g. 6000 with a one-seed 12000-step baseline)",
+    )
     p.add_argument("--seq-length", type=int, default=128)
     p.add_argument("--bag-size", type=int, default=None)
     p.add_argument("--phase1-fraction", type=float, default=None)
     p.add_argument("--lrs", default=None, help="learning rates tried for the baseline")
     p.add_argument("--vocab-size", type=int, default=None)
-    p.add_argument("--corpus-max-bytes", type=int, default=40_000_000, help="--horizons corpus cap")
+    p.add_argument(
+        "--corpus-max-bytes",
+        type=int,
+        default=None,
+        help="--horizons corpus cap (default 40 MB; 120 MB with --model moe)",
+    )
     p.add_argument("--data-path", default=None, help="an existing .bin/.idx prefix (GPU recipes)")
     p.add_argument("--tokenizer-model", default=None, help="its tokenizer (with --data-path)")
     p.add_argument("--tokenizer-type", default="SentencePieceTokenizer")
@@ -986,6 +1455,22 @@ def parse(argv=None):
     p.add_argument("--work-dir", default=None)
     p.add_argument("--output-dir", default=os.path.join(ROOT, "docs", "results"))
     p.add_argument("--reuse", action="store_true", help="read back arms already finished")
+    p.add_argument(
+        "--report-only",
+        action="store_true",
+        help="--horizons: run nothing; write the report from the arm files there are",
+    )
+    p.add_argument(
+        "--report-name",
+        default=None,
+        help="--horizons: the report's file name (default tst_moe with --model moe, else "
+        "tst_horizons)",
+    )
+    p.add_argument(
+        "--dense-report",
+        default=os.path.join(ROOT, "docs", "results", "tst_horizons_fixed.md"),
+        help="--model moe: the dense horizons report whose table gets equal-loss speedups too",
+    )
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--nproc-per-node", type=int, default=None, help="default: 2 on CPU, 8 on GPU")
     p.add_argument("--nnodes", type=int, default=1)
@@ -1023,7 +1508,13 @@ def parse(argv=None):
     args.vocab_size = args.vocab_size or (512 if args.smoke else 4096)
     args.eval_interval = max(1, args.train_iters // (4 if args.smoke else 12))
     args.eval_iters = 1 if args.smoke else 4
+    moe_horizons = args.model == "moe" and args.horizons
+    args.corpus_max_bytes = args.corpus_max_bytes or (120_000_000 if moe_horizons else 40_000_000)
+    # the MoE study's 120 MB corpus: 1 % is ~0.4 M validation tokens, as the dense study's 2 %
+    args.split = "99,1,0" if args.preset or (moe_horizons and not args.smoke) else "98,2,0"
     kind = ("smoke" if args.smoke else "full") + ("-horizons" if args.horizons else "")
+    kind = kind.replace("full-", "") if moe_horizons else kind
+    kind = ("moe-" if moe_horizons else "") + kind
     args.data_dir = args.data_dir or os.path.join(ROOT, "runs", "bench", f"data-{kind}")
     args.work_dir = args.work_dir or os.path.join(ROOT, "runs", "bench", args.preset or kind)
     return args
