@@ -77,7 +77,7 @@ def main() -> None:
     if root not in sys.path:
         sys.path.insert(0, root)
     install()
-    from tst_megatron.training.megatron_lm import main as launch
+    from tst_megatron.training.cli import main as launch
 
     launch()
 

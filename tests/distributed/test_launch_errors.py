@@ -5,7 +5,8 @@ no traceback and no usage block; and the line is the dry run's.
 The classes: Megatron-LM's parser (a misspelled flag), its ``validate_args``, the model's
 ``TransformerConfig`` (heads not divisible by TP; MoE biases at expert TP 2), the rules
 megatron-core enforces only inside the first step (sequence parallelism with a length TP does
-not divide; the interleaved pipeline's micro-batch counts), a TST setting and a CPU limit.
+not divide; the interleaved pipeline's micro-batch counts), a feature that needs Transformer
+Engine, a TST setting and a CPU limit.
 """
 
 from __future__ import annotations
@@ -42,6 +43,10 @@ CASES = {
         ["--num-layers", "4", "--pipeline-model-parallel-size", "2"]
         + ["--num-layers-per-virtual-pipeline-stage", "1", "--global-batch-size", "6"],
         "the interleaved pipeline (PP 2, 2 virtual stages) with global batch 6 = 3 micro-batches",
+    ),
+    "no Transformer Engine": (
+        ["--recompute-granularity", "selective", "--recompute-modules", "layernorm"],
+        "--recompute-modules layernorm needs Transformer Engine",
     ),
     "TST setting": (["--reset-position-ids"], "--reset-position-ids is not supported"),
     "CPU limit": (["--bf16"], "--bf16 needs CUDA"),

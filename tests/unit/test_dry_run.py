@@ -293,13 +293,13 @@ def _build_child(rank, world, *, models):
     the built model, the parameters of its unrouted experts (per MoE layer, the experts'
     parameters times (E - topk) / E), and the dry run's counts from the same arguments.
     MLA models get :class:`_NoCoreAttention` (this spawned process only)."""
-    from megatron.training.global_vars import unset_global_variables
+    from megatron.training.global_vars import set_global_variables, unset_global_variables
 
     from tst_megatron.runtime import ParallelConfig, initialize_model_parallel, set_seed
     from tst_megatron.training import dry_run
     from tst_megatron.training import model as model_module
     from tst_megatron.training.model import model_provider
-    from tst_megatron.training.validate import parse
+    from tst_megatron.training.validate import check
 
     model_module.gpt_block_spec = _mla_buildable(model_module.gpt_block_spec)
 
@@ -307,7 +307,11 @@ def _build_child(rank, world, *, models):
     set_seed(1)
     results = {}
     for name, extra in models.items():
-        args = parse(BUILD_BASE + extra).args
+        checked = check(BUILD_BASE + extra)  # the launch's checks: MLA is refused on a CPU
+        refused = [p for p in checked.problems if not p.startswith("--multi-latent-attention")]
+        assert not refused, refused
+        args = checked.args
+        set_global_variables(args)
         model = model_provider()
         total = sum(p.numel() for p in model.parameters())
         unrouted = 0

@@ -366,27 +366,72 @@ def launch_notes(args) -> list[str]:
     return notes
 
 
+def without_te_problems(args, *, te: bool) -> list[str]:
+    """Features megatron-core 0.19 accepts but cannot run without Transformer Engine (every
+    CPU run), or on its local layer spec, one line each naming the flag (empty: none).
+
+    - ``--multi-latent-attention`` with ``--transformer-impl local``: the local spec builds
+      MLA's core attention with ``k_channels``/``v_channels``, which its
+      ``DotProductAttention`` does not take (a ``TypeError`` while building the model).
+    - ``--recompute-granularity selective`` of ``layernorm`` or ``mla_up_proj`` without TE:
+      megatron-core's ``CheckpointWithoutOutput`` always takes its FP8 branch and calls TE's
+      ``FP8GlobalStateManager`` (a ``NameError`` in the first forward).
+
+    Args:
+        args: Megatron-LM's arguments after ``validate_args``.
+        te: Transformer Engine is importable where the run will be (a dry run of a CUDA line
+            assumes the cluster has it; a CPU run never has).
+    """
+    problems = []
+    if args.multi_latent_attention and args.transformer_impl == "local":
+        problems.append(
+            "--multi-latent-attention needs --transformer-impl transformer_engine: megatron-core "
+            "0.19's local spec builds MLA's core attention with arguments its "
+            "DotProductAttention does not take (a CPU run has no Transformer Engine)"
+        )
+    modules = set(args.recompute_modules or []) & {"layernorm", "mla_up_proj"}
+    if not te and args.recompute_granularity == "selective" and modules:
+        problems.append(
+            f"--recompute-modules {' '.join(sorted(modules))} needs Transformer Engine (megatron-"
+            "core 0.19's CheckpointWithoutOutput calls its FP8GlobalStateManager), which this "
+            "run lacks: drop those modules"
+        )
+    return problems
+
+
 def launch_problems(
-    args, user_argv: Sequence[str], *, device: str, config=None, launch: bool = False
+    args,
+    user_argv: Sequence[str],
+    *,
+    device: str,
+    config=None,
+    launch: bool = False,
 ) -> list[str]:
     """Everything the launcher refuses after Megatron-LM's ``validate_args`` and
     ``TransformerConfig``, one line each (empty: none): :func:`schedule_problems`,
     :func:`parallel_problems`, :func:`late_megatron_problems`, :func:`data_problems`,
-    :func:`tst_problems`, for a CPU run :func:`cpu_problems` and :func:`cpu_flag_problems`,
-    and, when nothing else is wrong, :func:`resume_checks`.
+    :func:`tst_problems`, :func:`without_te_problems`, for a CPU run :func:`cpu_problems` and
+    :func:`cpu_flag_problems`, and, when nothing else is wrong, :func:`resume_checks`.
 
     Args:
         args: Megatron-LM's arguments after ``validate_args``.
         user_argv: the command line as given, before :data:`CPU_FLAGS` are appended.
         device: ``"cpu"`` or ``"cuda"``.
         config: the model's ``TransformerConfig``.
-        launch: a real launch (not a dry run): ``--device cuda`` must see a GPU.
+        launch: a real launch (not a dry run): ``--device cuda`` must see a GPU, and
+            Transformer Engine is what is installed here (a dry run assumes the cluster's).
     """
+    import importlib.util
+
     import torch
 
     problems = schedule_problems(args) + parallel_problems(args, config)
     problems += late_megatron_problems(args) + data_problems(args)
     problems += tst_problems(args, config=config)
+    te = device == "cuda" and (
+        not launch or importlib.util.find_spec("transformer_engine") is not None
+    )
+    problems += without_te_problems(args, te=te)
     if device == "cpu":
         problems += cpu_problems(args) + cpu_flag_problems(user_argv)
     elif launch and not torch.cuda.is_available():
