@@ -53,10 +53,10 @@ def _run_child(rank, world, *, runs):
 
     from megatron.training.training import destroy_global_state
 
+    from tst_megatron.training import forward
     from tst_megatron.training.cli import main
-    from tst_megatron.training.forward import TSTForwardStep
 
-    plain = TSTForwardStep
+    plain = forward.TSTForwardStep  # cli.main imports it when called
     results = []
     for run in runs:
         at = run.get("sigterm_after")
@@ -70,7 +70,7 @@ def _run_child(rank, world, *, runs):
                     os.kill(os.getpid(), signal.SIGTERM)  # what Slurm sends before preemption
                 return super().__call__(data_iterator, model)
 
-        TSTForwardStep = Step  # this spawned test process only
+        forward.TSTForwardStep = Step  # this spawned test process only
         out, status, failure = io.StringIO(), None, None
         try:
             with contextlib.redirect_stdout(out):
@@ -80,7 +80,7 @@ def _run_child(rank, world, *, runs):
         except Exception:
             failure = traceback.format_exc()
         finally:
-            TSTForwardStep = plain
+            forward.TSTForwardStep = plain
         destroy_global_state()
         results.append((out.getvalue(), status, failure))
     return results

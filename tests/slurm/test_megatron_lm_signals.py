@@ -13,16 +13,16 @@ from tests.distributed.test_megatron_lm import BASE
 
 
 def _signal_during_setup_child(rank, world, *, argv):
+    from tst_megatron.training import model
     from tst_megatron.training.cli import main
-    from tst_megatron.training.model import model_provider
 
-    real_provider = model_provider
+    real_provider = model.model_provider  # cli.main imports it when called
 
     def provider_after_signal(*args, **kwargs):
         os.kill(os.getpid(), signal.SIGTERM)  # the notice arrives before the model exists
         return real_provider(*args, **kwargs)
 
-    model_provider = provider_after_signal  # this spawned test process only
+    model.model_provider = provider_after_signal  # this spawned test process only
     out = io.StringIO()
     status = None
     with contextlib.redirect_stdout(out):
