@@ -138,7 +138,7 @@ def build_tokenizer(
 
 
 def _gpt2_bpe(vocab_file: str, merge_file: str):
-    """Megatron-LM's ``GPT2BPETokenizer`` from local files. megatron-core 0.16.1's ``megatron``
+    """Megatron-LM's ``GPT2BPETokenizer`` from local files. megatron-core's ``megatron``
     library always loads the hub name ``gpt2`` (and passes the vocab file as merges), so the
     two files are put in a temporary directory as a transformers ``GPT2Tokenizer`` and read
     through megatron-core's ``huggingface`` library, without hub access."""
@@ -319,7 +319,7 @@ def dataset_pad_id(tokenizer) -> Optional[int]:
     """The id megatron-core's ``GPTDataset`` treats as padding with ``tokenizer``, or None
     when it uses none that a data file can hold.
 
-    megatron-core (``MegatronDataset.__init__``, 0.16-0.19) takes ``tokenizer.pad`` (-1 when
+    megatron-core (``MegatronDataset.__init__``, 0.19) takes ``tokenizer.pad`` (-1 when
     the tokenizer has none) unless that id is also another special token
     (``tokenizer.special_tokens_dict`` without the pad, else EOS and EOD): then -1. Its
     ``GPTDataset.__getitem__`` then replaces every token and label equal to that id by 0 and
