@@ -42,7 +42,7 @@ class TSTConfig:
     --save is given)."""
     mode: TSTMode = "full"
     """What phase 1 superposes: full (bag-averaged input and the next bag as the target),
-    input (bag-averaged input, next token of the bag as the target) or output (ordinary
+    input (bag-averaged input, the first token of the next bag as the target) or output (ordinary
     input, the next S tokens as the target; reads as much text as a baseline). Default:
     full."""
 
