@@ -21,6 +21,8 @@ from tst_vs_baseline import (  # noqa: E402
     equal_loss_steps,
     parse,
     parse_arms,
+    ranking_lines,
+    router_verdict,
     seed_speedups,
     speedup_cell,
 )
@@ -77,6 +79,27 @@ def test_seed_speedups_pair_each_seed_with_its_own_baseline():
     assert speedup_cell([(1.0, ">"), (1.0, ">")]) == ">1.00, >1.00 (beyond the longest baseline)"
     assert speedup_cell([(1.0, ">"), (0.8, "")]) == ">1.00, 0.80"
     assert speedup_cell([]) == "not run"
+
+
+def test_router_verdict_and_ranking():
+    worse = router_verdict("a", [1.30, 1.20], [1.21, 1.20])  # +8.3 %, then +0.8 %
+    assert "phase 1 routes less evenly than the baseline" in worse and "+8.3 %" in worse
+    assert "level with the baseline" in worse
+    kept = router_verdict("b", [1.10, 1.20], [1.30, 1.20])
+    assert "more evenly" in kept and "still more imbalanced" in kept
+    assert "as evenly as" in router_verdict("c", [1.21, 1.20], [1.10, 1.20])
+    rows = [
+        {
+            "steps": 100,
+            "best": _arm(3.0),
+            "arms": {"x": _arm(3.1), "y": _arm(2.9)},
+            "replicates": [],
+        }
+    ]
+    assert ranking_lines(rows, ["x", "y"]) == [
+        "Arms at 100 steps from the lowest final validation loss: y (-0.1000), x (+0.1000).",
+        "",
+    ]
 
 
 def test_dense_table_is_read_back():
