@@ -1220,7 +1220,12 @@ def horizons_report(args, rows: list, labels: list, train_tokens: int, name: str
         for r in rows
         for b in r["baselines"]
     ]
-    lines += ["", f"Command: `.venv/bin/python {invocation()}`; each arm's launcher command:", ""]
+    written = (
+        "Written from the recorded arm files (`arm.json`, nothing run) by"
+        if getattr(args, "report_only", False)
+        else "Command:"
+    )
+    lines += ["", f"{written} `.venv/bin/python {invocation()}`; each arm's launcher command:", ""]
     for r in rows:
         lines.append(f"    {r['best']['command']}")
         lines += [f"    {arm['command']}" for arm in r["arms"].values()]
