@@ -143,13 +143,14 @@ def test_moe_horizons_defaults():
 def test_moe_horizon_launch_lines_pass_the_launchers_checks(monkeypatch):
     from tst_vs_baseline import lr_flags, model_flags, tst_flags
 
-    from tst_megatron.training import dry_run
+    from tst_megatron.training.validate import check
 
     args = parse(["--horizons", "1500", "--model", "moe"])
     monkeypatch.setenv("WORLD_SIZE", "2")
     flags = model_flags(args, "/data/corpus_text_document")
     for extra in (["--tst-bag-size", "1"], tst_flags(16, 0.25, "full")):
-        checked, problems, _ = dry_run.check(flags + lr_flags(2e-3) + extra)
+        result = check(flags + lr_flags(2e-3) + extra, dry_run=True)
+        checked, problems = result.args, result.problems
         assert problems == [], problems
         assert checked.num_experts == 8 and checked.moe_router_topk == 2
         assert checked.expert_model_parallel_size == 2 and checked.qk_layernorm
