@@ -817,6 +817,11 @@ def write_horizons_report(args, rows: list, arms: list, train_tokens: int) -> No
         if plot_router(rows, labels, os.path.join(args.output_dir, router_png)):
             text += "\n" + router_report(rows, labels, router_png)
         text += "\n" + dense_speedup_report(args.dense_report)
+        if os.path.exists(os.path.join(args.output_dir, "tst_moe_cost.md")):
+            text += (
+                "\nCost per step of this MoE against the dense model of the dense study, side "
+                "by side: [tst_moe_cost](tst_moe_cost.md).\n"
+            )
     write(os.path.join(args.output_dir, name + ".md"), text)
     write_index(args.output_dir)
     print(text, flush=True)
@@ -1013,6 +1018,21 @@ def speedup_cell(values: list) -> str:
     return f"{mean:.2f} [{low:.2f}, {high:.2f}] ({len(values)} seeds)"
 
 
+def ranking_lines(rows: list, labels: list) -> list:
+    """At each length with more than one arm: the arms from the lowest mean final validation
+    loss (TST - baseline, over the seeds run) up."""
+    lines = []
+    for r in rows:
+        ranked = sorted((sum(g) / len(g), label) for label in labels if (g := seed_gaps(r, label)))
+        if len(ranked) > 1:
+            lines.append(
+                f"Arms at {r['steps']} steps from the lowest final validation loss: "
+                + ", ".join(f"{label} ({gap:+.4f})" for gap, label in ranked)
+                + "."
+            )
+    return lines + [""] if lines else []
+
+
 def speedup_section(rows: list, labels: list) -> list:
     """The report's lines of the equal-loss speedup of every arm at every length."""
     curve = baseline_curve(rows)
@@ -1107,6 +1127,13 @@ def dense_table(text: str) -> tuple:
     return rows, labels
 
 
+def fraction_text(args, labels: list) -> str:
+    """The report's words for the phase-1 fraction r of the arms."""
+    if any(" r=" in label for label in labels):
+        return f"r as each arm's label gives it (else {args.phase1_fraction:g})"
+    return f"r = {args.phase1_fraction}"
+
+
 def horizons_report(args, rows: list, labels: list, train_tokens: int, name: str) -> str:
     _, seq = batch_shape(args)
     header = "| steps | baseline LR | baseline final validation loss (passes) | " + " | ".join(
@@ -1119,7 +1146,7 @@ def horizons_report(args, rows: list, labels: list, train_tokens: int, name: str
         machine_line(args),
         "",
         f"Model/data: {describe(args)}. Every arm has its own complete WSD schedule (warmup "
-        f"N/20, decay over the last 10 %); r = {args.phase1_fraction}; every TST arm uses the "
+        f"N/20, decay over the last 10 %); {fraction_text(args, labels)}; every TST arm uses the "
         "baseline's best LR at that length. Training split: "
         f"{train_tokens:,} tokens; a *pass* is the tokens an arm read divided by that "
         "(more than 1: the data was repeated). Corpus: the first 16 hex digits of the "
@@ -1178,7 +1205,7 @@ def horizons_report(args, rows: list, labels: list, train_tokens: int, name: str
         seeds = [g for r in rows if (g := seed_gaps(r, label))]
         lines.append(crossing_text(label, gaps(rows, label), seeds[-1] if seeds else None))
     lines += ["", below_text(rows, labels), ""]
-    lines += speedup_section(rows, labels)
+    lines += ranking_lines(rows, labels) + speedup_section(rows, labels)
     lines += [
         "",
         f"![TST - baseline against steps]({name}.png)",
@@ -1193,7 +1220,12 @@ def horizons_report(args, rows: list, labels: list, train_tokens: int, name: str
         for r in rows
         for b in r["baselines"]
     ]
-    lines += ["", f"Command: `.venv/bin/python {invocation()}`; each arm's launcher command:", ""]
+    written = (
+        "Written from the recorded arm files (`arm.json`, nothing run) by"
+        if getattr(args, "report_only", False)
+        else "Command:"
+    )
+    lines += ["", f"{written} `.venv/bin/python {invocation()}`; each arm's launcher command:", ""]
     for r in rows:
         lines.append(f"    {r['best']['command']}")
         lines += [f"    {arm['command']}" for arm in r["arms"].values()]
@@ -1362,13 +1394,37 @@ def router_report(rows: list, labels: list, png: str) -> str:
         phase1 = [window_mean(r.get("load_imbalance", []), n // 20, switch) for r in (router, base)]
         last = [window_mean(r.get("load_imbalance", []), n - n // 10, n) for r in (router, base)]
         if None not in phase1 + last:
-            notes.append(
-                f"- {label}: phase 1 imbalance {phase1[0]:.3f} vs the baseline's {phase1[1]:.3f} "
-                f"({100 * (phase1[0] / phase1[1] - 1):+.1f} %); last 10 %: {last[0]:.3f} vs "
-                f"{last[1]:.3f} ({100 * (last[0] / last[1] - 1):+.1f} %)."
-            )
+            notes.append(router_verdict(label, phase1, last))
     lines += ["", *notes, "", f"![router health against steps]({png})", ""]
     return "\n".join(lines)
+
+
+ROUTER_TOLERANCE = 0.05
+"""A relative difference in mean load imbalance within which an arm counts as level with the
+baseline."""
+
+
+def router_verdict(label: str, phase1: list, last: list) -> str:
+    """One line: the arm's mean load imbalance against the baseline's (``[arm, baseline]``)
+    in phase 1 and in the last 10 % of the run, and what that says: phase 1 more (or less)
+    imbalanced than the baseline by more than :data:`ROUTER_TOLERANCE`, and whether the
+    last 10 % is back within it."""
+    during, after = phase1[0] / phase1[1] - 1, last[0] / last[1] - 1
+    if during > ROUTER_TOLERANCE:
+        what = "phase 1 routes less evenly than the baseline"
+    elif during < -ROUTER_TOLERANCE:
+        what = "phase 1 routes more evenly than the baseline"
+    else:
+        what = "phase 1 routes as evenly as the baseline"
+    if abs(after) <= ROUTER_TOLERANCE:
+        end = f"by the last 10 % it is level with the baseline (within {ROUTER_TOLERANCE:.0%})"
+    else:
+        side = "more" if after > 0 else "less"
+        end = f"in the last 10 % it is still {side} imbalanced than the baseline"
+    return (
+        f"- {label}: {what} ({phase1[0]:.3f} vs {phase1[1]:.3f}, {100 * during:+.1f} %); "
+        f"{end} ({last[0]:.3f} vs {last[1]:.3f}, {100 * after:+.1f} %)."
+    )
 
 
 def seed_of(arm: dict) -> str:

@@ -34,10 +34,11 @@ def random_documents(n, seed=0):
 
 
 def _build(prefix, cache, local_rank):
-    from tst_megatron.training.data import DataSettings, build_datasets, build_tokenizer
+    from tests.unit.test_data_boundary import null_tokenizer
+    from tst_megatron.training.data import DataSettings, build_datasets
 
     os.environ["LOCAL_RANK"] = str(local_rank)
-    tok = build_tokenizer("NullTokenizer", vocab_size=VOCAB, model=None)
+    tok = null_tokenizer(VOCAB)
     data = DataSettings(data_path=prefix, split="90,10,0", data_cache_path=cache)
     train, valid, _ = build_datasets(data, tok, seq_length=16, samples=(60, 8, 0), seed=1)
     return {

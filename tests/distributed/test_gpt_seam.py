@@ -66,8 +66,9 @@ def _set_weights(model):
 
 def _keys_child(rank, world):
     from megatron.core.models.gpt import GPTModel
+    from megatron.core.transformer.moe.router import TopKRouter
 
-    from tst_megatron.training.gpt import BalancedTopKRouter, TSTGPTModel
+    from tst_megatron.training.gpt import TSTGPTModel
     from tst_megatron.training.model import gpt_block_spec
 
     _init()
@@ -87,7 +88,7 @@ def _keys_child(rank, world):
             (sorted(m.state_dict().keys()), sorted(m.sharded_state_dict().keys())) for m in models
         ]
         routers = [type(m) for m in models[1].modules() if "Router" in type(m).__name__]
-        result[f"routers{experts}"] = [r is BalancedTopKRouter for r in routers]
+        result[f"routers{experts}"] = [r is TopKRouter for r in routers]  # megatron-core's own
     return result
 
 

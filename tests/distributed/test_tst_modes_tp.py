@@ -166,7 +166,7 @@ def _mode_case(rank, world, mode, weighting, sp, *, seed):
     (mce * _upstream(seed)).backward()
     return {
         "mce": mce.detach(),
-        "report": report["lm loss"],
+        "report": report["mce loss"],  # phase 1 reports under its own key
         "word": model.embedding.word_embeddings.weight.grad.clone(),
         "pos": model.embedding.position_embeddings.weight.grad.clone(),
         "out": model.output_weight.grad.clone(),

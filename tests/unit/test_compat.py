@@ -1,5 +1,5 @@
-"""megatron-core >=0.19,<0.20: the differences found by feature detection (null tokenizer,
-lazily imported checkpoint writer) and the version range of the CPU runtime."""
+"""megatron-core >=0.19,<0.20: what the project assumes of it (the null tokenizer, the lazily
+imported checkpoint writer) and the version range of the CPU runtime."""
 
 import subprocess
 import sys
@@ -54,21 +54,14 @@ def test_supported_range_is_the_declared_dependency():
 
 @pytest.mark.parametrize("vocab_size", [2, 128, 50257])
 def test_null_tokenizer_has_exactly_vocab_size_ids_and_eod_last(vocab_size):
-    from tst_megatron.training.data import build_tokenizer
+    """What the launcher's mock-data and data checks assume of Megatron-LM's NullTokenizer."""
+    from tests.unit.test_data_boundary import null_tokenizer
 
-    tokenizer = build_tokenizer("NullTokenizer", vocab_size=vocab_size, model=None)
+    tokenizer = null_tokenizer(vocab_size)
     assert tokenizer.vocab_size == vocab_size
     assert tokenizer.eod == vocab_size - 1
     ids = [0, vocab_size - 1, vocab_size // 2]
     assert tokenizer.tokenize(" ".join(map(str, ids))) == ids
-
-
-def test_null_tokenizer_rejects_a_single_id():
-    from tst_megatron.compat import null_tokenizer
-    from tst_megatron.errors import ConfigError
-
-    with pytest.raises(ConfigError, match="--vocab-size 1"):
-        null_tokenizer(1)
 
 
 def test_checkpoint_writer_runs_on_the_cpu_runtime():

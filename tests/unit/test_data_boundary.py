@@ -72,7 +72,7 @@ def test_token_range_is_read_once_then_remembered(tmp_path, monkeypatch):
     def no_read(*a, **k):
         raise AssertionError("the .bin was read again")
 
-    monkeypatch.setattr(data_mod, "scan_token_range", no_read)
+    monkeypatch.setattr("tst_megatron.data.files.scan_token_range", no_read)
     check_data_files(prefix, VOCAB, cache_path=str(cache))  # the stamp answers
     with pytest.raises(ConfigError, match="holds token id 63, outside the vocabulary"):
         check_data_files(prefix, VOCAB - 1, cache_path=str(cache))  # same stamp, other vocab
@@ -91,7 +91,7 @@ def test_preprocess_records_the_range_so_start_up_reads_nothing(tmp_path, monkey
     prefix = write_dataset(tmp_path / "pre", random_documents(10))
     write_stamp(prefix, 0, VOCAB - 1)  # what tools/preprocess_data.py does after writing
     assert read_stamp(prefix, str(tmp_path / "elsewhere")) == TokenStats(0, VOCAB - 1)
-    monkeypatch.setattr(data_mod, "scan_token_range", lambda *a, **k: 1 / 0)
+    monkeypatch.setattr("tst_megatron.data.files.scan_token_range", lambda *a, **k: 1 / 0)
     check_data_files(prefix, VOCAB, cache_path=str(tmp_path / "elsewhere"))
 
 

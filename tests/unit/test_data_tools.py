@@ -124,7 +124,7 @@ def test_preprocess_counts_the_pad_id_so_start_up_reads_nothing(tiny, monkeypatc
     count = sum(int((written[i] == pad).sum()) for i in range(len(written)))
     assert (pad, count) == (3, 0)
     assert read_stamp(prefix).counts == {pad: count}
-    monkeypatch.setattr(data_mod, "scan_token_range", lambda *a, **k: 1 / 0)
+    monkeypatch.setattr("tst_megatron.data.files.scan_token_range", lambda *a, **k: 1 / 0)
     data_mod.check_data_files(prefix, 512, pad_id=pad)
 
 

@@ -45,6 +45,27 @@ def test_tst_flags_are_the_dataclass_fields():
     assert {f"tst_{f.name}" for f in dataclasses.fields(TSTConfig)} <= set(vars(_parse([])))
 
 
+def test_the_tst_help_is_written_for_users():
+    """No markup, no field names, the real defaults, each ``--no-`` flag describing itself."""
+    import dataclasses as dc
+
+    parser = add_tst_args(argparse.ArgumentParser())
+    (group,) = [g for g in parser._action_groups if g.title.startswith("token superposition")]
+    helps = {a.option_strings[0]: a.help for a in group._group_actions}
+    text = parser.format_help()
+    assert "`" not in text and "(default: None)" not in text and "%(" not in text
+    for field in dc.fields(TSTConfig):
+        if "_" in field.name:
+            assert field.name not in " ".join(helps.values()), field.name
+    assert "0.3" in helps["--tst-phase1-fraction"] and "0.3" in helps["--tst-phase1-iters"]
+    assert "Default: 1." in helps["--tst-bag-size"]
+    for flag, help_text in helps.items():
+        assert help_text and help_text[0].isupper(), flag
+        if flag.startswith("--no-"):
+            assert help_text.startswith("Do not"), (flag, help_text)
+    assert "CPU_FLAGS" not in helps["--device"]
+
+
 def test_tst_flags_parse_into_the_config():
     args = _parse(
         "--tst-bag-size 4 --tst-phase1-fraction 0.25 --tst-bag-weighting power "

@@ -12,7 +12,6 @@ import torch
 
 from tests.unit.test_data_boundary import megatron_tokenizer, null_tokenizer, write_dataset
 from tst_megatron.errors import ConfigError
-from tst_megatron.training import data as data_mod
 from tst_megatron.training.data import (
     DataSettings,
     build_datasets,
@@ -113,7 +112,7 @@ def test_pad_id_count_is_remembered_in_the_stamp(hf, tmp_path, monkeypatch):
         min(map(min, docs)),
         max(map(max, docs)),
     )
-    monkeypatch.setattr(data_mod, "scan_token_range", lambda *a, **k: 1 / 0)
+    monkeypatch.setattr("tst_megatron.data.files.scan_token_range", lambda *a, **k: 1 / 0)
     with pytest.raises(ConfigError, match=f"holds 10 tokens of id {fox}"):
         check_data_files(prefix, tok.vocab_size, pad_id=fox)  # the stamp answers
     check_data_files(prefix, tok.vocab_size, pad_id=tok.vocab_size - 1)  # outside the range

@@ -1,10 +1,16 @@
-"""Megatron-LM's --tokenizer-type values through megatron-core's tokenizer classes, compared
-with the reference libraries (transformers, sentencepiece) on the same files."""
+"""Megatron-LM's --tokenizer-type values as the launcher gets them (megatron-core's
+``build_tokenizer`` on Megatron-LM's parsed arguments), compared with the reference libraries
+(transformers, sentencepiece) on the same files (megatron-core 0.19's ``GPT2BPETokenizer``
+loads the hub name ``gpt2`` whatever the files: it needs network access, so it is not tested
+here); a missing tokenizer file is refused before
+any work (``tokenizer_problems``)."""
+
+import argparse
 
 import pytest
 
-from tst_megatron.errors import ConfigError
-from tst_megatron.training.data import build_tokenizer
+from tests.unit.test_data_boundary import megatron_tokenizer
+from tst_megatron.training.checks import tokenizer_problems
 
 TEXT = "def main(argv):\n    return sum(int(a) for a in argv)  # tokenizers, tokens\n"
 CORPUS = [TEXT * 3, "import os\nprint(os.getcwd())\n" * 5, "the quick brown fox " * 20]
@@ -28,25 +34,12 @@ def bpe(tmp_path_factory):
 def test_huggingface_tokenizer_reads_a_local_directory(bpe):
     from transformers import AutoTokenizer
 
-    ours = build_tokenizer("HuggingFaceTokenizer", vocab_size=None, model=str(bpe / "hf"))
+    ours = megatron_tokenizer(
+        "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", str(bpe / "hf")
+    )
     reference = AutoTokenizer.from_pretrained(str(bpe / "hf"))
     assert list(ours.tokenize(TEXT)) == reference.encode(TEXT, add_special_tokens=False)
     assert ours.vocab_size == len(reference)
-
-
-def test_gpt2_bpe_tokenizer_from_vocab_and_merges(bpe):
-    from transformers import GPT2Tokenizer
-
-    ours = build_tokenizer(
-        "GPT2BPETokenizer",
-        vocab_size=None,
-        model=None,
-        vocab_file=str(bpe / "vocab.json"),
-        merge_file=str(bpe / "merges.txt"),
-    )
-    reference = GPT2Tokenizer(str(bpe / "vocab.json"), str(bpe / "merges.txt"))
-    assert list(ours.tokenize(TEXT)) == reference.encode(TEXT)
-    assert ours.eod == reference.convert_tokens_to_ids("<|endoftext|>")
 
 
 def test_llama2_tokenizer_is_the_sentencepiece_model(tmp_path):
@@ -55,20 +48,28 @@ def test_llama2_tokenizer_is_the_sentencepiece_model(tmp_path):
     from tst_megatron.data.tokenizer import train_tokenizer
 
     model = train_tokenizer(CORPUS * 20, str(tmp_path / "sp"), vocab_size=300)
-    ours = build_tokenizer("Llama2Tokenizer", vocab_size=None, model=model)
+    ours = megatron_tokenizer("--tokenizer-type", "Llama2Tokenizer", "--tokenizer-model", model)
     reference = spm.SentencePieceProcessor(model_file=model)
     assert list(ours.tokenize(TEXT)) == reference.encode(TEXT)
     assert ours.eod == reference.eos_id()
 
 
 @pytest.mark.parametrize(
-    "kind,kwargs,message",
+    "kind,files,message",
     [
-        ("HuggingFaceTokenizer", {"model": "no/such/dir"}, "--tokenizer-model no/such/dir"),
-        ("Llama2Tokenizer", {"model": None}, "--tokenizer-model None does not exist"),
-        ("GPT2BPETokenizer", {"model": None}, "--vocab-file None is not a file"),
+        ("Llama2Tokenizer", {"tokenizer_model": None}, "--tokenizer-model None is not a file"),
+        ("SentencePieceTokenizer", {"tokenizer_model": "no/such"}, "--tokenizer-model no/such"),
+        ("GPT2BPETokenizer", {"vocab_file": None}, "--vocab-file None is not a file"),
+        (None, {}, "--tokenizer-type is required"),
     ],
 )
-def test_missing_tokenizer_files_are_named(kind, kwargs, message):
-    with pytest.raises(ConfigError, match=message):
-        build_tokenizer(kind, vocab_size=None, **kwargs)
+def test_missing_tokenizer_settings_are_named(kind, files, message):
+    args = argparse.Namespace(
+        tokenizer_type=kind, tokenizer_model=None, vocab_file=None, merge_file=None
+    )
+    for key, value in files.items():
+        setattr(args, key, value)
+    (line, *_) = tokenizer_problems(args, launch=True)
+    assert message in line
+    hub = argparse.Namespace(tokenizer_type="HuggingFaceTokenizer", tokenizer_model="org/name")
+    assert tokenizer_problems(hub, launch=True) == []  # a hub name is not a file

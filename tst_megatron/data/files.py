@@ -10,7 +10,13 @@ import dataclasses
 import hashlib
 import json
 import os
+import struct
 from typing import Iterator, Mapping, Optional
+
+import numpy as np
+import torch.distributed as dist
+
+from tst_megatron.errors import ConfigError
 
 
 @contextlib.contextmanager
@@ -113,3 +119,160 @@ def write_stamp(
     with atomic_path(path) as tmp, open(tmp, "w") as f:
         json.dump(stamp, f, indent=1)
     return path
+
+
+# --- the ids a data file holds ----------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class DataFile:
+    """One ``.bin/.idx`` pair, as its ``.idx`` header describes it."""
+
+    prefix: str
+    """Path without ``.bin``/``.idx``."""
+    dtype: type
+    """Token dtype of the ``.bin`` (numpy.uint16 or numpy.int32 from Megatron's tools)."""
+    sequences: int
+    """Sequences (documents, for GPT data) in the ``.idx``."""
+    tokens: int
+    """Tokens in the ``.bin``."""
+
+
+def open_data_file(prefix: str) -> DataFile:
+    """Read the ``.idx`` header and check both files' sizes against it (O(1) reads).
+
+    Raises:
+        ConfigError: a missing file, a file that is not a Megatron index, a truncated or
+            mismatched ``.idx``/``.bin``, or an empty dataset, naming the file.
+    """
+    from megatron.core.datasets.indexed_dataset import DType
+
+    for suffix in (".bin", ".idx"):
+        if not os.path.isfile(prefix + suffix):
+            raise ConfigError(
+                f"--data-path: {prefix + suffix} does not exist (run tools/preprocess_data.py)"
+            )
+    idx_size, bin_size = os.path.getsize(prefix + ".idx"), os.path.getsize(prefix + ".bin")
+    with open(prefix + ".idx", "rb") as f:
+        header = f.read(34)  # magic (9), version (8), dtype code (1), sequences (8), documents (8)
+    try:
+        if not header.startswith(b"MMIDIDX\x00\x00") or len(header) < 34:
+            raise ValueError
+        dtype = DType.dtype_from_code(header[17])
+    except ValueError:
+        raise ConfigError(f"--data-path: {prefix}.idx is not a Megatron index file") from None
+    sequences, documents = struct.unpack("<QQ", header[18:34])
+    expected = 34 + sequences * (4 + 8) + documents * 8  # lengths, pointers, document indices
+    if idx_size != expected:
+        raise ConfigError(
+            f"--data-path: {prefix}.idx has {idx_size} bytes but its header describes "
+            f"{expected}: the file is truncated or corrupt; rerun tools/preprocess_data.py"
+        )
+    itemsize = np.dtype(dtype).itemsize
+    tokens = 0
+    if sequences:
+        last_length = np.memmap(prefix + ".idx", np.int32, "r", 34 + 4 * (sequences - 1), (1,))
+        last_pointer = np.memmap(
+            prefix + ".idx", np.int64, "r", 34 + 4 * sequences + 8 * (sequences - 1), (1,)
+        )
+        tokens = (int(last_pointer[0]) + int(last_length[0]) * itemsize) // itemsize
+    if bin_size != tokens * itemsize:
+        raise ConfigError(
+            f"--data-path: {prefix}.bin has {bin_size} bytes but {prefix}.idx describes "
+            f"{tokens * itemsize}: the .bin is truncated or belongs to another index; rerun "
+            "tools/preprocess_data.py"
+        )
+    if tokens == 0:
+        raise ConfigError(f"--data-path: {prefix}.bin holds no tokens")
+    return DataFile(prefix, dtype, sequences, tokens)
+
+
+def scan_token_range(
+    file: DataFile,
+    start: int = 0,
+    stop: Optional[int] = None,
+    chunk: int = 1 << 24,
+    *,
+    count: tuple[int, ...] = (),
+) -> Optional[TokenStats]:
+    """The :class:`~tst_megatron.data.files.TokenStats` of ``file``'s ``.bin`` tokens
+    ``[start, stop)``: ``(min, max)`` id and the occurrences of each id in ``count``; None if
+    the slice is empty. Read in chunks of ``chunk`` tokens so memory stays bounded."""
+    tokens = np.memmap(file.prefix + ".bin", dtype=file.dtype, mode="r")
+    stop = file.tokens if stop is None else stop
+    lo = hi = None
+    counts = dict.fromkeys(count, 0)
+    for a in range(start, stop, chunk):
+        part = tokens[a : min(a + chunk, stop)]
+        a_lo, a_hi = int(part.min()), int(part.max())
+        lo, hi = (a_lo, a_hi) if lo is None else (min(lo, a_lo), max(hi, a_hi))
+        for token_id in counts:
+            if a_lo <= token_id <= a_hi:
+                counts[token_id] += int(np.count_nonzero(part == token_id))
+    return None if lo is None else TokenStats(lo, hi, counts)
+
+
+def _distributed() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _merge(parts: list[TokenStats], earlier: Optional[TokenStats]) -> TokenStats:
+    """One file's stats from the stats of its slices, keeping counts an earlier stamp of the
+    same file recorded for other ids."""
+    counts = dict(earlier.counts) if earlier is not None else {}
+    for token_id in parts[0].counts:
+        counts[token_id] = sum(p.counts[token_id] for p in parts)
+    return TokenStats(min(p.min for p in parts), max(p.max for p in parts), counts)
+
+
+def token_ranges(
+    files: list[DataFile], *, cache_path: Optional[str] = None, count: tuple[int, ...] = ()
+) -> list[TokenStats]:
+    """The :class:`~tst_megatron.data.files.TokenStats` of each file (id range, and the
+    occurrences of the ids in ``count``), the same on every rank, reading each ``.bin`` at
+    most once per change of the file (and of the ids asked).
+
+    Rank 0 looks for a stamp (:func:`tst_megatron.data.files.read_stamp`: written by
+    ``tools/preprocess_data.py`` or by an earlier start, valid while the ``.bin``/``.idx``
+    sizes and modification times are unchanged, and enough when it has counted the ids of
+    ``count`` that lie in its range) and broadcasts what it found. Files without one are
+    scanned once, split evenly over all ranks (each reads ``1/world`` of the tokens), the
+    partial stats are gathered, and rank 0 writes the stamp (in ``cache_path`` when given,
+    else beside the ``.bin``; a read-only place only costs the next start a scan).
+    Must be called on every rank (it uses collectives when ``torch.distributed`` is
+    initialised): the other ranks wait in the broadcast while rank 0 reads the stamps.
+    """
+    rank, world = _distributed()
+    known = [read_stamp(f.prefix, cache_path) for f in files] if rank == 0 else None
+    if world > 1:
+        box = [known]
+        dist.broadcast_object_list(box, src=0)
+        known = box[0]
+    enough = [k is not None and all(k.count(i) is not None for i in count) for k in known]
+    if all(enough):
+        return known
+    partial = [
+        None
+        if ok
+        else scan_token_range(
+            f, f.tokens * rank // world, f.tokens * (rank + 1) // world, count=count
+        )
+        for f, ok in zip(files, enough)
+    ]
+    gathered = [partial]
+    if world > 1:
+        gathered = [None] * world
+        dist.all_gather_object(gathered, partial)
+    stats = []
+    for i, (f, k, ok) in enumerate(zip(files, known, enough)):
+        if not ok:
+            k = _merge([g[i] for g in gathered if g[i] is not None], k)
+            if rank == 0:
+                try:
+                    write_stamp(f.prefix, k.min, k.max, cache_path=cache_path, counts=k.counts)
+                except OSError as exc:
+                    print(f" warning: cannot record the token range of {f.prefix}.bin ({exc})")
+        stats.append(k)
+    return stats

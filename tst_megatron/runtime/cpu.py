@@ -20,8 +20,7 @@ How:
 4. The tracker's "CPU RNG state changed within GPU RNG context" warning is filtered: on
    a CPU the tracked "CUDA" state *is* the CPU state, so the warning would fire on every
    dropout.
-5. With ``enable(training=True)`` (megatron-core >= 0.17, which ships Megatron-LM's loop as
-   ``megatron.training``) the same stand-in is given to the ``megatron.training`` modules a
+5. With ``enable(training=True)`` (Megatron-LM's loop, ``megatron.training``) the same stand-in is given to the ``megatron.training`` modules a
    CPU ``pretrain()`` reaches (``_TRAINING_MODULES``), with three differences, each for one
    call site: ``initialize.py`` sees a CUDA that is "available" with one device (it asserts
    ``torch.cuda.is_available()`` and initialises model parallelism and the model-parallel
@@ -82,7 +81,7 @@ _MODULES = (
     "megatron.core.pipeline_parallel.schedules",
     "megatron.core.pipeline_parallel.p2p_communication",
     "megatron.core.dist_checkpointing.strategies.torch",
-    # Imported lazily by the torch_dist strategy from 0.17 on (at import time before): the
+    # Imported lazily by the torch_dist strategy: the
     # checkpoint writer calls torch.cuda.synchronize() and creates CUDA tensors.
     "megatron.core.dist_checkpointing.strategies.filesystem_async",
     "megatron.core.dist_checkpointing.strategies.state_dict_saver",
@@ -91,7 +90,7 @@ _MODULES = (
     "megatron.core.dist_checkpointing.exchange_utils",
 )
 
-#: megatron.training modules (the 0.17+ wheel) that a CPU ``pretrain()`` reaches, redirected by
+#: megatron.training modules that a CPU ``pretrain()`` reaches, redirected by
 #: ``enable(training=True)``. ``megatron.training.initialize`` gets :data:`_CPU_TORCH_INIT`.
 _TRAINING_MODULES = (
     "megatron.training.training",
@@ -429,8 +428,8 @@ def enable(*, training: bool = False) -> None:
     are in ``_MODULES``; call :func:`enable` again after importing others (it is cheap).
 
     Args:
-        training: also redirect Megatron-LM's training loop (``megatron.training``, shipped
-            with megatron-core >= 0.17; ``_TRAINING_MODULES`` and every loaded
+        training: also redirect Megatron-LM's training loop (``megatron.training``;
+            ``_TRAINING_MODULES`` and every loaded
             ``megatron.training`` module), for ``megatron.training.pretrain()`` on a CPU.
 
     Raises:

@@ -48,10 +48,9 @@ def bag_embedding(
     Computes ``e_j = (1/S) * sum_k E[bags[:, j, k]]`` (paper section 3) with
     ``embedding.word_embeddings.weight`` (the local vocab shard ``[V/tp, h]``), then does
     what :meth:`LanguageModelEmbedding.forward` does after its lookup, step for step in
-    every supported megatron-core (0.16.1 to 0.19): adds the learned absolute position
+    megatron-core 0.19: adds the learned absolute position
     embedding of the *latent* position, transposes to sequence-first, applies the MuP
-    embedding multiplier (``config.use_mup``, megatron-core 0.17+; detected by the config
-    field), fp32-residual casting, the sequence-parallel scatter and dropout (under the
+    embedding multiplier (``config.use_mup``), fp32-residual casting, the sequence-parallel scatter and dropout (under the
     model-parallel RNG tracker when SP is on). With ``S = 1`` it equals
     ``LanguageModelEmbedding.forward`` (tested). Its output can be passed to
     ``GPTModel.forward(decoder_input=...)``.
@@ -126,7 +125,7 @@ def bag_embedding(
             output_parallel, group=word.tp_group
         )
 
-    # From here on: the tail of LanguageModelEmbedding.forward (megatron-core 0.16 - 0.19).
+    # From here on: the tail of LanguageModelEmbedding.forward (megatron-core 0.19).
     if embedding.add_position_embedding:
         if position_ids is None:
             position_ids = torch.arange(latent_len, device=bags.device).unsqueeze(0).expand(b, -1)
@@ -134,8 +133,8 @@ def bag_embedding(
     if not embedding.reduce_scatter_embeddings:
         embeddings = embeddings.transpose(0, 1).contiguous()  # [b, T, h] -> [T, b, h]
     config = embedding.config
-    # MuP input multiplier (megatron-core 0.17+; configs without the field have no MuP).
-    if getattr(config, "use_mup", False) and config.mup_embedding_mult != 1.0:
+    # MuP input multiplier
+    if config.use_mup and config.mup_embedding_mult != 1.0:
         embeddings = embeddings * config.mup_embedding_mult
     if config.fp32_residual_connection:
         embeddings = embeddings.float()

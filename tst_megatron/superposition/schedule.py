@@ -1,16 +1,15 @@
-"""The TST phase schedule and the loop's decisions, as pure functions of the iteration.
+"""The TST settings (:class:`TSTConfig`, the ``--tst-*`` flags) and the phase schedule as a
+pure function of the iteration.
 
-:class:`Schedule` is the one place that knows the plan (``docs/design.md``, "The schedule"):
-phase 1 on iterations ``[0, N1)``, phase 2 on ``[N1, N)``, ``N1`` computed once. Resuming
-recomputes the phase from the iteration number; no stage index is ever stored.
-:func:`should_eval`, :func:`should_save` and :func:`should_exit` decide what happens after
-a step, from the iteration and the settings only.
+:class:`Schedule` knows the plan (``docs/design.md``, "The schedule"): phase 1 on iterations
+``[0, N1)``, phase 2 on ``[N1, N)``. Resuming recomputes the phase from the iteration number;
+no stage index is ever stored. Megatron-LM's loop decides checkpoints, validation and exits.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Optional
+from typing import Optional
 
 from tst_megatron.superposition.bags import BagWeighting, TSTMode, mode_reads_bags
 
@@ -43,7 +42,7 @@ class TSTConfig:
     --save is given)."""
     mode: TSTMode = "full"
     """What phase 1 superposes: full (bag-averaged input and the next bag as the target),
-    input (bag-averaged input, next token of the bag as the target) or output (ordinary
+    input (bag-averaged input, the first token of the next bag as the target) or output (ordinary
     input, the next S tokens as the target; reads as much text as a baseline). Default:
     full."""
 
@@ -88,11 +87,7 @@ class TSTConfig:
 
 @dataclasses.dataclass(frozen=True)
 class Phase:
-    """What one optimizer step does, and where its data comes from.
-
-    The first five fields are the plan (compared, printed); a training loop binds the last two
-    (:meth:`bind`): this module knows nothing of datasets or models.
-    """
+    """What one optimizer step does: its phase, bag size and sequence lengths."""
 
     index: int
     """1 = superposition (bags), 2 = recovery (next-token)."""
@@ -105,21 +100,6 @@ class Phase:
     """Positions the transformer processes: always ``T``; the pipeline schedule's ``seq_length``."""
     first_iteration: int = 0
     """Iteration at which the phase starts (0, or ``N1`` for phase 2)."""
-    read_sample: Optional[Callable[[int], dict]] = dataclasses.field(
-        default=None, compare=False, repr=False
-    )
-    """Sample ``i`` of the phase's data (a dict of ``[data_seq_length]`` tensors)."""
-    forward_step: Optional[Callable] = dataclasses.field(default=None, compare=False, repr=False)
-    """The phase's megatron-core forward-step function ``(data_iterator, model)``."""
-
-    def data_step(self, iteration: int) -> int:
-        """The phase-local data step of 0-based ``iteration``: phase 2 reads its own data from
-        its step 0 (``N1``) on, whatever phase 1 read."""
-        return iteration - self.first_iteration
-
-    def bind(self, read_sample: Callable[[int], dict], forward_step: Callable) -> "Phase":
-        """This phase reading ``read_sample`` and stepping with ``forward_step``."""
-        return dataclasses.replace(self, read_sample=read_sample, forward_step=forward_step)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,13 +129,3 @@ class Schedule:
     def phase_at(self, iteration: int) -> Phase:
         """The phase of 0-based ``iteration`` (the number of optimizer steps already taken)."""
         return self.phase1 if iteration < self.n1 else self.phase2
-
-    def switches_after(self, iteration: int) -> bool:
-        """True when ``iteration`` completed steps end phase 1 (``iteration == N1 > 0``)."""
-        return 0 < self.n1 == iteration
-
-    def bind(self, phase1: tuple, phase2: tuple) -> "Schedule":
-        """The schedule with each phase bound to ``(read_sample, forward_step)`` (:meth:`Phase.bind`)."""
-        return dataclasses.replace(
-            self, phase1=self.phase1.bind(*phase1), phase2=self.phase2.bind(*phase2)
-        )

@@ -135,6 +135,37 @@ def data_problems(args) -> list[str]:
     return problems
 
 
+def tokenizer_problems(args, *, launch: bool) -> list[str]:
+    """The tokenizer settings Megatron-LM's ``set_global_variables`` would stop on with a
+    traceback (it builds the tokenizer right after ``validate_args``), one line each naming
+    the flag (empty: none). Reads only (whether files exist).
+
+    - no ``--tokenizer-type`` (Megatron-LM 0.19 has no default: "tokenizer_type None is not
+      supported");
+    - in a launch (a dry run may run where the cluster's files are not): a
+      ``--tokenizer-model`` file of a SentencePiece type, or ``--vocab-file`` /
+      ``--merge-file`` of ``GPT2BPETokenizer``, that does not exist. A Hugging Face
+      ``--tokenizer-model`` may be a hub name and is not checked.
+    """
+    kind = args.tokenizer_type
+    if kind is None:
+        return ["--tokenizer-type is required (Megatron-LM 0.19 has no default)"]
+    if not launch:
+        return []
+    files = {
+        "SentencePieceTokenizer": ("--tokenizer-model",),
+        "GPTSentencePieceTokenizer": ("--tokenizer-model",),
+        "Llama2Tokenizer": ("--tokenizer-model",),
+        "GPT2BPETokenizer": ("--vocab-file", "--merge-file"),
+    }.get(kind, ())
+    problems = []
+    for flag in files:
+        path = getattr(args, flag[2:].replace("-", "_"), None)
+        if not path or not os.path.isfile(path):
+            problems.append(f"--tokenizer-type {kind}: {flag} {path} is not a file")
+    return problems
+
+
 def argv_problems(argv: Sequence[str]) -> list[str]:
     """Flags refused as given on the command line, before Megatron-LM parses it (empty:
     none): ``--yaml-cfg`` (Megatron-LM's experimental YAML config replaces the whole parsed
@@ -410,6 +441,7 @@ def launch_problems(
     """Everything the launcher refuses after Megatron-LM's ``validate_args`` and
     ``TransformerConfig``, one line each (empty: none): :func:`schedule_problems`,
     :func:`parallel_problems`, :func:`late_megatron_problems`, :func:`data_problems`,
+    :func:`tokenizer_problems`,
     :func:`tst_problems`, :func:`without_te_problems`, for a CPU run :func:`cpu_problems` and
     :func:`cpu_flag_problems`, and, when nothing else is wrong, :func:`resume_checks`.
 
@@ -427,6 +459,7 @@ def launch_problems(
 
     problems = schedule_problems(args) + parallel_problems(args, config)
     problems += late_megatron_problems(args) + data_problems(args)
+    problems += tokenizer_problems(args, launch=launch)
     problems += tst_problems(args, config=config)
     te = device == "cuda" and (
         not launch or importlib.util.find_spec("transformer_engine") is not None

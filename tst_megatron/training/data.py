@@ -26,19 +26,14 @@ atomically (:mod:`.index_cache`).
 from __future__ import annotations
 
 import dataclasses
-import os
-import struct
 from typing import Optional
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from megatron.core.datasets.gpt_dataset import GPTDataset, MockGPTDataset, MockGPTLowLevelDataset
 from megatron.core.datasets.utils import get_blend_from_list
-from megatron.core.tokenizers import MegatronTokenizer
 
-from tst_megatron.compat import null_tokenizer
-from tst_megatron.data.files import TokenStats, read_stamp, write_stamp
+from tst_megatron.data.files import open_data_file, token_ranges
 from tst_megatron.errors import ConfigError
 from tst_megatron.training.index_cache import CachedGPTDatasetConfig, build_splits
 
@@ -89,237 +84,16 @@ def data_settings(args) -> DataSettings:
     )
 
 
-def build_tokenizer(
-    tokenizer_type: str,
-    *,
-    vocab_size: Optional[int],
-    model: Optional[str],
-    vocab_file: Optional[str] = None,
-    merge_file: Optional[str] = None,
-):
-    """A megatron-core tokenizer, for Megatron-LM's ``--tokenizer-type``:
-
-    - ``NullTokenizer``: ids ``0..vocab_size-1``, EOD = last id;
-    - ``SentencePieceTokenizer`` / ``Llama2Tokenizer``: the SentencePiece model
-      ``--tokenizer-model`` (megatron-core's ``sentencepiece`` library; EOD = ``</s>``);
-    - ``HuggingFaceTokenizer``: a local Hugging Face tokenizer directory (``--tokenizer-model``;
-      no hub access; megatron-core's ``huggingface`` library);
-    - ``GPT2BPETokenizer``: GPT-2 BPE from ``--vocab-file`` and ``--merge-file``, EOD =
-      ``<|endoftext|>`` (megatron-core's ``huggingface`` library over transformers'
-      ``GPT2Tokenizer``; see :func:`_gpt2_bpe`).
-
-    Raises:
-        ConfigError: unknown type, missing settings, or a tokenizer path that does not exist.
-    """
-    if tokenizer_type == "NullTokenizer":
-        if vocab_size is None:
-            raise ConfigError("--vocab-size is required with --tokenizer-type NullTokenizer")
-        return null_tokenizer(vocab_size)  # library name and EOD id differ across releases
-    if tokenizer_type == "GPT2BPETokenizer":
-        for flag, path in (("--vocab-file", vocab_file), ("--merge-file", merge_file)):
-            if not path or not os.path.isfile(path):
-                raise ConfigError(f"--tokenizer-type GPT2BPETokenizer: {flag} {path} is not a file")
-        return _gpt2_bpe(vocab_file, merge_file)
-    libraries = {
-        "SentencePieceTokenizer": "sentencepiece",
-        "Llama2Tokenizer": "sentencepiece",
-        "HuggingFaceTokenizer": "huggingface",
-    }
-    if tokenizer_type not in libraries:
-        raise ConfigError(f"unknown --tokenizer-type {tokenizer_type!r}")
-    if not model or not os.path.exists(model):
-        raise ConfigError(
-            f"--tokenizer-model {model} does not exist (--tokenizer-type {tokenizer_type} "
-            "reads a local file or directory; no hub access)"
-        )
-    return MegatronTokenizer.from_pretrained(
-        tokenizer_path=model, metadata_path={"library": libraries[tokenizer_type]}
-    )
-
-
-def _gpt2_bpe(vocab_file: str, merge_file: str):
-    """Megatron-LM's ``GPT2BPETokenizer`` from local files. megatron-core 0.16.1's ``megatron``
-    library always loads the hub name ``gpt2`` (and passes the vocab file as merges), so the
-    two files are put in a temporary directory as a transformers ``GPT2Tokenizer`` and read
-    through megatron-core's ``huggingface`` library, without hub access."""
-    import json
-    import shutil
-    import tempfile
-
-    with tempfile.TemporaryDirectory(prefix="gpt2-bpe-") as d:
-        shutil.copyfile(vocab_file, os.path.join(d, "vocab.json"))
-        shutil.copyfile(merge_file, os.path.join(d, "merges.txt"))
-        with open(os.path.join(d, "tokenizer_config.json"), "w") as f:
-            json.dump({"tokenizer_class": "GPT2Tokenizer"}, f)  # <|endoftext|> specials
-        return MegatronTokenizer.from_pretrained(
-            tokenizer_path=d, metadata_path={"library": "huggingface"}
-        )
-
-
 def data_prefixes(data_path: str) -> list[str]:
     """The dataset prefixes of ``--data-path`` (``"A"``, ``"A B"`` or ``"0.7 A 0.3 B"``)."""
     return get_blend_from_list(data_path.split())[0]
-
-
-@dataclasses.dataclass(frozen=True)
-class DataFile:
-    """One ``.bin/.idx`` pair, as its ``.idx`` header describes it."""
-
-    prefix: str
-    """Path without ``.bin``/``.idx``."""
-    dtype: type
-    """Token dtype of the ``.bin`` (numpy.uint16 or numpy.int32 from Megatron's tools)."""
-    sequences: int
-    """Sequences (documents, for GPT data) in the ``.idx``."""
-    tokens: int
-    """Tokens in the ``.bin``."""
-
-
-def _open_data_file(prefix: str) -> DataFile:
-    """Read the ``.idx`` header and check both files' sizes against it (O(1) reads).
-
-    Raises:
-        ConfigError: a missing file, a file that is not a Megatron index, a truncated or
-            mismatched ``.idx``/``.bin``, or an empty dataset, naming the file.
-    """
-    from megatron.core.datasets.indexed_dataset import DType
-
-    for suffix in (".bin", ".idx"):
-        if not os.path.isfile(prefix + suffix):
-            raise ConfigError(
-                f"--data-path: {prefix + suffix} does not exist (run tools/preprocess_data.py)"
-            )
-    idx_size, bin_size = os.path.getsize(prefix + ".idx"), os.path.getsize(prefix + ".bin")
-    with open(prefix + ".idx", "rb") as f:
-        header = f.read(34)  # magic (9), version (8), dtype code (1), sequences (8), documents (8)
-    try:
-        if not header.startswith(b"MMIDIDX\x00\x00") or len(header) < 34:
-            raise ValueError
-        dtype = DType.dtype_from_code(header[17])
-    except ValueError:
-        raise ConfigError(f"--data-path: {prefix}.idx is not a Megatron index file") from None
-    sequences, documents = struct.unpack("<QQ", header[18:34])
-    expected = 34 + sequences * (4 + 8) + documents * 8  # lengths, pointers, document indices
-    if idx_size != expected:
-        raise ConfigError(
-            f"--data-path: {prefix}.idx has {idx_size} bytes but its header describes "
-            f"{expected}: the file is truncated or corrupt; rerun tools/preprocess_data.py"
-        )
-    itemsize = np.dtype(dtype).itemsize
-    tokens = 0
-    if sequences:
-        last_length = np.memmap(prefix + ".idx", np.int32, "r", 34 + 4 * (sequences - 1), (1,))
-        last_pointer = np.memmap(
-            prefix + ".idx", np.int64, "r", 34 + 4 * sequences + 8 * (sequences - 1), (1,)
-        )
-        tokens = (int(last_pointer[0]) + int(last_length[0]) * itemsize) // itemsize
-    if bin_size != tokens * itemsize:
-        raise ConfigError(
-            f"--data-path: {prefix}.bin has {bin_size} bytes but {prefix}.idx describes "
-            f"{tokens * itemsize}: the .bin is truncated or belongs to another index; rerun "
-            "tools/preprocess_data.py"
-        )
-    if tokens == 0:
-        raise ConfigError(f"--data-path: {prefix}.bin holds no tokens")
-    return DataFile(prefix, dtype, sequences, tokens)
-
-
-def scan_token_range(
-    file: DataFile,
-    start: int = 0,
-    stop: Optional[int] = None,
-    chunk: int = 1 << 24,
-    *,
-    count: tuple[int, ...] = (),
-) -> Optional[TokenStats]:
-    """The :class:`~tst_megatron.data.files.TokenStats` of ``file``'s ``.bin`` tokens
-    ``[start, stop)``: ``(min, max)`` id and the occurrences of each id in ``count``; None if
-    the slice is empty. Read in chunks of ``chunk`` tokens so memory stays bounded."""
-    tokens = np.memmap(file.prefix + ".bin", dtype=file.dtype, mode="r")
-    stop = file.tokens if stop is None else stop
-    lo = hi = None
-    counts = dict.fromkeys(count, 0)
-    for a in range(start, stop, chunk):
-        part = tokens[a : min(a + chunk, stop)]
-        a_lo, a_hi = int(part.min()), int(part.max())
-        lo, hi = (a_lo, a_hi) if lo is None else (min(lo, a_lo), max(hi, a_hi))
-        for token_id in counts:
-            if a_lo <= token_id <= a_hi:
-                counts[token_id] += int(np.count_nonzero(part == token_id))
-    return None if lo is None else TokenStats(lo, hi, counts)
-
-
-def _distributed() -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
-def _merge(parts: list[TokenStats], earlier: Optional[TokenStats]) -> TokenStats:
-    """One file's stats from the stats of its slices, keeping counts an earlier stamp of the
-    same file recorded for other ids."""
-    counts = dict(earlier.counts) if earlier is not None else {}
-    for token_id in parts[0].counts:
-        counts[token_id] = sum(p.counts[token_id] for p in parts)
-    return TokenStats(min(p.min for p in parts), max(p.max for p in parts), counts)
-
-
-def token_ranges(
-    files: list[DataFile], *, cache_path: Optional[str] = None, count: tuple[int, ...] = ()
-) -> list[TokenStats]:
-    """The :class:`~tst_megatron.data.files.TokenStats` of each file (id range, and the
-    occurrences of the ids in ``count``), the same on every rank, reading each ``.bin`` at
-    most once per change of the file (and of the ids asked).
-
-    Rank 0 looks for a stamp (:func:`tst_megatron.data.files.read_stamp`: written by
-    ``tools/preprocess_data.py`` or by an earlier start, valid while the ``.bin``/``.idx``
-    sizes and modification times are unchanged, and enough when it has counted the ids of
-    ``count`` that lie in its range) and broadcasts what it found. Files without one are
-    scanned once, split evenly over all ranks (each reads ``1/world`` of the tokens), the
-    partial stats are gathered, and rank 0 writes the stamp (in ``cache_path`` when given,
-    else beside the ``.bin``; a read-only place only costs the next start a scan).
-    Must be called on every rank (it uses collectives when ``torch.distributed`` is
-    initialised): the other ranks wait in the broadcast while rank 0 reads the stamps.
-    """
-    rank, world = _distributed()
-    known = [read_stamp(f.prefix, cache_path) for f in files] if rank == 0 else None
-    if world > 1:
-        box = [known]
-        dist.broadcast_object_list(box, src=0)
-        known = box[0]
-    enough = [k is not None and all(k.count(i) is not None for i in count) for k in known]
-    if all(enough):
-        return known
-    partial = [
-        None
-        if ok
-        else scan_token_range(
-            f, f.tokens * rank // world, f.tokens * (rank + 1) // world, count=count
-        )
-        for f, ok in zip(files, enough)
-    ]
-    gathered = [partial]
-    if world > 1:
-        gathered = [None] * world
-        dist.all_gather_object(gathered, partial)
-    stats = []
-    for i, (f, k, ok) in enumerate(zip(files, known, enough)):
-        if not ok:
-            k = _merge([g[i] for g in gathered if g[i] is not None], k)
-            if rank == 0:
-                try:
-                    write_stamp(f.prefix, k.min, k.max, cache_path=cache_path, counts=k.counts)
-                except OSError as exc:
-                    print(f" warning: cannot record the token range of {f.prefix}.bin ({exc})")
-        stats.append(k)
-    return stats
 
 
 def dataset_pad_id(tokenizer) -> Optional[int]:
     """The id megatron-core's ``GPTDataset`` treats as padding with ``tokenizer``, or None
     when it uses none that a data file can hold.
 
-    megatron-core (``MegatronDataset.__init__``, 0.16-0.19) takes ``tokenizer.pad`` (-1 when
+    megatron-core (``MegatronDataset.__init__``, 0.19) takes ``tokenizer.pad`` (-1 when
     the tokenizer has none) unless that id is also another special token
     (``tokenizer.special_tokens_dict`` without the pad, else EOS and EOD): then -1. Its
     ``GPTDataset.__getitem__`` then replaces every token and label equal to that id by 0 and
@@ -375,7 +149,7 @@ def check_data_files(
             one found); else every file holding a token id outside ``[0, vocab_size)`` or the
             pad id, one line each, naming the file and the id.
     """
-    files = [_open_data_file(prefix) for prefix in data_prefixes(data_path)]
+    files = [open_data_file(prefix) for prefix in data_prefixes(data_path)]
     count = (pad_id,) if pad_id is not None else ()
     problems = []
     for file, stats in zip(files, token_ranges(files, cache_path=cache_path, count=count)):
@@ -489,7 +263,7 @@ def build_datasets(data, tokenizer, *, seq_length: int, samples: tuple[int, int,
     else:
         blend = get_blend_from_list(data.data_path.split())
         prefixes, cls = blend[0], GPTDataset
-        documents = {p: _open_data_file(p).sequences for p in dict.fromkeys(prefixes)}
+        documents = {p: open_data_file(p).sequences for p in dict.fromkeys(prefixes)}
     config = _dataset_config(data, tokenizer, seq_length, seed, blend)
     check_split(config, documents, samples)
     local_rank = resolve_process(device="cpu").local_rank

@@ -77,8 +77,8 @@ def add_tst_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--device",
         choices=DEVICES,
         default="auto",
-        help="cuda; cpu (gloo, the local layer spec, float32; the launcher adds the flags a "
-        "CPU run needs); or auto: cuda when a GPU is visible. Default: auto.",
+        help="Where to run: cuda; cpu (gloo, the local layer spec, float32; the launcher adds "
+        "the flags a CPU run needs); or auto, cuda when a GPU is visible. Default: auto.",
     )
     _escape_broken_help(parser)
     return parser

@@ -69,47 +69,6 @@ def _report(loss_sum: torch.Tensor, num_tokens: torch.Tensor, key: str = "lm los
     return {key: torch.stack([loss_sum.detach().float(), num_tokens.float()])}
 
 
-def split_for_context_parallel(batch: dict, cp_size: int, cp_rank: int) -> dict:
-    """This CP rank's share of a micro-batch: megatron-core's load-balanced (zig-zag) split.
-
-    The sequence dimension (dim 1; dim 2 for ``attention_mask``) is cut into ``2 * cp_size``
-    equal chunks and rank ``r`` keeps chunks ``r`` and ``2*cp_size - 1 - r``, concatenated,
-    so causal attention costs the same on every rank. This is what
-    ``megatron.core.utils.get_batch_on_this_cp_rank`` does (tested against 0.16.1's);
-    owning it keeps the step independent of that function's signature, which changed in
-    megatron-core 0.18 and 0.19. In phase 1 the split runs on the *latent* sequence of
-    ``[b, T, S]`` bags, so each chunk holds whole bags and exactly their targets.
-
-    Args:
-        batch: name -> ``[b, T, ...]`` tensor (``attention_mask``: ``[b, 1, T, T]``) or ``None``.
-        cp_size: context-parallel size; ``1`` returns ``batch`` unchanged.
-        cp_rank: this rank in the CP group.
-
-    Returns:
-        A new dict with ``[b, T/cp_size, ...]`` tensors (views where possible).
-
-    Raises:
-        ValueError: a sequence length is not a multiple of ``2 * cp_size``.
-    """
-    if cp_size == 1:
-        return batch
-    chunks = 2 * cp_size
-    out = {}
-    for key, value in batch.items():
-        if value is None:
-            out[key] = None
-            continue
-        dim = 2 if key == "attention_mask" else 1
-        length = value.shape[dim]
-        if length % chunks:
-            raise ValueError(
-                f"{key}: sequence length {length} is not a multiple of 2 x CP = {chunks}"
-            )
-        parts = value.chunk(chunks, dim=dim)
-        out[key] = torch.cat([parts[cp_rank], parts[chunks - 1 - cp_rank]], dim=dim)
-    return out
-
-
 @functools.lru_cache(maxsize=None)
 def _slot_weights(bag_size: int, weighting: str, mode: str, device: torch.device) -> torch.Tensor:
     """``phase1_weights`` on ``device``, copied there once per run (not per micro-batch)."""
@@ -117,9 +76,16 @@ def _slot_weights(bag_size: int, weighting: str, mode: str, device: torch.device
 
 
 def _cp_split(batch: dict, cp_group: Optional[dist.ProcessGroup]) -> dict:
+    """This CP rank's share of a micro-batch: megatron-core's load-balanced (zig-zag) split
+    (``get_batch_on_this_cp_rank``: the sequence dimension, dim 2 of ``attention_mask`` and dim
+    1 of every other tensor, in ``2 x CP`` chunks; rank ``r`` keeps chunks ``r`` and
+    ``2 x CP - 1 - r``). In phase 1 it runs on the *latent* sequence of ``[b, T, S]`` bags, so
+    each chunk holds whole bags and exactly their targets. ``batch`` is not modified."""
     if cp_group is None:
         return batch
-    return split_for_context_parallel(batch, cp_group.size(), cp_group.rank())
+    from megatron.core.utils import get_batch_on_this_cp_rank
+
+    return get_batch_on_this_cp_rank(dict(batch), is_hybrid_cp=False, cp_group=cp_group)
 
 
 def make_phase1_step(

@@ -14,17 +14,8 @@ layer's backward: one logits-sized buffer and two logits-sized copies per micro-
 
 from __future__ import annotations
 
-import copy
-import dataclasses
-import functools
-from typing import Optional
-
 import torch
 from megatron.core.models.gpt import GPTModel
-from megatron.core.transformer.moe.moe_layer import MoESubmodules
-from megatron.core.transformer.moe.router import TopKRouter
-from megatron.core.transformer.spec_utils import ModuleSpec
-from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
 from tst_megatron.superposition import vocab_parallel_multi_target_cross_entropy
 
@@ -32,9 +23,10 @@ from tst_megatron.superposition import vocab_parallel_multi_target_cross_entropy
 class TSTGPTModel(GPTModel):
     """A megatron-core ``GPTModel`` whose loss seam also takes ``[b, T, S]`` bag targets.
 
-    Construction is ``GPTModel``'s, with one change to the layer spec: MoE layers whose
-    router is megatron-core's ``TopKRouter`` get :class:`BalancedTopKRouter` (same
-    parameters, see there). ``forward(..., labels=...)``:
+    Construction is ``GPTModel``'s, unchanged (the MoE router included: megatron-core 0.19
+    scales the per-token aux and z losses by the TP x CP group size itself, so their gradient
+    does not depend on the layout; ``tests/unit/test_moe_loss_scaling.py``).
+    ``forward(..., labels=...)``:
 
     - ``labels`` ``[b, T]`` (phase 2 and validation): megatron-core's own cross-entropy
       (fused or not, as configured) inside :class:`_ScoredRowsOnly`, so that a position
@@ -73,9 +65,6 @@ class TSTGPTModel(GPTModel):
     bias correction), and decoupled weight decay still shrinks them.
     """
 
-    def __init__(self, config, transformer_layer_spec, *args, **kwargs):
-        super().__init__(config, with_balanced_router(transformer_layer_spec), *args, **kwargs)
-
     def _postprocess(self, hidden_states, input_ids, position_ids, labels, *args, **kwargs):
         """``GPTModel._postprocess``, except with ``[b, T, S]`` labels on a model with MTP.
 
@@ -103,7 +92,7 @@ class TSTGPTModel(GPTModel):
             weight=output_weight,
             runtime_gather_output=kwargs.get("runtime_gather_output"),
         )
-        if getattr(self.config, "use_mup", False):  # megatron-core >= 0.17
+        if self.config.use_mup:
             logits = self._scale_logits(logits)
         return _ZeroGradient.apply(self.compute_language_model_loss(labels, logits), *idle)
 
@@ -221,155 +210,3 @@ class _ZeroGradient(torch.autograd.Function):
     def backward(ctx, grad):
         zeros = (torch.zeros((), dtype=d, device=dev).expand(shape) for shape, d, dev in ctx.like)
         return (grad, *zeros)
-
-
-# --- MoE load balancing independent of the layout --------------------------------------
-
-
-class BalancedTopKRouter(TopKRouter):
-    """megatron-core's ``TopKRouter`` whose aux/z-loss gradient does not depend on TP/SP/CP.
-
-    With ``calculate_per_token_loss`` (always on in this project) megatron-core attaches the
-    aux loss (and the z-loss) to the router scaled by the number of tokens the loss function
-    counts, so that the division of all gradients by the global token count in
-    ``finalize_model_grads`` leaves ``1 / (micro-batches * DP)`` on them. Up to 0.18 it uses
-    the router's *local* token count, which under sequence or context parallelism is
-    ``1/(TP*CP)`` of the tokens the loss function counts: the balancing gradient then shrinks
-    by ``TP*CP`` (0.5x at TP=2 + SP). megatron-core 0.19 multiplies by the TP x CP group size
-    itself. This router measures which behaviour the installed megatron-core has
-    (:func:`upstream_token_scaling`, once, on a stub; no version numbers) and multiplies its
-    own copy of ``moe_aux_loss_coeff`` / ``moe_z_loss_coeff`` by the missing factor. Both
-    losses are linear in their coefficient and the logged values are divided by it, so the
-    gradient becomes exactly the TP=1 one and the logged values do not change.
-
-    EP needs no correction: expert-parallel ranks are data-parallel for the router.
-    Same parameters, buffers and state-dict keys as ``TopKRouter``.
-    """
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        group = self.tp_cp_group
-        size = group.size() if group is not None else 1
-        if not self.calculate_per_token_loss or size == 1:
-            return
-        aux_scaled, z_scaled = upstream_token_scaling()
-        aux_factor = 1 if aux_scaled else size
-        z_factor = 1 if z_scaled else size
-        if aux_factor == 1 and z_factor == 1:
-            return
-        config = copy.copy(self.config)  # this router's own copy: the model's stays as built
-        aux = config.moe_aux_loss_coeff
-        if isinstance(aux, (list, tuple)):
-            config.moe_aux_loss_coeff = type(aux)(c * aux_factor for c in aux)
-        elif aux:
-            config.moe_aux_loss_coeff = aux * aux_factor
-        if config.moe_z_loss_coeff is not None:
-            config.moe_z_loss_coeff = config.moe_z_loss_coeff * z_factor
-        self.config = config
-
-
-class _SizeOnlyGroup:
-    """A process-group stand-in that only answers ``size()`` (for the probe below)."""
-
-    def __init__(self, size: int):
-        self._size = size
-
-    def size(self) -> int:
-        return self._size
-
-
-@functools.cache
-def upstream_token_scaling() -> tuple[bool, bool]:
-    """Whether megatron-core's per-token aux and z-loss scaling already count TP x CP.
-
-    Runs ``TopKRouter.attach_and_log_load_balancing_loss`` and ``TopKRouter.apply_z_loss``
-    once on a stub router (3 local tokens, a TP x CP group of size 2, per-token loss, no
-    logging) and reads the value they attach for backward: 3x the loss (local count only,
-    megatron-core <= 0.18) or 6x (0.19+).
-
-    Returns:
-        ``(aux_counts_tp_cp, z_counts_tp_cp)``.
-
-    Raises:
-        RuntimeError: the installed megatron-core attaches something else (unsupported).
-    """
-    probe = TopKRouter.__new__(TopKRouter)
-    torch.nn.Module.__init__(probe)
-    probe.config = _ProbeConfig()
-    probe.layer_number = None  # megatron-core skips logging for it
-    probe.is_mtp_layer = False
-    probe.calculate_per_token_loss = True
-    probe.tp_cp_group = _SizeOnlyGroup(2)
-    probe.tp_dp_cp_group = _SizeOnlyGroup(2)  # only passed on to the (skipped) logging
-    probe.training = True
-    tokens, results = 3, []
-    with torch.enable_grad():
-        aux = torch.tensor(1.0, requires_grad=True)
-        out = probe.attach_and_log_load_balancing_loss(
-            torch.zeros(tokens, 2, requires_grad=True),
-            1.0,
-            aux,
-            "probe",
-            None,
-            valid_token_count=tokens,
-        )
-        results.append(float(out.grad_fn.saved_tensors[0]) / 1.0)
-        logits = torch.zeros(tokens, 2, requires_grad=True)
-        out = probe.apply_z_loss(logits)
-        z_loss = float(torch.logsumexp(logits.detach(), -1).square().mean()) / 2  # coeff 1 / 2
-        results.append(float(out.grad_fn.saved_tensors[0]) / z_loss)
-    verdict = []
-    for name, value in zip(("aux", "z"), results):
-        if abs(value - tokens) < 1e-6:
-            verdict.append(False)
-        elif abs(value - 2 * tokens) < 1e-6:
-            verdict.append(True)
-        else:
-            raise RuntimeError(
-                f"unsupported megatron-core: its per-token MoE {name}-loss scaling attaches "
-                f"{value:g}x the loss for {tokens} local tokens (expected {tokens} or "
-                f"{2 * tokens})"
-            )
-    return verdict[0], verdict[1]
-
-
-@dataclasses.dataclass
-class _ProbeConfig:
-    num_layers: int = 1
-    mtp_num_layers: Optional[int] = None
-    mtp_use_repeated_layer: bool = False
-    moe_z_loss_coeff: float = 1.0
-
-
-def _submodules(spec):
-    """A spec's ``submodules``: a ``ModuleSpec``'s, or (megatron-core 0.19's MoE layers) a
-    ``functools.partial(Module, submodules=...)``'s."""
-    if isinstance(spec, functools.partial):
-        return spec.keywords.get("submodules")
-    return getattr(spec, "submodules", None)
-
-
-def with_balanced_router(spec):
-    """``spec`` with every MoE layer's ``TopKRouter`` replaced by :class:`BalancedTopKRouter`.
-
-    Accepts what ``GPTModel`` accepts as ``transformer_layer_spec``: a
-    ``TransformerBlockSubmodules`` or a layer ``ModuleSpec`` (whose MoE ``mlp`` is a
-    ``ModuleSpec`` or, from megatron-core 0.19, a ``functools.partial``); anything else is
-    returned as is, and so are routers other than ``TopKRouter``.
-    """
-    if isinstance(spec, TransformerBlockSubmodules):
-        return dataclasses.replace(
-            spec, layer_specs=[with_balanced_router(s) for s in spec.layer_specs]
-        )
-    if not isinstance(spec, ModuleSpec) or spec.submodules is None:
-        return spec
-    mlp = getattr(spec.submodules, "mlp", None)
-    moe = _submodules(mlp)
-    if not isinstance(moe, MoESubmodules) or moe.router is not TopKRouter:
-        return spec
-    moe = dataclasses.replace(moe, router=BalancedTopKRouter)
-    if isinstance(mlp, functools.partial):
-        mlp = functools.partial(mlp.func, *mlp.args, **{**mlp.keywords, "submodules": moe})
-    else:
-        mlp = dataclasses.replace(mlp, submodules=moe)
-    return dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, mlp=mlp))

@@ -152,7 +152,7 @@ class _MaskCacheFilled:
     masks and position ids do not depend on the tokens, so megatron-core computes them for
     the first sample read and keeps them (``cached_loss_mask``, ...). But it then zeroes that
     very tensor where the first sample's labels equal its pad id (``GPTDataset.__getitem__``,
-    0.16-0.19), and every later sample's loss mask is a clone of it: they lose their loss at
+    0.19), and every later sample's loss mask is a clone of it: they lose their loss at
     those positions too. Filled here with megatron-core's own function, the cache is already
     there when the first sample is read, which then also gets a clone to edit.
     """

@@ -50,8 +50,8 @@ class ExpertRowParallelLinear(RowParallelLinear):
 
 
 def _submodules(spec):
-    """The ``submodules`` of a spec: a ``ModuleSpec`` (megatron-core <= 0.18) or, for MoE
-    layers and experts from 0.19 on, a ``functools.partial(Module, submodules=...)``."""
+    """The ``submodules`` of a spec: a ``ModuleSpec``'s or, for megatron-core 0.19's MoE
+    layers and experts, a ``functools.partial(Module, submodules=...)``'s."""
     if isinstance(spec, functools.partial):
         return spec.keywords.get("submodules")
     return getattr(spec, "submodules", None)
@@ -261,10 +261,8 @@ def tag_expert_grad_reduction(model, config: TransformerConfig) -> None:
     An expert's gradient is the sum over the ranks that run it on some tokens: its expert
     data-parallel group whenever EP > 1 or expert TP differs from TP (megatron-core's DDP
     and optimizer take ``allreduce=False`` for that group; ``True`` means the DP group).
-    megatron-core 0.19 tags so (``use_expert_pgs`` in ``tensor_parallel/layers.py``);
-    0.16.1 tags ``allreduce=True`` whenever EP = 1, so at expert TP 1 < TP each TP rank kept
-    the gradient of its own ``T/tp`` positions (the replicas drifted), and at expert TP > TP
-    the DP sum added different shards. Both releases also tag the experts' second-layer bias
+    megatron-core 0.19 tags so (``use_expert_pgs`` in ``tensor_parallel/layers.py``). It also
+    tags the experts' second-layer bias
     ``sequence_parallel`` (a ``RowParallelLinear`` bias), which ``finalize_model_grads`` sums
     over TP on top: twice the gradient at EP 1, another expert's gradient added at EP > 1.
     Such a parameter is whole on each rank of its expert-DP group, which already holds

@@ -1,0 +1,201 @@
+"""benchmarks/tst_vs_baseline.py --model moe --horizons: the paper's equal-loss speedup against
+hand-computed cases, the dense table read back, the arm specs with their own r, the MoE
+launch lines against the launcher's checks, and (slow) the MoE arm path end to end."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+
+from tst_vs_baseline import (  # noqa: E402
+    arm_label,
+    baseline_curve,
+    dense_table,
+    equal_loss_speedup,
+    equal_loss_steps,
+    parse,
+    parse_arms,
+    ranking_lines,
+    router_verdict,
+    seed_speedups,
+    speedup_cell,
+)
+
+
+def test_equal_loss_steps_by_hand():
+    curve = [(4000, 2.0), (1000, 3.0)]  # any order
+    steps, where = equal_loss_steps(curve, 2.5)
+    # halfway in loss between 1000 and 4000, so halfway in log steps: sqrt(1000 * 4000)
+    assert where == "" and steps == pytest.approx(2000.0)
+    assert equal_loss_speedup(curve, 1000, 2.5) == (pytest.approx(2.0), "")
+    # a quarter of the way: 1000 * 4 ** 0.25
+    assert equal_loss_steps(curve, 2.75)[0] == pytest.approx(1000 * math.sqrt(2))
+    assert equal_loss_steps(curve, 3.0)[0] == pytest.approx(1000)  # the measured ends
+    assert equal_loss_steps(curve, 2.0)[0] == pytest.approx(4000)
+    # below the longest baseline's loss: more than longest / L; above the shortest: less
+    assert equal_loss_steps(curve, 1.9) == (None, "beyond")
+    assert equal_loss_speedup(curve, 1000, 1.9) == (4.0, ">")
+    assert equal_loss_steps(curve, 3.2) == (None, "above")
+    assert equal_loss_speedup(curve, 4000, 3.2) == (0.25, "<")
+    # three lengths: the bracketing pair is used, 2000 -> 2.4, 4000 -> 2.0, loss 2.2
+    three = [(1000, 3.0), (2000, 2.4), (4000, 2.0)]
+    assert equal_loss_steps(three, 2.2)[0] == pytest.approx(2000 * math.sqrt(2))
+    with pytest.raises(ValueError):
+        equal_loss_steps([], 2.0)
+
+
+def _arm(loss):
+    return {"valid": [(0, 9.0), (100, loss)]}
+
+
+def test_seed_speedups_pair_each_seed_with_its_own_baseline():
+    # baselines: 1000 steps 3.0 (one seed); 4000 steps 2.0 and 2.2 at two seeds: mean 2.1
+    rows = [
+        {"steps": 1000, "best": _arm(3.0), "arms": {"a": _arm(2.55)}, "replicates": []},
+        {
+            "steps": 4000,
+            "best": _arm(2.0),
+            "arms": {"a": _arm(1.9)},
+            "replicates": [{"seed": 2, "best": _arm(2.2), "arms": {"a": _arm(2.3)}}],
+        },
+    ]
+    assert baseline_curve(rows) == [(1000, 3.0), (4000, pytest.approx(2.1))]
+    # 1000 steps: gap -0.45 on 3.0 -> 2.55: (3.0 - 2.55) / (3.0 - 2.1) = half way -> 2000
+    ((value, where),) = seed_speedups(rows, rows[0], "a")
+    assert where == "" and value == pytest.approx(2.0)
+    # 4000 steps: gaps -0.1 (beyond the longest) and +0.1 (2.2: between 1000 and 4000)
+    got = seed_speedups(rows, rows[1], "a")
+    assert got[0] == (1.0, ">")
+    fraction = (3.0 - 2.2) / (3.0 - 2.1)
+    assert got[1][0] == pytest.approx(1000 * 4**fraction / 4000) and got[1][1] == ""
+    assert speedup_cell([(2.0, "")]) == "2.00"
+    assert speedup_cell([(2.0, ""), (1.0, ""), (1.5, "")]) == "1.50 [1.00, 2.00] (3 seeds)"
+    assert speedup_cell([(1.0, ">"), (1.0, ">")]) == ">1.00, >1.00 (beyond the longest baseline)"
+    assert speedup_cell([(1.0, ">"), (0.8, "")]) == ">1.00, 0.80"
+    assert speedup_cell([]) == "not run"
+
+
+def test_router_verdict_and_ranking():
+    worse = router_verdict("a", [1.30, 1.20], [1.21, 1.20])  # +8.3 %, then +0.8 %
+    assert "phase 1 routes less evenly than the baseline" in worse and "+8.3 %" in worse
+    assert "level with the baseline" in worse
+    kept = router_verdict("b", [1.10, 1.20], [1.30, 1.20])
+    assert "more evenly" in kept and "still more imbalanced" in kept
+    assert "as evenly as" in router_verdict("c", [1.21, 1.20], [1.10, 1.20])
+    rows = [
+        {
+            "steps": 100,
+            "best": _arm(3.0),
+            "arms": {"x": _arm(3.1), "y": _arm(2.9)},
+            "replicates": [],
+        }
+    ]
+    assert ranking_lines(rows, ["x", "y"]) == [
+        "Arms at 100 steps from the lowest final validation loss: y (-0.1000), x (+0.1000).",
+        "",
+    ]
+
+
+def test_dense_table_is_read_back():
+    text = "\n".join(
+        [
+            "| steps | baseline LR | baseline final validation loss (passes) | S=2 full: TST - "
+            "baseline (passes) | S=4 full: TST - baseline (passes) |",
+            "|---|---|---|---|---|",
+            "| 600 | 0.002 | 4.2951 (0.0476) | +0.1563 (0.0619) | not run |",
+            "| 3000 | 0.002 | 3.4695 (0.238) | +0.0202 [+0.0134, +0.0305] (3 seeds) (0.309) "
+            "| -0.0473 [-0.0905, -0.0227] (3 seeds) (0.904) |",
+            "",
+            "## next",
+        ]
+    )
+    rows, labels = dense_table(text)
+    assert labels == ["S=2 full", "S=4 full"]
+    assert rows == [
+        (600, 4.2951, [[0.1563], None]),
+        (3000, 3.4695, [[0.0202, 0.0134, 0.0305], [-0.0473, -0.0905, -0.0227]]),
+    ]
+
+
+def test_arms_carry_their_own_phase1_fraction():
+    assert parse_arms("16:full:0.25,2:output") == [(16, "full", 0.25), (2, "output")]
+    assert arm_label(16, "full", 0.25) == "S=16 full r=0.25"
+    assert arm_label(2, "full") == "S=2 full"
+    with pytest.raises(SystemExit):
+        parse_arms("4:full:0.25:1")
+
+
+def test_moe_horizons_defaults():
+    args = parse(["--horizons", "1500", "--model", "moe"])
+    assert args.corpus_max_bytes == 120_000_000 and args.split == "99,1,0"
+    assert args.work_dir.endswith(os.path.join("bench", "moe-horizons"))
+    dense = parse(["--horizons", "1500"])
+    assert dense.model == "dense" and dense.corpus_max_bytes == 40_000_000
+    assert dense.split == "98,2,0" and dense.work_dir.endswith("full-horizons")
+
+
+def test_moe_horizon_launch_lines_pass_the_launchers_checks(monkeypatch):
+    from tst_vs_baseline import lr_flags, model_flags, tst_flags
+
+    from tst_megatron.training.validate import check
+
+    args = parse(["--horizons", "1500", "--model", "moe"])
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    flags = model_flags(args, "/data/corpus_text_document")
+    for extra in (["--tst-bag-size", "1"], tst_flags(16, 0.25, "full")):
+        result = check(flags + lr_flags(2e-3) + extra, dry_run=True)
+        checked, problems = result.args, result.problems
+        assert problems == [], problems
+        assert checked.num_experts == 8 and checked.moe_router_topk == 2
+        assert checked.expert_model_parallel_size == 2 and checked.qk_layernorm
+        assert checked.group_query_attention and checked.num_query_groups == 2
+        assert checked.moe_token_dispatcher_type == "alltoall"
+        assert checked.moe_aux_loss_coeff == pytest.approx(1e-2)
+        assert checked.untie_embeddings_and_output_weights and checked.swiglu
+        assert checked.normalization == "RMSNorm" and checked.moe_per_layer_logging
+
+
+@pytest.mark.slow
+def test_moe_horizons_smoke(tmp_path):
+    """The MoE arm path: a baseline and one TST arm (2 layers, 12 steps) through
+    benchmarks/moe_launcher.py; the report, its speedup and router sections, the router's
+    TensorBoard series in the arm files."""
+    out, work = tmp_path / "results", tmp_path / "work"
+    command = [sys.executable, "benchmarks/tst_vs_baseline.py", "--smoke", "--model", "moe"]
+    command += ["--horizons", "12", "--lrs", "2e-3", "--arms", "4:full:0.25"]
+    command += ["--output-dir", str(out), "--work-dir", str(work)]
+    command += ["--data-dir", str(tmp_path / "data")]
+    env = dict(os.environ, PYTHONWARNINGS="ignore", PYTHONPATH=ROOT)
+    result = subprocess.run(command, capture_output=True, text=True, timeout=900, cwd=ROOT, env=env)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    report = (out / "tst_moe_smoke.md").read_text()
+    assert "benchmarks/moe_launcher.py" in report and "--num-experts 8" in report
+    assert "| 12 | >1.00 (beyond the longest baseline) |" in report or "| 12 | <1.00" in report
+    assert "## Router health across the switch" in report
+    assert "## Equal-loss speedup of the dense table" in report
+    for png in ("tst_moe_smoke.png", "tst_moe_smoke_router.png"):
+        assert (out / png).read_bytes()[:4] == b"\x89PNG"
+    arm = json.loads((work / "h12-s4-full-r0.25" / "arm.json").read_text())
+    assert arm["switch"] == 3  # N1 = round(0.25 x 12)
+    router = arm["router"]
+    steps = [s for s, _ in router["load_imbalance"]]
+    assert steps == list(range(1, 13))  # every training iteration
+    for i, (_, mean) in enumerate(router["load_imbalance"]):
+        layers = [router[f"moe/load_imbalance_layer_{k}"][i][1] for k in range(2)]
+        assert all(1.0 <= v <= 4.0 for v in layers)  # max/mean of top-2 over 8 experts
+        assert mean == pytest.approx(sum(layers) / 2, rel=1e-5)
+    assert all(v > 0 for _, v in router["load_balancing_loss"])
+    # --report-only writes the same tables from the arm files without running anything
+    (out / "tst_moe_smoke.md").unlink()
+    command += ["--report-only"]
+    again = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+    assert again.returncode == 0, again.stderr[-3000:]
+    rewritten = (out / "tst_moe_smoke.md").read_text()
+    head = rewritten.split("\n\nWritten from the recorded arm files (`arm.json`, nothing run) by")
+    assert len(head) == 2 and head[0] == report.split("\n\nCommand:")[0]
