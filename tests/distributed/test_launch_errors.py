@@ -48,6 +48,7 @@ CASES = {
         ["--recompute-granularity", "selective", "--recompute-modules", "layernorm"],
         "--recompute-modules layernorm needs Transformer Engine",
     ),
+    "model rule": (["--num-experts", "2", "--moe-router-topk", "4"], "--moe-router-topk 4 is more"),
     "TST setting": (["--reset-position-ids"], "--reset-position-ids is not supported"),
     "CPU limit": (["--bf16"], "--bf16 needs CUDA"),
 }

@@ -340,3 +340,15 @@ def megatron_lm_with(argv, flag, value):
     argv = list(argv)
     argv[argv.index(flag) + 1] = value
     return argv
+
+
+def test_a_tracker_file_without_an_iteration_is_one_line(tmp_path):
+    """Megatron-LM's own reader prints a line and exits with status 0 on it (0.19.2)."""
+    from tst_megatron.training.checks import resume_checks
+
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("garbage\n")
+    args = argparse.Namespace(load=str(tmp_path), finetune=False, ckpt_step=None)
+    (line,) = resume_checks(args)
+    assert "latest_checkpointed_iteration.txt holds 'garbage', not an iteration" in line
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("release")
+    assert resume_checks(args) == []  # a release checkpoint: nothing to resume

@@ -64,7 +64,7 @@ def test_wsd_without_its_decay_length_is_refused_before_the_model_is_built():
     """Megatron-LM asserts on it in ``OptimizerParamScheduler`` after building the model."""
     import types
 
-    from tst_megatron.training.checks import late_megatron_problems
+    from tst_megatron.training.megatron_checks import late_megatron_problems
 
     def args(**kw):
         base = dict(
@@ -75,12 +75,41 @@ def test_wsd_without_its_decay_length_is_refused_before_the_model_is_built():
             full_validation=False,
             eval_interval=10,
             skip_train=False,
+            train_samples=None,
+            lr=1e-3,
+            finetune=False,
+            load=None,
+            pretrained_checkpoint=None,
         )
         return types.SimpleNamespace(**(base | kw))
 
     (line,) = late_megatron_problems(args())
     assert "--lr-wsd-decay-iters" in line and "\n" not in line
-    (line,) = late_megatron_problems(args(train_iters=None))
+    (line,) = late_megatron_problems(args(train_iters=None, train_samples=800))
     assert "--lr-wsd-decay-samples" in line
     assert late_megatron_problems(args(lr_wsd_decay_iters=10)) == []
     assert late_megatron_problems(args(lr_decay_style="cosine")) == []
+
+
+def test_what_megatron_lm_s_scheduler_or_loader_needs_is_refused_before_the_model_is_built():
+    """No iterations or samples, no --lr (get_optimizer_param_scheduler raises after the
+    model is built), --finetune with nothing to load (it would silently start from scratch)."""
+    import types
+
+    from tst_megatron.training.megatron_checks import late_megatron_problems
+
+    base = dict(
+        lr_decay_style="cosine", train_iters=100, train_samples=None, lr=1e-3,
+        full_validation=False, eval_interval=10, skip_train=False, finetune=False,
+        load=None, pretrained_checkpoint=None,
+    )  # fmt: skip
+    (line,) = late_megatron_problems(types.SimpleNamespace(**(base | {"train_iters": None})))
+    assert "--train-iters or --train-samples" in line
+    (line,) = late_megatron_problems(types.SimpleNamespace(**(base | {"lr": None})))
+    assert line.startswith("--lr is required")
+    (line,) = late_megatron_problems(types.SimpleNamespace(**(base | {"finetune": True})))
+    assert line.startswith("--finetune needs --load")
+    ok = base | {"finetune": True, "load": "/ckpt"}
+    assert late_megatron_problems(types.SimpleNamespace(**ok)) == []
+    skip = base | {"skip_train": True, "train_iters": None, "lr": None, "eval_interval": None}
+    assert late_megatron_problems(types.SimpleNamespace(**skip)) == []

@@ -10,7 +10,7 @@ import argparse
 import pytest
 
 from tests.unit.test_data_boundary import megatron_tokenizer
-from tst_megatron.training.checks import tokenizer_problems
+from tst_megatron.training.megatron_checks import tokenizer_problems
 
 TEXT = "def main(argv):\n    return sum(int(a) for a in argv)  # tokenizers, tokens\n"
 CORPUS = [TEXT * 3, "import os\nprint(os.getcwd())\n" * 5, "the quick brown fox " * 20]

@@ -32,9 +32,8 @@ import os
 import sysconfig
 from typing import Iterator, Optional, Sequence, Union
 
-from tqdm import tqdm
-
 from tst_megatron.data.files import atomic_path
+from tst_megatron.progress import progress
 
 TEXT_SUFFIXES = (".txt", ".md", ".rst", ".py")
 # Installed third-party packages, caches, and CPython's own regression-test suite (mostly
@@ -207,7 +206,7 @@ def build_corpus(
     count = size = 0
     with atomic_path(output) as tmp, open(tmp, "w", encoding="utf-8") as out:
         label = "+".join(os.path.basename(s.rstrip("/")) or s for s in sources)
-        for text in tqdm(_all_documents(sources), desc=f"corpus {label}", unit=" docs"):
+        for text in progress(_all_documents(sources), desc=f"corpus {label}", unit=" docs"):
             if not text.strip():
                 continue
             out.write(json.dumps({"text": text}, ensure_ascii=False) + "\n")

@@ -12,9 +12,9 @@ from typing import Optional, Sequence
 import sentencepiece as spm
 import torch
 from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
-from tqdm import tqdm
 
 from tst_megatron.data.files import write_stamp
+from tst_megatron.progress import progress
 
 _processor: Optional[spm.SentencePieceProcessor] = None
 
@@ -86,7 +86,7 @@ def preprocess(
         with multiprocessing.get_context("spawn").Pool(
             max(1, workers), initializer=_init_worker, initargs=(tokenizer_model,)
         ) as pool:
-            for encoded in tqdm(
+            for encoded in progress(
                 pool.imap(_encode, tasks, chunksize=16),
                 total=len(lines),
                 desc="tokenizing",

@@ -18,7 +18,7 @@ from tst_megatron.superposition.schedule import TSTConfig
 #: ``--disable-jit-fuser`` keeps the fusions' ``torch.compile`` out of the training steps;
 #: ``pretrain()``'s warm-up of them still runs (its decorators ran at import; the tests set
 #: ``TORCHDYNAMO_DISABLE=1``). A user's own ``--transformer-impl`` / ``--distributed-backend``
-#: other than these is refused (:func:`~tst_megatron.training.checks.cpu_flag_problems`).
+#: other than these is refused (:func:`~tst_megatron.training.megatron_checks.cpu_flag_problems`).
 CPU_FLAGS = (
     "--transformer-impl",
     "local",

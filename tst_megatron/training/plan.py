@@ -8,6 +8,7 @@ import os
 import warnings
 from typing import Optional
 
+from tst_megatron.errors import ConfigError
 from tst_megatron.superposition.schedule import Schedule
 from tst_megatron.training.flags import tst_config
 
@@ -94,14 +95,17 @@ def checkpoint_to_resume(args) -> Optional[tuple[int, dict]]:
     file ``latest_checkpointed_iteration.txt``), read before any process group exists; the
     common state is megatron-core's ``load_common_state_dict`` (``args``,
     ``opt_param_scheduler``, ...). None when nothing would be resumed: no ``--load``, no
-    tracker, a release checkpoint, ``--finetune``, or not a ``torch_dist`` checkpoint."""
+    tracker, a release checkpoint, ``--finetune``, or not a ``torch_dist`` checkpoint.
+
+    Raises:
+        ConfigError: a tracker file that holds no iteration.
+    """
     if not args.load or getattr(args, "finetune", False):
         return None
     from megatron.core import dist_checkpointing
     from megatron.training.checkpointing import (
         get_checkpoint_name,
         get_checkpoint_tracker_filename,
-        read_metadata,
     )
 
     iteration = getattr(args, "ckpt_step", None)
@@ -109,9 +113,18 @@ def checkpoint_to_resume(args) -> Optional[tuple[int, dict]]:
         tracker = get_checkpoint_tracker_filename(args.load)
         if not os.path.isfile(tracker):
             return None
-        iteration, release = read_metadata(tracker)
-        if release:
+        # read here, not with Megatron-LM's read_metadata: on a malformed file that one
+        # prints a line and calls sys.exit() with status 0 (0.19.2)
+        with open(tracker) as f:
+            text = f.read().strip()
+        if text == "release":
             return None
+        if not text.isdigit():
+            raise ConfigError(
+                f"--load {args.load}: {os.path.basename(tracker)} holds {text!r}, not an "
+                "iteration (give --ckpt-step, or fix or remove the file)"
+            )
+        iteration = int(text)
     path = get_checkpoint_name(args.load, iteration, return_base_dir=True)
     if not os.path.isfile(os.path.join(path, "metadata.json")):
         return None

@@ -146,9 +146,9 @@ def check(argv: Sequence[str], *, dry_run: bool = False) -> Checked:
             if args.use_checkpoint_args:
                 _load_checkpoint_args(args)
             validate_args(args)
-        except (AssertionError, ValueError) as exc:
-            # validate_args stops at its first failed check and leaves the arguments half
-            # filled in: the other checks would read defaults it has not set yet, so they wait
+        except Exception as exc:  # AssertionError, ValueError, RuntimeError, ZeroDivisionError
+            # (a parallel size of 0): validate_args stops at its first failed check and leaves
+            # the arguments half filled in, so the other checks wait
             return Checked(None, None, device, [validation_error(exc)], notes)
         try:
             config = core_transformer_config_from_args(
