@@ -43,7 +43,7 @@ def progress(
 
 
 def _line(stream, desc, count, unit, total, start, *, done=False) -> None:
-    share = f", {100 * count / total:.0f} %" if total else ""
+    share = f", {100 * count // total} %" if total else ""  # floor: 100 % only at the end
     state = "done" if done else "so far"
     elapsed = time.monotonic() - start
     print(f"{desc}: {count:,}{unit} {state}{share}, {elapsed:.0f} s", file=stream, flush=True)
