@@ -20,7 +20,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 export PYTHONWARNINGS="${PYTHONWARNINGS:-ignore}"
-py=.venv/bin/python
+venv="${VENV:-.venv}"  # as scripts/setup.sh
+py=$venv/bin/python
 out=runs/quickstart
 data=$out/data
 [ -f "$data/stdlib.jsonl" ] || $py tools/build_corpus.py --source python-stdlib --output "$data/stdlib.jsonl"
@@ -29,7 +30,7 @@ data=$out/data
 [ -f "$data/stdlib_text_document.idx" ] || $py tools/preprocess_data.py --input "$data/stdlib.jsonl" \
     --output-prefix "$data/stdlib" --tokenizer-type SentencePieceTokenizer \
     --tokenizer-model "$data/tokenizer.model" --append-eod --workers 2
-.venv/bin/torchrun --nproc_per_node 2 --master_port "${MASTER_PORT:-29533}" \
+"$venv/bin/torchrun" --nproc_per_node 2 --master_port "${MASTER_PORT:-29533}" \
     examples/pretrain_gpt_tst.py --device cpu \
     --data-path "$data/stdlib_text_document" --split 98,2,0 --data-cache-path "$data/cache" \
     --tokenizer-type SentencePieceTokenizer --tokenizer-model "$data/tokenizer.model" \
@@ -59,6 +60,6 @@ echo
 echo "artifacts:"
 echo "  corpus, tokenizer, dataset: $data/"
 echo "  checkpoints (torch_dist):   $out/checkpoints/ (latest: $(cat $out/checkpoints/latest_checkpointed_iteration.txt))"
-echo "  TensorBoard logs:           $out/tensorboard/  (.venv/bin/tensorboard --logdir $out/tensorboard)"
+echo "  TensorBoard logs:           $out/tensorboard/  ($venv/bin/tensorboard --logdir $out/tensorboard)"
 echo "  loss plot:                  $out/loss.png"
 echo "  Hugging Face model:         $out/hf/  (MixtralForCausalLM; examples/generate_hf.py $out/hf)"

@@ -333,6 +333,14 @@ def test_a_resume_with_another_bag_size_or_train_iters_stops_with_one_line(run_l
     assert len(errors) == 1 and "--override-opt-param-scheduler" in errors[0], errors
     assert "lr_decay_steps 12 -> 16" in errors[0], errors  # iterations x global batch 2
     assert "Traceback" not in longer.stderr and "building GPT model" not in longer.stdout
+    # run to the end, then again: nothing left to train is a note and status 0
+    i = argv.index("--exit-interval")
+    to_end = argv[:i] + argv[i + 2 :]  # resumes at 1 and trains to 6, saving every iteration
+    done = run_launcher(*to_end)
+    assert done.returncode == 0, done.stderr[-3000:]
+    again = run_launcher(*to_end)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "nothing left to train" in again.stdout and "Traceback" not in again.stderr
     # the same settings resume: test_megatron_lm_layouts.py (and resume_problems above)
 
 

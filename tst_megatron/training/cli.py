@@ -60,6 +60,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     from megatron.training.argument_utils import pretrain_cfg_container_from_args
     from megatron.training.training import pretrain
 
+    if _nothing_left_to_train(checked.args):
+        return
     _use_prebuilt_dataset_helpers()
     if checked.device == "cpu":
         from tst_megatron.runtime import cpu
@@ -77,6 +79,25 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         )
     except ConfigError as exc:  # found inside: the datasets provider's data checks
         _exit_on(exc)
+
+
+def _nothing_left_to_train(args) -> bool:
+    """True (after a ``note:`` on rank 0) when the checkpoint ``--load`` would resume is already
+    at ``--train-iters``: Megatron-LM's sampler would stop on it with "no samples left to
+    consume" (0.19.2), as the dataset holds exactly the run's samples. A run with
+    ``--skip-train`` (evaluation only) goes on."""
+    from tst_megatron.training.plan import checkpoint_to_resume, train_iters
+
+    found = None if args.skip_train else checkpoint_to_resume(args)
+    if found is None or found[0] < train_iters(args):
+        return False
+    if os.environ.get("RANK", "0") == "0":
+        print(
+            f"note: the checkpoint in --load {args.load} is at iteration {found[0]} of "
+            f"--train-iters {train_iters(args)}: nothing left to train",
+            flush=True,
+        )
+    return True
 
 
 def export_torchrun_env(env: Optional[dict] = None, *, gpus: Optional[int] = None) -> dict:
