@@ -10,7 +10,8 @@ import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.launcher import ROOT
+
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 from tst_vs_baseline import (  # noqa: E402

@@ -27,6 +27,7 @@ from tst_megatron.training.plan import (
     _batch_calculator,
     checkpoint_to_resume,
     consumed_samples,
+    global_batches,
     resume_problems,
     scheduler_problems,
     train_iters,
@@ -190,7 +191,7 @@ def parallel_problems(args, config) -> list[str]:
         group = getattr(config, "microbatch_group_size_per_vp_stage", None) or pp
         per_step = args.micro_batch_size * args.data_parallel_size
         total = consumed_samples(args, train_iters(args))
-        batches = {batch for first, batch in _schedule_steps(args) if first < total}
+        batches = {batch for first, batch in global_batches(args) if first < total}
         if getattr(args, "eval_iters", 0):
             batches.add(getattr(args, "eval_global_batch_size", None) or args.global_batch_size)
         for batch in sorted(batches):
@@ -206,12 +207,6 @@ def parallel_problems(args, config) -> list[str]:
     return problems
 
 
-def _schedule_steps(args) -> list[tuple[int, int]]:
-    """``[(first sample, global batch)]``: one step for a constant batch."""
-    calculator = _batch_calculator(args)
-    return [(0, args.global_batch_size)] if calculator is None else list(calculator.schedule)
-
-
 def schedule_problems(args) -> list[str]:
     """Megatron-LM's checks of ``--step-batch-size-schedule``: the divisibility of each global
     batch the run reaches by micro-batch x DP, which ``train()`` asserts only when it gets
@@ -225,7 +220,7 @@ def schedule_problems(args) -> list[str]:
         f"--step-batch-size-schedule: global batch {batch} (from sample {first:,}) is not "
         f"divisible by --micro-batch-size {args.micro_batch_size} x data-parallel size "
         f"{args.data_parallel_size}; Megatron-LM asserts it when the run gets there"
-        for first, batch in _schedule_steps(args)
+        for first, batch in global_batches(args)
         if first < total and batch % per_step
     ]
 
