@@ -41,11 +41,29 @@ def _build(prefix, cache, local_rank):
     tok = null_tokenizer(VOCAB)
     data = DataSettings(data_path=prefix, split="90,10,0", data_cache_path=cache)
     train, valid, _ = build_datasets(data, tok, seq_length=16, samples=(60, 8, 0), seed=1)
+    files = sorted(os.listdir(cache))
+    # TST's sample orders: written once per cache directory, mapped by every rank
+    from tst_megatron.training import stream as stream_module
+
+    writes, write = [], stream_module.write_cache
+    stream_module.write_cache = lambda *a: (writes.append(1), write(*a))
+    try:
+        stream = stream_module.open_stream(
+            train, bag_size=2, phase1_samples=10, seed=1, cache_dir=cache, local_rank=local_rank
+        )
+    finally:
+        stream_module.write_cache = write
     return {
         # megatron-core maps a cache it loads (np.memmap); what it computed is in memory
         "built": not isinstance(train.shuffle_index, np.memmap),
         "tokens": torch.stack([train[i]["tokens"] for i in range(len(train))]),
-        "files": sorted(os.listdir(cache)),
+        "files": files,
+        "stream_built": bool(writes),
+        "stream_mapped": isinstance(stream.blocks, np.memmap),
+        "stream": torch.stack(
+            [stream.phase1_sample(i)["tokens"][::16] for i in range(10)]
+            + [stream.phase2_sample(i)["tokens"][:2] for i in range(10)]
+        ),
     }
 
 
@@ -117,6 +135,21 @@ def test_index_caches_shared_and_node_local(tmp_path):
     for key in ("shared", "node_local", "node_local_again"):
         assert torch.equal(r0[key]["tokens"], r1[key]["tokens"])
         assert torch.equal(r0[key]["tokens"], r0["shared"]["tokens"])
+    # TST's sample orders: written by the same ranks, mapped everywhere, the same samples
+    assert (r0["shared"]["stream_built"], r1["shared"]["stream_built"]) == (True, False)
+    assert r0["node_local"]["stream_built"] and r1["node_local"]["stream_built"]
+    for key in ("shared_again", "node_local_again"):
+        assert not r0[key]["stream_built"] and not r1[key]["stream_built"]
+    for key in ("shared", "shared_again", "node_local", "node_local_again"):
+        assert r0[key]["stream_mapped"] and r1[key]["stream_mapped"]
+        assert torch.equal(r0[key]["stream"], r1[key]["stream"])
+        assert torch.equal(r0[key]["stream"], r0["shared"]["stream"])
+    stream_files = {
+        d: sorted(n for n in os.listdir(tmp_path / d) if "-TrainStream-" in n)
+        for d in ("shared", "node0", "node1")
+    }
+    assert len(stream_files["shared"]) == 4  # order0, blocks, phase2, description
+    assert stream_files["shared"] == stream_files["node0"] == stream_files["node1"]
     # every cache file complete, no temporary or probe file left
     assert r0["node_local"]["files"] == r1["node_local"]["files"] == r0["shared"]["files"]
     assert len([n for n in r0["shared"]["files"] if n.endswith(".npy")]) == 6  # train, valid

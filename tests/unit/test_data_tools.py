@@ -145,7 +145,8 @@ def test_check_data_files(tmp_path, tiny):
 
 def _stream(tiny, bag, phase1_samples, seq_length=16):
     from tests.unit.test_data_boundary import megatron_tokenizer
-    from tst_megatron.training.data import DataSettings, TrainStream, build_datasets
+    from tst_megatron.training.data import DataSettings, build_datasets
+    from tst_megatron.training.stream import TrainStream
 
     d, model, prefix = tiny
     tok = megatron_tokenizer(

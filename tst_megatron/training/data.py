@@ -1,19 +1,11 @@
 """Data for both TST phases from one megatron-core dataset.
 
 The training data is one ``GPTDataset`` (or ``MockGPTDataset``, or a blend of them) of
-``T``-token samples built by ``BlendedMegatronDatasetBuilder``. Read in *stream order* (its
-shuffle undone), its samples are consecutive windows of the packed token stream: window
-``j`` holds tokens ``[j*T, (j+1)*T]``. :class:`TrainStream` groups the windows into blocks of
-``S`` consecutive windows and shuffles the blocks once (seeded):
-- phase-1 sample ``i`` is block ``blocks[i]``: ``S`` windows concatenated, exactly ``S*T + 1``
-  contiguous tokens (``docs/design.md``, "Phase 1 data");
-- phase 2 reads the windows phase 1 did not use, in a second seeded shuffle, so it continues
-  through the data instead of rereading what phase 1 consumed, and its micro-batches hold
-  independent windows (``docs/design.md``, "The schedule").
-A blend has one stream per dataset (:func:`stream_parts`); a block never straddles two.
-Training sample ``i`` of the run is read by Megatron-LM's own sampler and ``DataLoader``
-(``--num-workers``; :class:`~tst_megatron.training.PhasedTrainDataset` maps it to
-a phase-1 or phase-2 sample), so the data position is a pure function of the consumed
+``T``-token samples built by ``BlendedMegatronDatasetBuilder`` (:func:`build_datasets`);
+:class:`~tst_megatron.training.stream.TrainStream` orders its windows into phase-1 blocks and
+phase-2 windows. Training sample ``i`` of the run is read by Megatron-LM's own sampler and
+``DataLoader`` (``--num-workers``; :class:`~tst_megatron.training.PhasedTrainDataset` maps it
+to a phase-1 or phase-2 sample), so the data position is a pure function of the consumed
 samples. Validation reads its own split in the dataset's own (shuffled) sample order, so its
 batches hold independent windows too.
 
@@ -28,8 +20,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-import numpy as np
-import torch
 from megatron.core.datasets.gpt_dataset import GPTDataset, MockGPTDataset, MockGPTLowLevelDataset
 from megatron.core.datasets.utils import get_blend_from_list
 
@@ -270,30 +260,6 @@ def build_datasets(data, tokenizer, *, seq_length: int, samples: tuple[int, int,
     return build_splits(cls, list(samples), config, local_rank=local_rank, prefixes=prefixes)
 
 
-def stream_parts(dataset) -> list[tuple[object, np.ndarray]]:
-    """The training data as contiguous token streams: ``[(component, order)]`` where window
-    ``j`` of a component's stream is ``component[order[j]]``.
-
-    A ``GPTDataset`` is one stream: its samples with megatron-core's sample shuffle undone
-    (``argsort(shuffle_index)``), consecutive ``T``-token windows of the packed token
-    stream. A blend (megatron-core's ``BlendedDataset``) has one stream per dataset, each
-    the first ``n_d`` windows of that dataset's stream, ``n_d`` being the samples the blend
-    draws from it (so the blend's weights hold); taking the blend's own order instead would
-    put unrelated windows side by side.
-    """
-    dataset[0]  # megatron-core loads a blend's indices lazily
-    if hasattr(dataset, "datasets") and hasattr(dataset, "dataset_index"):  # a blend
-        counts = np.bincount(dataset.dataset_index, minlength=len(dataset.datasets))
-        return [(d, _stream_order(d)[:n]) for d, n in zip(dataset.datasets, counts) if n]
-    return [(dataset, _stream_order(dataset))]
-
-
-def _stream_order(dataset) -> np.ndarray:
-    dataset[0]  # megatron-core loads its shuffle index lazily
-    shuffle = getattr(dataset, "shuffle_index", None)
-    return np.argsort(shuffle) if shuffle is not None else np.arange(len(dataset))
-
-
 def training_windows(data, *, phase1_samples: int, phase2_samples: int, per_sample: int) -> int:
     """``T``-token windows to ask of the training split so that :class:`TrainStream` has
     ``phase1_samples`` blocks of ``per_sample`` windows and ``phase2_samples`` windows left:
@@ -302,76 +268,3 @@ def training_windows(data, *, phase1_samples: int, phase2_samples: int, per_samp
     ``data_path``)."""
     streams = 1 if data.mock_data else len(data_prefixes(data.data_path))
     return phase1_samples * per_sample + phase2_samples + per_sample * streams
-
-
-class TrainStream:
-    """Phase-1 and phase-2 training samples from one dataset of ``T``-token windows.
-
-    The windows, in stream order (:func:`stream_parts`), are grouped into blocks of ``S``
-    consecutive windows of one stream, and the blocks are shuffled once (seeded):
-    - phase-1 sample ``i`` is block ``blocks[i]``: ``S`` windows concatenated, exactly
-      ``S*T + 1`` contiguous tokens (``docs/design.md``, "Phase 1 data");
-    - phase 2 reads every window that no phase-1 sample uses, each once, in a second seeded
-      shuffle (``phase2``): it continues through the data instead of rereading what phase 1
-      consumed, and its micro-batches hold independent windows, as a baseline's do (served
-      in block order, the ``S`` windows of a block would share a micro-batch: a correlated
-      batch; ``docs/design.md``, "The schedule").
-    Both orders depend only on the data, ``S``, the phase-1 sample count and ``seed``, so
-    they are the same on every rank, in DataLoader workers and after a resume.
-
-    Args:
-        dataset: a megatron-core ``GPTDataset`` of ``T``-token samples (or a blend).
-        bag_size: ``S`` (windows per phase-1 sample).
-        phase1_samples: samples phase 1 consumes in the whole run (``N1 * global batch``).
-        seed: seeds both shuffles.
-
-    Raises:
-        ConfigError: fewer blocks of ``S`` windows than phase-1 samples.
-    """
-
-    def __init__(self, dataset, *, bag_size: int, phase1_samples: int, seed: int):
-        self.bag_size, self.phase1_samples = bag_size, phase1_samples
-        self.parts = stream_parts(dataset)
-        sizes = np.array([len(order) for _, order in self.parts])
-        self.offsets = np.concatenate([[0], np.cumsum(sizes)])  # global window g -> part
-        # first global window of every block (blocks do not straddle two streams)
-        starts = np.concatenate(
-            [off + np.arange(n // bag_size) * bag_size for off, n in zip(self.offsets, sizes)]
-        )
-        if len(starts) < phase1_samples:
-            raise ConfigError(
-                f"the data gives {len(starts)} phase-1 samples of {bag_size} windows but phase "
-                f"1 needs {phase1_samples}; add data or lower --tst-phase1-iters/--train-iters"
-            )
-        self.blocks = starts[np.random.RandomState(seed).permutation(len(starts))]
-        unused = np.ones(int(self.offsets[-1]), dtype=bool)
-        for k in range(bag_size):
-            unused[self.blocks[:phase1_samples] + k] = False
-        self.phase2 = np.flatnonzero(unused)
-        np.random.default_rng([seed, 2]).shuffle(self.phase2)
-
-    def window(self, g: int) -> dict:
-        """Global window ``g``: window ``g - offsets[p]`` of stream ``p``."""
-        p = int(np.searchsorted(self.offsets, g, side="right")) - 1
-        dataset, order = self.parts[p]
-        return dataset[int(order[g - self.offsets[p]])]
-
-    def phase1_sample(self, i: int) -> dict:
-        """``S*T``-token sample ``i`` of phase 1 (``tokens``, ``labels``, ``loss_mask`` ``[S*T]``)."""
-        if i >= self.phase1_samples:
-            raise IndexError(f"phase-1 sample {i} is past the {self.phase1_samples} planned")
-        first = int(self.blocks[i])
-        windows = [self.window(first + k) for k in range(self.bag_size)]
-        return {
-            key: torch.cat([w[key] for w in windows]) for key in ("tokens", "labels", "loss_mask")
-        }
-
-    def phase2_sample(self, i: int) -> dict:
-        """``T``-token sample ``i`` of phase 2: the ``i``-th of the windows phase 1 left, in
-        their shuffled order."""
-        if i >= len(self.phase2):
-            raise IndexError(
-                f"phase 1 left {len(self.phase2)} windows of the data; phase-2 sample {i} is "
-                "past them"
-            )
-        return self.window(int(self.phase2[i]))

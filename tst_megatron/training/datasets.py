@@ -23,7 +23,7 @@ class PhasedTrainDataset(torch.utils.data.Dataset):
     ``labels``, ``loss_mask`` (and in phase 2 ``position_ids``) tensors.
 
     Args:
-        stream: the project's :class:`~tst_megatron.training.data.TrainStream`.
+        stream: the project's :class:`~tst_megatron.training.stream.TrainStream`.
         switch: samples consumed before the switch (:func:`switch_sample`).
         total: samples of the whole run (:func:`consumed_samples` of ``--train-iters``).
     """
@@ -57,15 +57,18 @@ class TSTDatasets:
     def __call__(self, num_samples: Sequence[Optional[int]], vp_stage: Optional[int] = None):
         from megatron.training import get_args, get_tokenizer
 
+        from tst_megatron.runtime import resolve_process
         from tst_megatron.training.data import (
-            TrainStream,
             build_datasets,
             check_data_files,
             check_mock_data,
+            data_prefixes,
             data_settings,
             dataset_pad_id,
             training_windows,
         )
+        from tst_megatron.training.index_cache import cache_dir_of
+        from tst_megatron.training.stream import open_stream
 
         args, tokenizer = get_args(), get_tokenizer()
         tst = tst_config(args)
@@ -94,5 +97,13 @@ class TSTDatasets:
             samples=(windows, 1 if valid_n is None else valid_n, test_n or 0),
             seed=args.seed,
         )
-        stream = TrainStream(train, bag_size=per_sample, phase1_samples=switch, seed=args.seed)
+        prefixes = None if data.mock_data else data_prefixes(data.data_path)
+        stream = open_stream(
+            train,
+            bag_size=per_sample,
+            phase1_samples=switch,
+            seed=args.seed,
+            cache_dir=cache_dir_of(data.data_cache_path, prefixes),
+            local_rank=resolve_process(device="cpu").local_rank,
+        )
         return PhasedTrainDataset(stream, switch=switch, total=total), valid, test

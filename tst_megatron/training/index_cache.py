@@ -230,12 +230,13 @@ class _Builder(BlendedMegatronDatasetBuilder):
         )
 
 
-def cache_dir_of(config, prefixes: Optional[list]) -> Optional[str]:
-    """The directory the index caches of ``config`` go to (the first prefix's default one
-    when ``--data-cache-path`` is not given), or None when nothing is cached (mock data)."""
-    if config.path_to_cache:
-        return config.path_to_cache
-    if config.mock or not prefixes:
+def cache_dir_of(path_to_cache: Optional[str], prefixes: Optional[list]) -> Optional[str]:
+    """The directory the index caches go to: ``--data-cache-path``, else the first dataset
+    prefix's default one (megatron-core's), else None: nothing is cached (mock data,
+    ``prefixes`` None)."""
+    if path_to_cache:
+        return path_to_cache
+    if not prefixes:
         return None
     return os.path.join(prefixes[0], "cache", "GPTDataset_indices")
 
@@ -282,7 +283,7 @@ def build_splits(cls, sizes: list, config, *, local_rank: int, prefixes=None) ->
     default cache directory when ``config.path_to_cache`` is None). Must be called on every rank. Returns ``[train, valid, test]``.
     """
     cls = {gpt_dataset.GPTDataset: GPTDataset, gpt_dataset.MockGPTDataset: MockGPTDataset}[cls]
-    directory = cache_dir_of(config, prefixes)
+    directory = cache_dir_of(config.path_to_cache, None if config.mock else prefixes)
     if not (dist.is_available() and dist.is_initialized()) or directory is None:
         return _Builder(cls, sizes, lambda: True, config).build()
     builder = is_cache_builder(directory, local_rank)
