@@ -137,3 +137,25 @@ def test_tst_vs_baseline_smoke(tmp_path):
     assert tst_tokens == 4 * 8 * 4 * 32 + 8 * 8 * 32
     assert (out / "tst_vs_baseline_smoke.png").read_bytes()[:4] == b"\x89PNG"
     assert "tst_vs_baseline_smoke" in (tmp_path / "results.md").read_text()
+
+
+def test_data_startup_stream_section_smoke(tmp_path):
+    """The TST sample-order start-up benchmark at a small size: three starts, the second
+    and the other node's read the same samples, every start maps the orders; run twice, its
+    section of the report is replaced, the rest kept."""
+    out = tmp_path / "data_startup.md"
+    out.write_text("# Start-up cost of the token-id check\n\nkept\n")
+    command = [sys.executable, "benchmarks/data_startup.py", "--stream-windows", "50000"]
+    command += ["--bag-size", "4", "--dir", str(tmp_path / "w"), "--output", str(out)]
+    env = dict(os.environ, PYTHONWARNINGS="ignore", PYTHONPATH=ROOT)
+    for _ in range(2):
+        result = subprocess.run(
+            command, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT
+        )
+        assert result.returncode == 0, result.stderr[-3000:]
+    report = out.read_text()
+    assert report.startswith("# Start-up cost of the token-id check\n\nkept\n")
+    assert report.count("# TST sample orders at scale (50,000 windows, S = 4)") == 1
+    rows = [line for line in report.splitlines() if line.startswith("| ") and "start" in line]
+    assert len(rows) == 4 and all(row.endswith("| yes |") for row in rows[1:])
+    assert not os.path.exists(tmp_path / "w")

@@ -15,7 +15,12 @@ import pytest
 from tests.unit.test_data_boundary import write_dataset
 from tests.unit.test_data_order import _datasets, index_coded_documents
 from tst_megatron.errors import ConfigError
-from tst_megatron.training.stream import TrainStream, inverse_permutation
+from tst_megatron.training.stream import (
+    TrainStream,
+    build_orders,
+    inverse_permutation,
+    stream_parts,
+)
 
 S, N1, SEED = 4, 50, 7
 
@@ -46,6 +51,18 @@ def test_inverse_permutation_is_argsort():
     perm = np.random.default_rng(0).permutation(10_007)
     inv = inverse_permutation(perm)
     assert inv.dtype == np.uint32 and np.array_equal(inv, np.argsort(perm))
+
+
+def test_orders_built_in_small_chunks_equal_the_reference(train):
+    """The builder reads the shuffle index and the phase-2 mask in chunks (16 M windows in a
+    real run): a chunk of 7 windows crosses every boundary case."""
+    arrays = dict(
+        build_orders(stream_parts(train), bag_size=S, phase1_samples=N1, seed=SEED, chunk=7)
+    )
+    for got, want in zip(
+        (arrays["order0"], arrays["blocks"], arrays["phase2"]), reference_orders(train, S, N1, SEED)
+    ):
+        assert got.dtype == np.uint32 and np.array_equal(got, want)
 
 
 def test_cached_orders_equal_the_in_memory_reference_and_are_mapped(train, tmp_path):

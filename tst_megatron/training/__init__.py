@@ -10,8 +10,9 @@ per job:
 - :mod:`.assumed`: what a dry run answers for a cluster's GPU and Transformer Engine;
 - :mod:`.dry_run`: ``--dry-run``'s report (layout, parameter counts, TST plan);
 - :mod:`.model`: the model provider and local layer specs; :mod:`.gpt`: ``TSTGPTModel``;
-- :mod:`.datasets`: the datasets provider; :mod:`.data`: datasets and the TST sample stream;
-  :mod:`.index_cache`: megatron-core's index caches per node;
+- :mod:`.datasets`: the datasets provider; :mod:`.data`: megatron-core's datasets, checked;
+  :mod:`.stream`: TST's sample orders, cached per node; :mod:`.index_cache`: megatron-core's
+  index caches per node;
 - :mod:`.forward`: the forward step of both phases; :mod:`.switch`: the switch at ``N1``;
 - :mod:`.fp8`: FP8 shape rules from the model's ``TransformerConfig``.
 """

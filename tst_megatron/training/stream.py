@@ -46,13 +46,15 @@ def index_dtype(n: int) -> np.dtype:
     return np.dtype(np.uint32 if n < 2**32 - 1 else np.int64)
 
 
-def inverse_permutation(perm: np.ndarray) -> np.ndarray:
+def inverse_permutation(perm: np.ndarray, chunk: int = 1 << 24) -> np.ndarray:
     """``inv`` with ``inv[perm[k]] = k``: what ``np.argsort(perm)`` gives for a permutation of
-    ``0..n-1``, in O(n) time and one array of :func:`index_dtype` (argsort is O(n log n)
-    and int64)."""
+    ``0..n-1``, in O(n) time and one array of :func:`index_dtype` (argsort is O(n log n) and
+    int64); ``perm`` (megatron-core's memory-mapped shuffle index) is read in chunks."""
     dtype = index_dtype(len(perm))
     inv = np.empty(len(perm), dtype=dtype)
-    inv[perm] = np.arange(len(perm), dtype=dtype)
+    for start in range(0, len(perm), chunk):
+        part = np.asarray(perm[start : start + chunk])
+        inv[part] = np.arange(start, start + len(part), dtype=dtype)
     return inv
 
 
@@ -83,19 +85,23 @@ def _stream_order(dataset, n: int) -> np.ndarray:
     return inverse_permutation(np.asarray(shuffle))[:n]
 
 
-def build_orders(parts, *, bag_size: int, phase1_samples: int, seed: int) -> dict:
-    """The arrays of :class:`TrainStream`: ``order<p>`` for each part (its stream order),
-    ``blocks`` (first global window of every block, shuffled with ``RandomState(seed)``) and
-    ``phase2`` (every window no phase-1 sample uses, shuffled with ``default_rng([seed, 2])``).
-    Global window ``g`` is window ``g - offset[p]`` of part ``p``, the parts laid end to end.
+def build_orders(parts, *, bag_size: int, phase1_samples: int, seed: int, chunk: int = 1 << 24):
+    """Yields ``(name, array)``, the arrays of :class:`TrainStream` one at a time (so that a
+    writer can free each before the next is made): ``order<p>`` for each part (its stream
+    order), ``blocks`` (first global window of every block, shuffled with
+    ``RandomState(seed)``) and ``phase2`` (every window no phase-1 sample uses, shuffled with
+    ``default_rng([seed, 2])``). Global window ``g`` is window ``g - offset[p]`` of part ``p``,
+    the parts laid end to end.
 
-    Peak memory: about 6 bytes a window besides the outputs (one boolean mask and the
-    temporaries of one part), for the cache builder only.
+    Peak memory, for the cache builder only: the largest part's order (4 bytes a window),
+    then the blocks (12 bytes a block), a mask (1 byte a window) and phase 2 (4 bytes a
+    window) at once.
     """
     sizes = [n for _, n in parts]
     total = int(sum(sizes))
     dtype = index_dtype(total)
-    out = {f"order{p}": _stream_order(d, n) for p, (d, n) in enumerate(parts)}
+    for p, (d, n) in enumerate(parts):
+        yield f"order{p}", _stream_order(d, n)
     offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
     starts = np.concatenate(
         [off + np.arange(n // bag_size, dtype=dtype) * bag_size for off, n in zip(offsets, sizes)]
@@ -109,11 +115,17 @@ def build_orders(parts, *, bag_size: int, phase1_samples: int, seed: int) -> dic
     unused = np.ones(total, dtype=bool)
     for k in range(bag_size):
         unused[blocks[:phase1_samples] + k] = False
-    phase2 = np.flatnonzero(unused).astype(dtype, copy=False)
+    yield "blocks", blocks
+    del blocks
+    phase2 = np.empty(int(np.count_nonzero(unused)), dtype=dtype)
+    filled = 0
+    for start in range(0, total, chunk):  # np.flatnonzero(unused), without its int64 copy
+        found = np.flatnonzero(unused[start : start + chunk]).astype(dtype) + dtype.type(start)
+        phase2[filled : filled + len(found)] = found
+        filled += len(found)
     del unused
     np.random.default_rng([seed, 2]).shuffle(phase2)
-    out.update(blocks=blocks, phase2=phase2)
-    return out
+    yield "phase2", phase2
 
 
 def describe(parts, *, bag_size: int, phase1_samples: int, seed: int) -> Optional[dict]:
@@ -164,12 +176,13 @@ def cache_problem(files: dict, description: dict) -> Optional[str]:
     return None
 
 
-def write_cache(files: dict, arrays: dict, description: dict) -> None:
-    """Each array to a temporary name, then renamed; the description last (a reader needs all
-    of them)."""
-    for name, array in arrays.items():
+def write_cache(files: dict, arrays, description: dict) -> None:
+    """Each ``(name, array)`` of ``arrays`` to a temporary name, then renamed; the description
+    last (a reader needs all of them)."""
+    for name, array in arrays:
         with atomic_path(files[name]) as tmp, open(tmp, "wb") as f:
             np.save(f, array)
+        del array
     with atomic_path(files["description"]) as tmp, open(tmp, "w") as f:
         json.dump(description, f, sort_keys=True)
 
@@ -234,7 +247,7 @@ class TrainStream:
         description = describe(parts, **settings) if cache_dir else None
         self.files = cache_files(cache_dir, description, len(parts)) if description else None
         if self.files is None:
-            arrays = build_orders(parts, **settings)
+            arrays = dict(build_orders(parts, **settings))
         elif (why := cache_problem(self.files, description)) is None:
             arrays = self._map()
         elif not build:
