@@ -363,6 +363,21 @@ def test_parameter_counts_equal_the_built_models():
         (["--transformer-impl", "transformer_engine"], "cpu", "1", "--transformer-impl trans"),
         (["--distributed-backend", "nccl"], "cpu", "1", "--distributed-backend nccl needs CUDA"),
         (["--yaml-cfg", "c.yaml"], "auto", "1", "--yaml-cfg is not supported"),
+        # each seen as a traceback in a real 1-process CPU launch (megatron-core 0.19.2)
+        (["--num-workers", "-1"], "cpu", "1", "--num-workers must be 0 or more (got -1)"),
+        (
+            ["--group-query-attention", "--num-query-groups", "3"],
+            "cpu",
+            "1",
+            "--num-attention-heads 4 is not divisible by --num-query-groups 3",
+        ),
+        (
+            ["--num-experts", "4", "--moe-shared-expert-intermediate-size", "64"],
+            "cpu",
+            "1",
+            "shared experts have no biases; add --disable-bias-linear",
+        ),
+        (["--profile"], "cpu", "1", "--profile starts CUDA's profiler"),
     ],
 )
 def test_settings_megatron_lm_accepts_but_cannot_run_are_one_error_line(

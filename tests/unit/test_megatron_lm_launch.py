@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from tst_megatron.errors import ConfigError
-from tst_megatron.training.cli import export_torchrun_env
+from tst_megatron.training.cli import export_torchrun_env, one_process_env
 
 #: Task 5 of an 8-task step on two nodes (4 per node): what srun sets.
 SRUN_TASK = {
@@ -51,6 +51,23 @@ def test_torchrun_wins_and_nothing_is_set_outside_an_srun_step():
     batch_script = {k: v for k, v in SRUN_TASK.items() if k != "SLURM_STEP_ID"}
     assert export_torchrun_env(batch_script) == {} and "RANK" not in batch_script
     assert export_torchrun_env({}) == {}
+
+
+def test_a_plain_process_is_a_world_of_one():
+    """``python examples/pretrain_gpt_tst.py ...`` in a shell or the batch script: rank 0 of 1
+    on a free local port (Megatron-LM alone stops on the missing MASTER_ADDR)."""
+    batch_script = {k: v for k, v in SRUN_TASK.items() if k != "SLURM_STEP_ID"}
+    for env in (batch_script, {}):
+        exported = one_process_env(env)
+        assert {k: exported[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")} == {
+            "RANK": "0",
+            "WORLD_SIZE": "1",
+            "LOCAL_RANK": "0",
+            "MASTER_ADDR": "127.0.0.1",
+        }
+        assert 0 < int(exported["MASTER_PORT"]) < 65536
+    assert one_process_env({"MASTER_PORT": "29999"})["MASTER_PORT"] == "29999"
+    assert one_process_env({"RANK": "1", "WORLD_SIZE": "2"}) == {}
 
 
 def test_a_malformed_node_list_is_one_config_error():

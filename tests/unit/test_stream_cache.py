@@ -26,11 +26,12 @@ S, N1, SEED = 4, 50, 7
 
 
 def reference_orders(dataset, bag_size, phase1_samples, seed):
-    """(stream order, blocks, phase2) of one ``GPTDataset`` as the in-memory code made them."""
+    """(stream order, blocks phase 1 reads, phase2) of one ``GPTDataset`` as the in-memory
+    code made them."""
     order = np.argsort(np.asarray(dataset.shuffle_index, dtype=np.int64))
     n = len(dataset)
     starts = np.arange(n // bag_size, dtype=np.int64) * bag_size
-    blocks = starts[np.random.RandomState(seed).permutation(len(starts))]
+    blocks = starts[np.random.RandomState(seed).permutation(len(starts))][:phase1_samples]
     used = {int(b) + k for b in blocks[:phase1_samples] for k in range(bag_size)}
     phase2 = np.array([w for w in range(n) if w not in used], dtype=np.int64)
     np.random.default_rng([seed, 2]).shuffle(phase2)

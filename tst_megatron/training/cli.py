@@ -62,6 +62,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
 
     if _nothing_left_to_train(checked.args):
         return
+    os.environ.update(one_process_env(os.environ))
     _use_prebuilt_dataset_helpers()
     if checked.device == "cpu":
         from tst_megatron.runtime import cpu
@@ -146,6 +147,33 @@ def export_torchrun_env(env: Optional[dict] = None, *, gpus: Optional[int] = Non
     }
     env.update(exported)
     return exported
+
+
+def one_process_env(env: typing.Mapping[str, str]) -> dict:
+    """The variables that make a process started by neither torchrun nor ``srun`` (``python
+    examples/pretrain_gpt_tst.py ...`` in a shell or a batch script) a world of one, as
+    ``torchrun --nproc_per_node 1`` would: rank 0 of 1, rendezvous on ``MASTER_ADDR`` (default
+    127.0.0.1) at ``MASTER_PORT`` (default a free port). Megatron-LM alone stops there with a
+    traceback ("MASTER_ADDR expected, but not set"). Empty when ``RANK`` is set (torchrun, or
+    :func:`export_torchrun_env` in an ``srun`` step)."""
+    if "RANK" in env:
+        return {}
+    if env.get("MASTER_PORT"):
+        port = env["MASTER_PORT"]
+    else:
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = str(s.getsockname()[1])
+    master = env.get("MASTER_ADDR", "127.0.0.1")
+    return {
+        "RANK": "0",
+        "WORLD_SIZE": "1",
+        "LOCAL_RANK": "0",
+        "MASTER_ADDR": master,
+        "MASTER_PORT": port,
+    }
 
 
 def _use_prebuilt_dataset_helpers() -> None:

@@ -111,9 +111,27 @@ def model_problems(args) -> list[str]:
     - ``--moe-router-topk`` above ``--num-experts`` (``torch.topk`` fails in the first step);
     - MoE with TP > 1 and no ``--sequence-parallel`` (``MoELayer.forward`` raises in training);
     - a world size that expert TP x EP x PP does not divide (``initialize_model_parallel``
-      raises inside ``pretrain()``).
+      raises inside ``pretrain()``);
+    - ``--num-query-groups`` that does not divide ``--num-attention-heads`` (a reshape fails in
+      the first forward);
+    - a shared expert (``--moe-shared-expert-intermediate-size``) with biases (the default
+      without ``--disable-bias-linear``: ``SharedExpertMLP`` asserts while building the
+      model);
+    - ``--num-workers`` below 0 (the ``DataLoader`` refuses it after the model is built).
     """
     problems = []
+    if args.group_query_attention and args.num_attention_heads % args.num_query_groups:
+        problems.append(
+            f"--num-attention-heads {args.num_attention_heads} is not divisible by "
+            f"--num-query-groups {args.num_query_groups}"
+        )
+    if args.moe_shared_expert_intermediate_size and args.add_bias_linear:
+        problems.append(
+            "--moe-shared-expert-intermediate-size: megatron-core's shared experts have no "
+            "biases; add --disable-bias-linear"
+        )
+    if args.num_workers < 0:
+        problems.append(f"--num-workers must be 0 or more (got {args.num_workers})")
     experts = args.num_experts or 0
     if experts and args.moe_router_topk > experts:
         problems.append(
@@ -150,8 +168,15 @@ def cpu_problems(args) -> list[str]:
     - ``--mtp-num-layers`` with pipeline parallelism: megatron-core gives the last stage its
       own copy of the embedding and sets it up with ``weight.data.cuda()``
       (``LanguageModule.setup_embeddings_and_output_layer``).
+    - ``--profile`` without ``--use-pytorch-profiler``: Megatron-LM then starts CUDA's
+      profiler (``cudaProfilerStart``) at ``--profile-step-start``.
     """
     problems = []
+    if args.profile and not args.use_pytorch_profiler:
+        problems.append(
+            "--profile starts CUDA's profiler (nsys); on a CPU add --use-pytorch-profiler or "
+            "drop --profile"
+        )
     for flag, on in (("--bf16", args.bf16), ("--fp16", args.fp16)):
         if on:
             problems.append(

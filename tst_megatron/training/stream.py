@@ -88,8 +88,8 @@ def _stream_order(dataset, n: int) -> np.ndarray:
 def build_orders(parts, *, bag_size: int, phase1_samples: int, seed: int, chunk: int = 1 << 24):
     """Yields ``(name, array)``, the arrays of :class:`TrainStream` one at a time (so that a
     writer can free each before the next is made): ``order<p>`` for each part (its stream
-    order), ``blocks`` (first global window of every block, shuffled with
-    ``RandomState(seed)``) and ``phase2`` (every window no phase-1 sample uses, shuffled with
+    order), ``blocks`` (the first global window of each block phase 1 reads: the first
+    ``phase1_samples`` of every block, shuffled with ``RandomState(seed)``) and ``phase2`` (every window no phase-1 sample uses, shuffled with
     ``default_rng([seed, 2])``). Global window ``g`` is window ``g - offset[p]`` of part ``p``,
     the parts laid end to end.
 
@@ -112,9 +112,10 @@ def build_orders(parts, *, bag_size: int, phase1_samples: int, seed: int, chunk:
     np.random.RandomState(seed).shuffle(perm)
     blocks = starts[perm]
     del starts, perm
+    blocks = blocks[:phase1_samples].copy()  # the blocks phase 1 reads
     unused = np.ones(total, dtype=bool)
     for k in range(bag_size):
-        unused[blocks[:phase1_samples] + k] = False
+        unused[blocks + k] = False
     yield "blocks", blocks
     del blocks
     phase2 = np.empty(int(np.count_nonzero(unused)), dtype=dtype)
