@@ -125,3 +125,22 @@ def test_a_torchrun_launch_prints_exactly_one_error_line(tmp_path, case):
     # torchrun's own failure report names the exit code of each rank; no Python exception
     assert "Traceback" not in done.stdout and "Error:" not in done.stdout, done.stdout[-2000:]
     assert "exitcode  : 2" in done.stderr or "exit code: 2" in done.stderr, done.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_a_plain_python_launch_trains_as_a_world_of_one(tmp_path):
+    """``python examples/pretrain_gpt_tst.py ...`` without torchrun or srun: Megatron-LM alone
+    stops with a traceback (MASTER_ADDR not set); the launcher runs it as rank 0 of 1."""
+    script = os.path.join(ROOT, "examples", "pretrain_gpt_tst.py")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR")}
+    done = subprocess.run(
+        [sys.executable, script, *BASE, "--train-iters", "2", "--tst-phase1-iters", "1"],
+        capture_output=True,
+        text=True,
+        env={**env, "PYTHONPATH": ROOT},
+        cwd=tmp_path,
+        timeout=300,
+    )
+    text = done.stdout + done.stderr
+    assert done.returncode == 0, text[-3000:]
+    assert "Traceback" not in text and " iteration        2/       2 |" in text, text[-3000:]

@@ -158,14 +158,9 @@ def one_process_env(env: typing.Mapping[str, str]) -> dict:
     :func:`export_torchrun_env` in an ``srun`` step)."""
     if "RANK" in env:
         return {}
-    if env.get("MASTER_PORT"):
-        port = env["MASTER_PORT"]
-    else:
-        import socket
+    from tst_megatron.runtime.distributed import free_port
 
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = str(s.getsockname()[1])
+    port = env.get("MASTER_PORT") or str(free_port())
     master = env.get("MASTER_ADDR", "127.0.0.1")
     return {
         "RANK": "0",
