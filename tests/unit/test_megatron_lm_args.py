@@ -303,6 +303,32 @@ def test_a_resume_that_would_change_the_tst_run_is_refused():
     assert resume_problems(_resume_args(bag_size=2), plain, 10) == []
 
 
+def test_a_resume_with_another_model_is_refused_unless_the_checkpoint_args_are_used():
+    from tst_megatron.training.checks import architecture_problems
+
+    saved = argparse.Namespace(
+        num_layers=2, hidden_size=32, ffn_hidden_size=128, num_experts=None, swiglu=False,
+        group_query_attention=False, num_query_groups=1, load="/ckpt",
+    )  # fmt: skip
+    assert architecture_problems(argparse.Namespace(**vars(saved)), saved) == []
+    args = argparse.Namespace(**{**vars(saved), "hidden_size": 64, "ffn_hidden_size": 256})
+    (line,) = architecture_problems(args, saved)
+    assert line == (
+        "the checkpoint in --load /ckpt is of another model: --hidden-size 32 (this run: 64), "
+        "--ffn-hidden-size 128 (this run: 256); give the checkpoint's model flags (or "
+        "--use-checkpoint-args)"
+    )
+    for name, value in (("num_experts", 4), ("swiglu", True)):
+        args = argparse.Namespace(**{**vars(saved), name: value})
+        (line,) = architecture_problems(args, saved)
+        assert f"--{name.replace('_', '-')} {getattr(saved, name)} (this run: {value})" in line
+        args.use_checkpoint_args = True  # Megatron-LM then takes the checkpoint's
+        assert architecture_problems(args, saved) == []
+    # query groups only count with --group-query-attention
+    args = argparse.Namespace(**{**vars(saved), "num_query_groups": 2})
+    assert architecture_problems(args, saved) == []
+
+
 @pytest.mark.slow
 def test_a_resume_with_another_bag_size_or_train_iters_stops_with_one_line(run_launcher, tmp_path):
     """The launcher reads the checkpoint's recorded ``args`` and learning-rate schedule and
@@ -333,6 +359,11 @@ def test_a_resume_with_another_bag_size_or_train_iters_stops_with_one_line(run_l
     assert len(errors) == 1 and "--override-opt-param-scheduler" in errors[0], errors
     assert "lr_decay_steps 12 -> 16" in errors[0], errors  # iterations x global batch 2
     assert "Traceback" not in longer.stderr and "building GPT model" not in longer.stdout
+    # another model: Megatron-LM's check_checkpoint_args asserts while loading
+    wider = run_launcher(*megatron_lm_with(argv, "--hidden-size", "64"))
+    errors = [line for line in wider.stderr.splitlines() if line.startswith("error:")]
+    assert wider.returncode == 2 and len(errors) == 1, wider.stderr[-3000:]
+    assert "is of another model: --hidden-size 32 (this run: 64)" in errors[0], errors
     # run to the end, then again: nothing left to train is a note and status 0
     i = argv.index("--exit-interval")
     to_end = argv[:i] + argv[i + 2 :]  # resumes at 1 and trains to 6, saving every iteration

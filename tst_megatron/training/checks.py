@@ -238,7 +238,57 @@ def resume_checks(args) -> list[str]:
     iteration, common = found
     saved = common.get("args")
     problems = [] if saved is None else resume_problems(args, saved, iteration)
+    problems += [] if saved is None else architecture_problems(args, saved)
     return problems + scheduler_problems(args, common.get("opt_param_scheduler"), iteration)
+
+
+ARCHITECTURE = (
+    "num_layers",
+    "hidden_size",
+    "ffn_hidden_size",
+    "num_attention_heads",
+    "group_query_attention",
+    "num_query_groups",
+    "kv_channels",
+    "num_experts",
+    "moe_ffn_hidden_size",
+    "moe_shared_expert_intermediate_size",
+    "swiglu",
+    "normalization",
+    "qk_layernorm",
+    "add_bias_linear",
+    "untie_embeddings_and_output_weights",
+    "position_embedding_type",
+    "multi_latent_attention",
+    "mtp_num_layers",
+)
+"""The flags whose change makes a checkpoint's weights another model's. Megatron-LM's
+``check_checkpoint_args`` compares the first, second and fourth only, and only while loading
+(an assertion after the model is built); the others fail later still, as a shape or key
+mismatch inside megatron-core's checkpoint loader."""
+
+
+def architecture_problems(args, saved) -> list[str]:
+    """One line naming every model flag of ``args`` that differs from the checkpoint's
+    ``saved`` arguments, with both values (empty: none, or ``--use-checkpoint-args``, which
+    takes the checkpoint's)."""
+    if getattr(args, "use_checkpoint_args", False):
+        return []
+    changed = []
+    for name in ARCHITECTURE:
+        if not hasattr(saved, name):
+            continue
+        if name == "num_query_groups" and not getattr(args, "group_query_attention", False):
+            continue
+        was, now = getattr(saved, name), getattr(args, name, None)
+        if was != now:
+            changed.append(f"--{name.replace('_', '-')} {was} (this run: {now})")
+    if not changed:
+        return []
+    return [
+        f"the checkpoint in --load {args.load} is of another model: {', '.join(changed)}; give "
+        "the checkpoint's model flags (or --use-checkpoint-args)"
+    ]
 
 
 def launch_notes(args) -> list[str]:
