@@ -439,15 +439,21 @@ def score_whole_split(
 def run_arm(args, name: str, flags: list[str]) -> dict:
     """Train one arm with torchrun and the launcher (:data:`LAUNCHER`); return its curves and
     wall-clock time (node 0), or None on the other nodes. With ``--reuse``, an arm whose
-    ``arm.json`` exists is read back."""
+    ``arm.json`` exists is read back, unless it records another corpus digest than this run's
+    data (then it is trained again; with ``--report-only`` left out)."""
     import json
     import shutil
 
     arm_dir = os.path.join(args.work_dir, name)
     saved = os.path.join(arm_dir, "arm.json")
+    digest = getattr(args, "corpus_digest", None)
     if (args.reuse or args.report_only) and os.path.exists(saved):
         with open(saved) as f:
-            return json.load(f)
+            arm = json.load(f)
+        if arm.get("corpus_digest", digest) == digest:
+            return arm
+        # another corpus (the python-site-packages source depends on the venv): not comparable
+        print(f"{name}: trained on corpus {arm['corpus_digest']}, not {digest}; not reused")
     if args.report_only:
         return None
     tb = os.path.join(arm_dir, "tensorboard")
@@ -478,6 +484,7 @@ def run_arm(args, name: str, flags: list[str]) -> dict:
         "name": name,
         "wall_s": wall,
         "command": shlex.join(["torchrun", *options[:2], *command[1 + len(options) :]]),
+        "corpus_digest": digest,
         **read_arm(tb, flags),
     }
     if final is not None:  # the final point: the whole split, the same windows for every arm

@@ -23,6 +23,7 @@ from tst_vs_baseline import (  # noqa: E402
     horizon_lrs,
     parse,
     parse_arms,
+    run_arm,
     seed_gaps,
     seed_tag,
 )
@@ -45,6 +46,26 @@ def test_corpus_digest_follows_the_tokens_not_the_path(tmp_path):
     assert corpus_digest(a) != corpus_digest(b)
     with pytest.raises(FileNotFoundError):
         corpus_digest(str(tmp_path / "missing"))
+
+
+def test_an_arm_of_another_corpus_is_not_reused(tmp_path, capsys):
+    """An arm file records its corpus digest; ``--reuse``/``--report-only`` read back only
+    arms of this run's corpus (the python-site-packages source depends on the venv)."""
+    import argparse
+    import json
+
+    args = argparse.Namespace(work_dir=str(tmp_path), reuse=False, report_only=True)
+    for name, digest in (("same", "aaaa"), ("other", "bbbb"), ("old", None)):
+        (tmp_path / name).mkdir()
+        arm = {"name": name, "valid": [[10, 1.0]]}
+        if digest:
+            arm["corpus_digest"] = digest
+        (tmp_path / name / "arm.json").write_text(json.dumps(arm))
+    args.corpus_digest = "aaaa"
+    assert run_arm(args, "same", [])["name"] == "same"
+    assert run_arm(args, "old", [])["name"] == "old"  # written before digests were recorded
+    assert run_arm(args, "other", []) is None
+    assert "other: trained on corpus bbbb, not aaaa; not reused" in capsys.readouterr().out
 
 
 def test_crossing_is_linear_in_log_steps():
