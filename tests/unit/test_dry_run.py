@@ -378,6 +378,7 @@ def test_parameter_counts_equal_the_built_models():
             "shared experts have no biases; add --disable-bias-linear",
         ),
         (["--profile"], "cpu", "1", "--profile starts CUDA's profiler"),
+        (["--wandb-project", "p"], "auto", "1", "--wandb-project needs --wandb-exp-name"),
     ],
 )
 def test_settings_megatron_lm_accepts_but_cannot_run_are_one_error_line(

@@ -73,3 +73,19 @@ def test_missing_tokenizer_settings_are_named(kind, files, message):
     assert message in line
     hub = argparse.Namespace(tokenizer_type="HuggingFaceTokenizer", tokenizer_model="org/name")
     assert tokenizer_problems(hub, launch=True) == []  # a hub name is not a file
+
+
+def test_wandb_without_the_package_is_refused_in_a_launch_only():
+    """Megatron-LM imports wandb in set_global_variables (a traceback on the last rank); the
+    dry run may run where the cluster's packages are not, so it does not ask."""
+    import importlib.util
+
+    args = argparse.Namespace(
+        tokenizer_type="NullTokenizer", vocab_size=128, wandb_project="p", wandb_exp_name="e"
+    )
+    installed = importlib.util.find_spec("wandb") is not None
+    expected = (
+        [] if installed else ["--wandb-project needs the wandb package here: pip install wandb"]
+    )
+    assert tokenizer_problems(args, launch=True) == expected
+    assert tokenizer_problems(args, launch=False) == []

@@ -23,7 +23,8 @@ def tokenizer_problems(args, *, launch: bool) -> list[str]:
     - in a launch (a dry run may run where the cluster's files are not): a
       ``--tokenizer-model`` file of a SentencePiece type, or ``--vocab-file`` /
       ``--merge-file`` of ``GPT2BPETokenizer``, that does not exist. A Hugging Face
-      ``--tokenizer-model`` may be a hub name and is not checked.
+      ``--tokenizer-model`` may be a hub name and is not checked. Also ``--wandb-project``
+      without the ``wandb`` package (Megatron-LM imports it in ``set_global_variables``).
     """
     kind = args.tokenizer_type
     if kind is None:
@@ -36,6 +37,10 @@ def tokenizer_problems(args, *, launch: bool) -> list[str]:
         ]
     if not launch:
         return []
+    import importlib.util
+
+    if getattr(args, "wandb_project", None) and importlib.util.find_spec("wandb") is None:
+        return ["--wandb-project needs the wandb package here: pip install wandb"]
     files = {
         "SentencePieceTokenizer": ("--tokenizer-model",),
         "GPTSentencePieceTokenizer": ("--tokenizer-model",),
@@ -67,8 +72,12 @@ def late_megatron_problems(args) -> list[str]:
     - ``--full-validation`` with one validation set: ``evaluate()`` indexes the int
       ``--eval-iters`` (``eval_iters[0]`` of ``torch.tensor(int).tolist()``) and stops with a
       ``TypeError`` at the first evaluation (megatron-core 0.19.2).
+    - ``--wandb-project`` without ``--wandb-exp-name``: ``set_global_variables`` raises on
+      the last rank (``_set_wandb_writer``).
     """
     problems = []
+    if getattr(args, "wandb_project", None) and not getattr(args, "wandb_exp_name", None):
+        problems.append("--wandb-project needs --wandb-exp-name (Megatron-LM raises without)")
     if not args.skip_train:
         if not (args.train_iters or args.train_samples):
             problems.append(
