@@ -183,8 +183,8 @@ def cpu_problems(args) -> list[str]:
     problems = []
     if args.profile and not args.use_pytorch_profiler:
         problems.append(
-            "--profile starts CUDA's profiler (nsys); on a CPU add --use-pytorch-profiler or "
-            "drop --profile"
+            "--profile starts CUDA's profiler (nsys); drop it for a CPU run (PyTorch's, "
+            "--use-pytorch-profiler, is not checked on a CPU)"
         )
     for flag, on in (("--bf16", args.bf16), ("--fp16", args.fp16)):
         if on:
