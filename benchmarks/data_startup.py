@@ -186,8 +186,8 @@ def stream_benchmark(args) -> None:
         f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}"
         f"{args.load_note}.",
         "",
-        "| start | seconds | peak resident (VmHWM), GB: total / added by the build | peak "
-        "anonymous (beyond mapped files), GB: total / added by the build | orders mapped |",
+        "| start | seconds | peak resident (VmHWM), GiB: total / added by the build | peak "
+        "anonymous (beyond mapped files), GiB: total / added by the build | orders mapped |",
         "|---|---|---|---|---|",
         *(
             f"| {name} | {m['seconds']:.2f} | {m['hwm_gb']:.2f} / {m['hwm_gain_gb']:.2f} | "
