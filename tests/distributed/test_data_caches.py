@@ -159,3 +159,46 @@ def test_index_caches_shared_and_node_local(tmp_path):
     assert r0["bad"] == r1["bad"] and "bad.bin holds token id -1, outside" in r0["bad"]
     assert r0["main"] == (2, [f"error: {line}" for line in r0["bad"].splitlines()])
     assert r1["main"] == (2, []), r1["main"]
+
+
+def _failing_child(rank, world, *, prefix, root, fail):
+    """Each rank opens the TST stream of a shared cache directory; one rank fails."""
+    from tests.unit.test_data_boundary import null_tokenizer
+    from tst_megatron.errors import ConfigError
+    from tst_megatron.training import stream as stream_module
+    from tst_megatron.training.data import DataSettings, build_datasets
+
+    os.environ["LOCAL_RANK"] = str(rank)
+    cache = os.path.join(root, fail)
+    data = DataSettings(data_path=prefix, split="90,10,0", data_cache_path=cache)
+    train, _, _ = build_datasets(
+        data, null_tokenizer(VOCAB), seq_length=16, samples=(60, 8, 0), seed=1
+    )
+    if fail == "builder" and rank == 0:  # rank 0 builds a shared directory: a full disk
+
+        def full_disk(*args):
+            raise OSError(28, "No space left on device")
+
+        stream_module.write_cache = full_disk
+    if fail == "reader" and rank == 1:  # rank 1 reads: the files not visible to it yet
+        stream_module.cache_problem = lambda files, description: "x.npy is missing"
+    try:
+        stream_module.open_stream(
+            train, bag_size=2, phase1_samples=10, seed=1, cache_dir=cache, local_rank=rank
+        )
+        return None
+    except ConfigError as exc:
+        return str(exc)
+
+
+@pytest.mark.parametrize("fail", ["builder", "reader"])
+def test_a_rank_failing_to_build_or_read_the_orders_stops_every_rank(tmp_path, fail):
+    """No rank is left waiting at the barrier: every rank raises the failing rank's error."""
+    prefix = write_dataset(tmp_path / "data", random_documents(300))
+    ranks = run_distributed(_failing_child, 2, prefix=prefix, root=str(tmp_path), fail=fail)
+    expected = {
+        "builder": "OSError: [Errno 28] No space left on device",
+        "reader": "TST sample-order cache x.npy is missing; delete it (or the whole "
+        "--data-cache-path directory) and restart to rebuild it",
+    }[fail]
+    assert ranks == [expected, expected]

@@ -322,8 +322,11 @@ def open_stream(dataset, *, bag_size: int, phase1_samples: int, seed: int, cache
     a cache directory (mock data without ``--data-cache-path``) every rank computes them.
     Must be called on every rank.
 
+    A rank's failure in either step (a builder's full disk, a reader that cannot see the files)
+    is raised on every rank, so none is left waiting for it.
+
     Raises:
-        ConfigError: as :class:`TrainStream`.
+        ConfigError: as :class:`TrainStream`, or another rank's failure (its message).
     """
     import torch.distributed as dist
 
@@ -334,6 +337,27 @@ def open_stream(dataset, *, bag_size: int, phase1_samples: int, seed: int, cache
         return TrainStream(dataset, cache_dir=cache_dir, **settings)
     check_enough_blocks(stream_parts(dataset), bag_size, phase1_samples)  # before any wait
     builder = is_cache_builder(cache_dir, local_rank)
-    stream = TrainStream(dataset, cache_dir=cache_dir, **settings) if builder else None
-    dist.barrier()
-    return stream or TrainStream(dataset, cache_dir=cache_dir, build=False, **settings)
+    stream = _everywhere(lambda: TrainStream(dataset, cache_dir=cache_dir, **settings), builder)
+    reader = _everywhere(
+        lambda: TrainStream(dataset, cache_dir=cache_dir, build=False, **settings), not builder
+    )
+    return stream or reader
+
+
+def _everywhere(make, mine: bool):
+    """``make()`` on the ranks where ``mine`` (None elsewhere); then every rank learns every
+    rank's failure (``all_gather_object``, a collective: it also waits for the slowest) and
+    raises the first as a ConfigError."""
+    import torch.distributed as dist
+
+    result, error = None, None
+    try:
+        result = make() if mine else None
+    except Exception as exc:  # any: a rank that stops here would leave the others waiting
+        error = str(exc) if isinstance(exc, ConfigError) else f"{type(exc).__name__}: {exc}"
+    errors = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    first = next((e for e in errors if e is not None), None)
+    if first is not None:
+        raise ConfigError(first)
+    return result
