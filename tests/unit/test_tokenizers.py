@@ -80,6 +80,9 @@ def test_wandb_without_the_package_is_refused_in_a_launch_only():
     dry run may run where the cluster's packages are not, so it does not ask."""
     import importlib.util
 
+    from tests.unit.test_dry_run import SMALL, dry
+    from tst_megatron.training.megatron_checks import installed_problems
+
     args = argparse.Namespace(
         tokenizer_type="NullTokenizer", vocab_size=128, wandb_project="p", wandb_exp_name="e"
     )
@@ -87,5 +90,8 @@ def test_wandb_without_the_package_is_refused_in_a_launch_only():
     expected = (
         [] if installed else ["--wandb-project needs the wandb package here: pip install wandb"]
     )
-    assert tokenizer_problems(args, launch=True) == expected
-    assert tokenizer_problems(args, launch=False) == []
+    assert installed_problems(args) == expected
+    assert tokenizer_problems(args, launch=True) == tokenizer_problems(args, launch=False) == []
+    # a dry run does not ask (the cluster may have the package)
+    wandb = ["--wandb-project", "p", "--wandb-exp-name", "e", "--device", "cpu"]
+    assert dry([*SMALL, *wandb], env={"WORLD_SIZE": "1"}).returncode == 0

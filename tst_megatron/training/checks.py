@@ -18,6 +18,7 @@ from tst_megatron.training.flags import tst_config
 from tst_megatron.training.megatron_checks import (
     cpu_flag_problems,
     cpu_problems,
+    installed_problems,
     late_megatron_problems,
     model_problems,
     tokenizer_problems,
@@ -324,7 +325,7 @@ def launch_problems(
     ``TransformerConfig``, one line each (empty: none): :func:`schedule_problems`,
     :func:`parallel_problems`, :func:`late_megatron_problems`, :func:`data_problems`,
     :func:`tokenizer_problems`,
-    :func:`tst_problems`, :func:`without_te_problems`, for a CPU run :func:`cpu_problems` and
+    in a launch :func:`installed_problems`, :func:`tst_problems`, :func:`without_te_problems`, for a CPU run :func:`cpu_problems` and
     :func:`cpu_flag_problems`, and, when nothing else is wrong, :func:`resume_checks`.
 
     Args:
@@ -342,6 +343,7 @@ def launch_problems(
     problems = schedule_problems(args) + parallel_problems(args, config)
     problems += model_problems(args) + late_megatron_problems(args) + data_problems(args)
     problems += tokenizer_problems(args, launch=launch)
+    problems += installed_problems(args) if launch else []
     problems += tst_problems(args, config=config)
     te = device == "cuda" and (
         not launch or importlib.util.find_spec("transformer_engine") is not None

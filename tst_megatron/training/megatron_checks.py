@@ -23,8 +23,7 @@ def tokenizer_problems(args, *, launch: bool) -> list[str]:
     - in a launch (a dry run may run where the cluster's files are not): a
       ``--tokenizer-model`` file of a SentencePiece type, or ``--vocab-file`` /
       ``--merge-file`` of ``GPT2BPETokenizer``, that does not exist. A Hugging Face
-      ``--tokenizer-model`` may be a hub name and is not checked. Also ``--wandb-project``
-      without the ``wandb`` package (Megatron-LM imports it in ``set_global_variables``).
+      ``--tokenizer-model`` may be a hub name and is not checked.
     """
     kind = args.tokenizer_type
     if kind is None:
@@ -37,10 +36,6 @@ def tokenizer_problems(args, *, launch: bool) -> list[str]:
         ]
     if not launch:
         return []
-    import importlib.util
-
-    if getattr(args, "wandb_project", None) and importlib.util.find_spec("wandb") is None:
-        return ["--wandb-project needs the wandb package here: pip install wandb"]
     files = {
         "SentencePieceTokenizer": ("--tokenizer-model",),
         "GPTSentencePieceTokenizer": ("--tokenizer-model",),
@@ -53,6 +48,17 @@ def tokenizer_problems(args, *, launch: bool) -> list[str]:
         if not path or not os.path.isfile(path):
             problems.append(f"--tokenizer-type {kind}: {flag} {path} is not a file")
     return problems
+
+
+def installed_problems(args) -> list[str]:
+    """In a launch only (a dry run may run where the cluster's packages are not): packages a
+    flag needs that are not installed here. ``--wandb-project`` without ``wandb``
+    (Megatron-LM imports it in ``set_global_variables``, a traceback on the last rank)."""
+    import importlib.util
+
+    if getattr(args, "wandb_project", None) and importlib.util.find_spec("wandb") is None:
+        return ["--wandb-project needs the wandb package here: pip install wandb"]
+    return []
 
 
 def late_megatron_problems(args) -> list[str]:

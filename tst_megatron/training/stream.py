@@ -89,8 +89,8 @@ def build_orders(parts, *, bag_size: int, phase1_samples: int, seed: int, chunk:
     """Yields ``(name, array)``, the arrays of :class:`TrainStream` one at a time (so that a
     writer can free each before the next is made): ``order<p>`` for each part (its stream
     order), ``blocks`` (the first global window of each block phase 1 reads: the first
-    ``phase1_samples`` of every block, shuffled with ``RandomState(seed)``) and ``phase2`` (every window no phase-1 sample uses, shuffled with
-    ``default_rng([seed, 2])``). Global window ``g`` is window ``g - offset[p]`` of part ``p``,
+    ``phase1_samples`` of all blocks shuffled with ``RandomState(seed)``) and ``phase2``
+    (every window no phase-1 sample uses, shuffled with ``default_rng([seed, 2])``). Global window ``g`` is window ``g - offset[p]`` of part ``p``,
     the parts laid end to end.
 
     Peak memory, for the cache builder only: the largest part's order (4 bytes a window),
@@ -110,9 +110,8 @@ def build_orders(parts, *, bag_size: int, phase1_samples: int, seed: int, chunk:
     # same numbers whatever the dtype
     perm = np.arange(len(starts), dtype=dtype)
     np.random.RandomState(seed).shuffle(perm)
-    blocks = starts[perm]
+    blocks = starts[perm[:phase1_samples]]  # the blocks phase 1 reads
     del starts, perm
-    blocks = blocks[:phase1_samples].copy()  # the blocks phase 1 reads
     unused = np.ones(total, dtype=bool)
     for k in range(bag_size):
         unused[blocks + k] = False
