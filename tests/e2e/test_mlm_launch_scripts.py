@@ -10,14 +10,14 @@ from tests.unit.test_dry_run import _errors, dry
 
 pytest.importorskip("megatron.training")
 
-#: Published parameter counts: ``(reference, tolerance, embedding and output parameters to add
-#: to the dry run's count)``; the dry run counts no embedding where the vocabulary comes from a
+#: Published parameter counts: ``(reference, tolerance (Megatron-LM prints billions to two
+#: decimals), embedding and output parameters to add to the dry run's count)``; the dry run counts no embedding where the vocabulary comes from a
 #: tokenizer file (``V x h`` each, untied).
 PUBLISHED = {
     # mistralai/Mixtral-8x7B-v0.1: 46,702,792,704 parameters; V = 32000, h = 4096
-    "mixtral_8x7b": (46_702_792_704, 0, 2 * 32_000 * 4096),
+    "mixtral_8x7b": (46_702_792_704, 0.005e9, 2 * 32_000 * 4096),
     # meta-llama/Meta-Llama-3-8B: 8,030,261,248 parameters (NullTokenizer, V = 128256: counted)
-    "llama3_8b_fp8": (8_030_261_248, 0, 0),
+    "llama3_8b_fp8": (8_030_261_248, 0.005e9, 0),
     # Qwen/Qwen3-30B-A3B model card: "Number of Parameters (Non-Embedding): 29.9B"
     "qwen3_30b_a3b": (29.9e9, 0.05e9, 0),
     # DeepSeek-V3 technical report: 671B total parameters (the main model, without the MTP
@@ -26,10 +26,11 @@ PUBLISHED = {
 }
 
 
-def _counted(out: str) -> int:
-    """The total of the dry run's ``parameters:`` line."""
-    line = next(x for x in out.splitlines() if x.strip().startswith("parameters:"))
-    return int(line.split("parameters:")[1].split()[0].replace(",", ""))
+def _counted(out: str) -> float:
+    """Megatron-LM's total (``Total number of parameters in billions: X``, 2 decimals) that the
+    dry run prints."""
+    line = next(x for x in out.splitlines() if "Total number of parameters in billions:" in x)
+    return float(line.rsplit(":", 1)[1]) * 1e9
 
 
 def _run(script):
