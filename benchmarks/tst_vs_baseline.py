@@ -354,7 +354,7 @@ def flag_value(flags: list, name: str, default=None):
 def raw_tokens(flags: list, phases: list) -> int:
     """Tokens an arm read: for each iteration of the ``tst-phase`` series (``(step, phase)``),
     the global batch times ``S*T`` in phase 1 (``T`` with ``--tst-mode output``, which reads
-    ordinary windows) or ``T`` in phase 2, as the launcher's raw-tokens-per-second counts."""
+    ordinary windows) or ``T`` in phase 2, as the launcher's raw-tokens counts."""
     gbs = int(flag_value(flags, "--global-batch-size"))
     seq = int(flag_value(flags, "--seq-length"))
     bag = int(flag_value(flags, "--tst-bag-size", 1))

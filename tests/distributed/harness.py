@@ -62,3 +62,42 @@ def run_distributed(fn, world_size: int = 2, **kwargs):
             torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False)
             for r in range(world_size)
         ]
+
+
+def build_gpt_model(
+    config,
+    *,
+    vocab_size: int,
+    max_sequence_length: int,
+    transformer_impl: str = "local",
+    pre_process: bool = True,
+    post_process: bool = True,
+    share_embeddings_and_output_weights: bool = False,
+):
+    """One stage of the launcher's model (``TSTGPTModel``, rope, vocab-parallel logits) from a
+    ``TransformerConfig``, for tests that build a model without Megatron-LM's arguments: the
+    launcher's local block spec, or megatron-core's Transformer Engine spec."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    from tst_megatron.training.gpt import TSTGPTModel
+    from tst_megatron.training.model import gpt_block_spec, tag_expert_grad_reduction
+
+    if transformer_impl == "local":
+        spec = gpt_block_spec(config)
+    else:
+        spec = get_gpt_decoder_block_spec(
+            config, use_transformer_engine=True, normalization=config.normalization
+        )
+    model = TSTGPTModel(
+        config=config,
+        transformer_layer_spec=spec,
+        vocab_size=vocab_size,
+        max_sequence_length=max_sequence_length,
+        pre_process=pre_process,
+        post_process=post_process,
+        parallel_output=True,
+        share_embeddings_and_output_weights=share_embeddings_and_output_weights,
+        position_embedding_type="rope",
+    )
+    tag_expert_grad_reduction(model, config)
+    return model

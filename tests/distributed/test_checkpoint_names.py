@@ -72,8 +72,8 @@ CASES = {"all MoE": ["moe", "moe"], "MoE + dense": ["moe", "dense"]}
 def _model(kinds, seed, transformer_impl="local"):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
+    from tests.distributed.harness import build_gpt_model
     from tst_megatron.runtime import set_seed
-    from tst_megatron.training.model import build_gpt_model
 
     set_seed(seed)
     config = TransformerConfig(

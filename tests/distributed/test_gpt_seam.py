@@ -109,8 +109,8 @@ def _batch():
 
 
 def _seam_child(rank, world):
+    from tests.distributed.harness import build_gpt_model
     from tst_megatron.superposition import align_bag_targets, bag_embedding, fold_bags
-    from tst_megatron.training import build_gpt_model
 
     _init()
     model = build_gpt_model(_config(experts=4), vocab_size=V, max_sequence_length=T)
@@ -178,8 +178,8 @@ class _LargeTensors(TorchDispatchMode):
 
 
 def _copies_child(rank, world):
+    from tests.distributed.harness import build_gpt_model
     from tst_megatron.superposition import align_bag_targets, bag_embedding, fold_bags
-    from tst_megatron.training import build_gpt_model
 
     _init()
     vocab = 2048  # logits [T, b, V] = 32768 elements, the largest tensors by far (h = 8)
@@ -333,7 +333,7 @@ def _masked_child(rank, world):
     """Phase-2 loss and gradients with non-finite logits at the masked positions, against a
     float64 cross-entropy over the unmasked positions of the clean logits; at TP=1 also
     megatron-core's fused cross-entropy against its own run on the clean logits."""
-    from tst_megatron.training import build_gpt_model
+    from tests.distributed.harness import build_gpt_model
 
     _init(world)
     model = build_gpt_model(_config(experts=4, tp=world), vocab_size=V, max_sequence_length=T)
@@ -389,7 +389,7 @@ def test_phase2_masked_nonfinite_logits_give_finite_loss_and_reference_gradients
 
 
 def _gathered_child(rank, world):
-    from tst_megatron.training import build_gpt_model
+    from tests.distributed.harness import build_gpt_model
 
     _init(world)
     model = build_gpt_model(_config(tp=world), vocab_size=V, max_sequence_length=T)

@@ -101,8 +101,8 @@ def _model_child(rank, world, *, tp, pp, ep, dispatcher, batches):
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
+    from tests.distributed.harness import build_gpt_model
     from tst_megatron.runtime import ParallelConfig, initialize_model_parallel, set_seed
-    from tst_megatron.training import build_gpt_model
 
     initialize_model_parallel(
         ParallelConfig(

@@ -38,9 +38,7 @@ V = 128  # BASE's --vocab-size (NullTokenizer: EOD is the last id)
 LR = ["--lr-warmup-iters", "2", "--lr-decay-style", "linear", "--min-lr", "1e-4"]
 _VALID = re.compile(r"validation loss at iteration (\d+) \| lm loss value: ([0-9.E+-]+)")
 _SAVING = re.compile(r"saving checkpoint at iteration\s+(\d+) to")
-_RATE = re.compile(
-    r"TST: iteration\s+(\d+) \| raw tokens per second: [0-9.]+ \| raw tokens per sample: (\d+)"
-)
+_RAW = re.compile(r"TST: iteration\s+(\d+) \| raw tokens per sample: (\d+) \| raw tokens: (\d+)")
 
 
 def _run_child(rank, world, *, runs):
@@ -213,13 +211,13 @@ def test_tensorboard_scalars_against_steps_and_samples(runs):
     assert sorted(tb["lm loss validation"]) == [N1, N]
     # the launcher's
     assert tb["tst-phase"] == {i: 1.0 if i <= N1 else 2.0 for i in steps}
-    rate = tb["raw-tokens-per-second"]
-    assert sorted(rate) == steps  # step i is reported at the first forward after it
-    assert all(v > 0 and math.isfinite(v) for v in rate.values())
-    # the tokens the rate counts: S*T per phase-1 sample, T after (a rate counting
-    # --seq-length tokens in phase 1 would be S = 2 times too low); read from the printed
-    # line, not from timings, which two clocks measure differently on a loaded machine
-    per_sample = {int(i): int(n) for i, n in _RATE.findall(out)}
+    # the raw tokens read through each iteration, summed plainly: S*T per phase-1 sample, T
+    # after (counting --seq-length tokens in phase 1 would be S = 2 times too low)
+    raw = {i: GBS * (S * T * min(i, N1) + T * max(i - N1, 0)) for i in steps}
+    assert tb["raw-tokens"] == raw
+    printed = {int(i): (int(n), int(r)) for i, n, r in _RAW.findall(out)}
+    per_sample = {i: n for i, (n, _) in printed.items()}
+    assert {i: r for i, (_, r) in printed.items()} == raw, out[-3000:]
     assert per_sample == {i: S * T if i <= N1 else T for i in steps}, out[-3000:]
 
 

@@ -336,8 +336,8 @@ def _router_grads_child(rank, world):
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.transformer.transformer_config import TransformerConfig
 
+    from tests.distributed.harness import build_gpt_model
     from tst_megatron.runtime import ParallelConfig, initialize_model_parallel, set_seed
-    from tst_megatron.training import build_gpt_model
     from tst_megatron.training.forward import make_phase1_step, make_phase2_step
 
     initialize_model_parallel(ParallelConfig(tensor_model_parallel_size=world))

@@ -1,7 +1,7 @@
 """The switch inside Megatron-LM's own loop (:mod:`tst_megatron.training.megatron_lm`) on 2 gloo
 processes: a checkpoint, a validation and a log line at iteration ``N1`` with intervals that
 do not divide it, the user's intervals after it, a resume from the switch checkpoint, the
-phase-1 loss as its own series, and raw tokens per second.
+phase-1 loss as its own series, and the raw tokens read.
 
 The expected values are read independently: Megatron-LM's own log lines and TensorBoard
 events, the checkpoint directory, and averages recomputed here from the per-iteration
@@ -32,9 +32,7 @@ INTERVALS = ["--save-interval", "4", "--eval-interval", "4", "--log-interval", "
 
 _VALID = re.compile(r"validation loss at iteration (\d+) \| lm loss value: ([0-9.E+-]+)")
 _SAVING = re.compile(r"saving checkpoint at iteration\s+(\d+) to")
-_RATE = re.compile(
-    r"TST: iteration\s+(\d+) \| raw tokens per second: ([0-9.]+) \| raw tokens per sample: (\d+)"
-)
+_RAW = re.compile(r"TST: iteration\s+(\d+) \| raw tokens per sample: (\d+) \| raw tokens: (\d+)")
 
 
 def _recorded_args(path):
@@ -147,19 +145,25 @@ def test_phase1_loss_is_its_own_series_and_log_averages_stay_in_one_phase(runs):
     assert all(v > 0 for v in (*mce.values(), *lm.values()))
 
 
+def _raw(i):
+    """Raw tokens read through iteration ``i`` of BASE (global batch 4, T = 16, S = 2): S*T
+    per phase-1 sample, T after, summed plainly."""
+    return 4 * (2 * 16 * min(i, N1) + 16 * max(i - N1, 0))
+
+
 @pytest.mark.slow
-def test_raw_tokens_per_second_and_the_phase_marker(runs):
+def test_raw_tokens_and_the_phase_marker(runs):
     (_, last), root = runs[0]["switch"], runs[1]
-    rates = {int(i): (float(r), int(n)) for i, r, n in _RATE.findall(last)}
-    # a report at each log line after the first (the first step opens the clock)
-    assert sorted(rates) == [2, N1, 4, 6], last[-3000:]
-    assert {i: n for i, (_, n) in rates.items()} == {2: 32, 3: 32, 4: 16, 6: 16}  # S*T, T
-    assert all(r > 0 for r, _ in rates.values())
+    printed = {int(i): (int(n), int(r)) for i, n, r in _RAW.findall(last)}
+    # at each log line (2, 4, 6) and the switch
+    assert sorted(printed) == [2, N1, 4, 6], last[-3000:]
+    assert printed == {i: (32 if i <= N1 else 16, _raw(i)) for i in printed}  # S*T, T
     tb = _scalars(str(root / "tb"))
-    assert sorted(tb["raw-tokens-per-second"]) == [2, N1, 4, 6]
-    for i, (r, _) in rates.items():
-        assert tb["raw-tokens-per-second"][i] == pytest.approx(r, rel=1e-3)
+    assert tb["raw-tokens"] == {i: _raw(i) for i in printed}
     assert tb["tst-phase"] == {1: 1.0, 2: 1.0, 3: 1.0, 4: 2.0, 5: 2.0, 6: 2.0}
+    # a resume at the switch counts the samples read before it (consumed_train_samples)
+    resumed = _scalars(str(root / "tb_resumed"))
+    assert resumed["raw-tokens"] == {i: _raw(i) for i in (4, 6)}
 
 
 @pytest.mark.slow
@@ -175,4 +179,4 @@ def test_pipeline_stages_take_the_switch_together(runs):
     assert sorted(_log_lines(last)) == [1, 2, N1, 4, 6]
     tb = _scalars(str(root / "tb_pp2"))
     assert sorted(tb["mce loss"]) == [1, 2, 3] and sorted(tb["lm loss"]) == [4, 5, 6]
-    assert sorted(tb["raw-tokens-per-second"]) == [2, N1, 4, 6]
+    assert tb["raw-tokens"] == {i: _raw(i) for i in (2, N1, 4, 6)}

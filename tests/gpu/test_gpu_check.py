@@ -104,7 +104,7 @@ LOG = """\
  [2026-12-01 15:00:00] iteration        1/      20 | consumed samples:            8 | \
 elapsed time per iteration (ms): 812.3 | learning rate: 5.000000E-04 | global batch size: \
     8 | mce loss: 6.951234E+00 | loss scale: 1.0 | grad norm: 1.234 |
- TST: iteration        1 | raw tokens per second: 1234.5 | raw tokens per sample: 512 |
+ TST: iteration        1 | raw tokens per sample: 512 | raw tokens: 4096 |
  [2026-12-01 15:00:01] iteration        8/      20 | consumed samples:           64 | \
 elapsed time per iteration (ms): 30.1 | mce loss: 6.500000E+00 | loss scale: 1.0 |
  [2026-12-01 15:00:02] iteration        9/      20 | consumed samples:           72 | \

@@ -197,29 +197,3 @@ def test_resolve_process_from_torchrun_and_slurm():
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="no CUDA device"):
             resolve_process({}, device="cuda")
-
-
-def _transformer_engine_imports() -> bool:
-    try:
-        import transformer_engine  # noqa: F401
-    except Exception:  # ImportError, or OSError without CUDA libraries
-        return False
-    return True
-
-
-@pytest.mark.skipif(
-    _transformer_engine_imports(),
-    reason="Transformer Engine imports here; this checks the error without it",
-)
-def test_transformer_engine_impl_without_te_is_a_clear_error():
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    from tst_megatron.training import gpt_block_spec
-
-    config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2)
-    with pytest.raises(
-        ImportError, match="--transformer-impl transformer_engine needs Transformer Engine"
-    ):
-        gpt_block_spec(config, transformer_impl="transformer_engine")
-    with pytest.raises(ValueError, match="--transformer-impl must be"):
-        gpt_block_spec(config, transformer_impl="apex")

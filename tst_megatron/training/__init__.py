@@ -17,6 +17,6 @@ per job:
 - :mod:`.fp8`: FP8 shape rules from the model's ``TransformerConfig``.
 """
 
-from tst_megatron.training.model import build_gpt_model, gpt_block_spec
+from tst_megatron.training.model import build_model_from_args, gpt_block_spec
 
-__all__ = ["build_gpt_model", "gpt_block_spec"]
+__all__ = ["build_model_from_args", "gpt_block_spec"]

@@ -207,7 +207,7 @@ class TSTForwardStep:
     Being the one piece of ours called every iteration, it also makes Megatron-LM save,
     validate and log iteration ``N1`` (:func:`switch_overrides`, set at the last phase-1
     training forward and undone at the first phase-2 training forward) and, on the last
-    rank, reports raw tokens per second (:class:`_RawTokenRate`).
+    rank, reports the raw tokens read (:class:`_RawTokens`).
     """
 
     def __init__(self):
@@ -215,7 +215,7 @@ class TSTForwardStep:
         self._announced = -1  # the last phase announced on rank 0
         self._switch = "before"  # "before" -> "set" (intervals at N1) -> "done"
         self._saved_intervals: dict = {}
-        self._rate = None
+        self._raw = None
 
     def _build(self, args):
         from megatron.core import mpu
@@ -227,7 +227,7 @@ class TSTForwardStep:
             bag_size=tst.bag_size, weighting=tst.bag_weighting, mode=tst.mode, cp_group=cp
         )
         plan = schedule(args)
-        self._rate = _RawTokenRate(plan) if is_last_rank() else None
+        self._raw = _RawTokens(args, plan) if is_last_rank() else None
         return plan, phase1, make_phase2_step(cp_group=cp)
 
     def __call__(self, data_iterator, model):
@@ -239,11 +239,11 @@ class TSTForwardStep:
         plan, phase1, phase2 = self._steps
         training = unwrap(model).training
         in_phase1 = training and args.curr_iteration < plan.n1
-        if self._rate is not None:
-            self._rate.forward(args, training)
         if training:
             self._announce(1 if in_phase1 else 2, args.curr_iteration, plan.n1)
             self._at_switch(args, plan.n1)
+            if self._raw is not None:
+                self._raw.step(args)
         phase = plan.phase1 if in_phase1 else plan.phase2
         what = f"phase-{phase.index} step {args.curr_iteration}" if training else "validation"
         batches = _OnDevice(data_iterator, _device(), length=phase.data_seq_length, what=what)
@@ -292,84 +292,51 @@ class TSTForwardStep:
             print_rank_0(f"TST: phase 2 (next-token) from iteration {iteration} (switch at {n1})")
 
 
-class _RawTokenRate:
-    """Raw tokens per second on the last rank: ``S*T`` tokens per phase-1 sample (``T`` with
-    ``--tst-mode output``), ``T`` per phase-2 sample, times the global batch of the step.
+class _RawTokens:
+    """The text a run reads, on the last rank (where Megatron-LM's writers live): ``tst-phase``
+    (1 or 2) to TensorBoard at every training iteration, and at each iteration Megatron-LM logs
+    (``--log-interval``, the switch, the last) the line ``TST: iteration N | raw tokens per
+    sample: T' | raw tokens: R |`` and ``raw-tokens`` to TensorBoard and W&B. ``T'`` is ``S*T``
+    in phase 1 (``T`` with ``--tst-mode output``) and ``T`` in phase 2; ``R`` counts every
+    training sample read through iteration ``N`` (Megatron-LM's ``consumed_train_samples``,
+    restored on a resume, split at the switch sample). Megatron-LM's own elapsed time per
+    iteration turns it into a rate."""
 
-    A step is timed on the host clock from its first training forward to the first forward
-    after it: the next step's, or a validation's (so a validation is not counted). A step
-    whose time holds a checkpoint save (``--save-interval``, the switch,
-    ``--non-persistent-save-interval``, ``pretrain()``'s final save) is left out. At each iteration Megatron-LM logs
-    (``--log-interval``, the switch) the rate over the counted steps since the last report
-    is printed (``TST: iteration ... | raw tokens per second: ...``) and written to
-    TensorBoard and W&B (``raw-tokens-per-second``); ``tst-phase`` (1 or 2) is written at every
-    iteration. The last iteration is reported when the final validation starts (none
-    without validation).
-    """
+    def __init__(self, args, plan: Schedule):
+        from tst_megatron.training.plan import switch_sample
 
-    def __init__(self, plan: Schedule):
-        self.plan = plan
-        self.index = None  # 0-based index of the open step, None when none is open
-        self.start, self.tokens_in_step = 0.0, 0
-        self.tokens, self.seconds = 0, 0.0
+        self.plan, self.switch, self.last = plan, switch_sample(args), None
 
-    def forward(self, args, training: bool) -> None:
-        import time
-
-        if training and args.curr_iteration == self.index:
-            return  # another micro-batch or chunk of the open step
-        if not training and self.index is None:
-            return
-        now = time.perf_counter()
-        if self.index is not None:
-            self._close(args, now, by_validation=not training)
-        if training:
-            self._open(args, now)
-
-    def _open(self, args, now: float) -> None:
+    def step(self, args) -> None:
+        """Called at every training forward; acts once per iteration."""
         from megatron.core.num_microbatches_calculator import (
             get_current_running_global_batch_size,
         )
-        from megatron.training.global_vars import get_tensorboard_writer
-
-        self.index, self.start = args.curr_iteration, now
-        phase = self.plan.phase_at(self.index)
-        self.tokens_in_step = get_current_running_global_batch_size() * phase.data_seq_length
-        writer = get_tensorboard_writer()
-        if writer is not None:
-            writer.add_scalar("tst-phase", phase.index, self.index + 1)
-
-    def _close(self, args, now: float, *, by_validation: bool) -> None:
         from megatron.training.global_vars import get_tensorboard_writer, get_wandb_writer
 
-        iteration, self.index = self.index + 1, None
-        if by_validation:  # pretrain()'s final save comes before its final validation
-            final = iteration == args.train_iters and not divides(args.eval_interval, iteration)
-            saved = args.save and final
-        else:
-            saved = args.save and (
-                divides(args.save_interval, iteration)
-                or divides(getattr(args, "non_persistent_save_interval", None), iteration)
-            )
-        if not saved:
-            self.tokens += self.tokens_in_step
-            self.seconds += now - self.start
-        logged = divides(args.log_interval, iteration) or iteration == args.train_iters
-        if not logged or self.seconds <= 0:
-            return
-        rate = self.tokens / self.seconds
-        print(
-            f" TST: iteration {iteration:8d} | raw tokens per second: {rate:.1f} | "
-            f"raw tokens per sample: {self.plan.phase_at(iteration - 1).data_seq_length} |",
-            flush=True,
-        )
+        if args.curr_iteration == self.last:
+            return  # another micro-batch or model chunk of this iteration
+        self.last, iteration = args.curr_iteration, args.curr_iteration + 1
+        phase = self.plan.phase_at(iteration - 1)
         writer = get_tensorboard_writer()
         if writer is not None:
-            writer.add_scalar("raw-tokens-per-second", rate, iteration)
+            writer.add_scalar("tst-phase", phase.index, iteration)
+        if not (divides(args.log_interval, iteration) or iteration == args.train_iters):
+            return
+        before = args.consumed_train_samples
+        length1, length2 = self.plan.phase1.data_seq_length, self.plan.phase2.data_seq_length
+        raw = min(before, self.switch) * length1 + max(before - self.switch, 0) * length2
+        raw += get_current_running_global_batch_size() * phase.data_seq_length
+        print(
+            f" TST: iteration {iteration:8d} | raw tokens per sample: {phase.data_seq_length} | "
+            f"raw tokens: {raw} |",
+            flush=True,
+        )
+        if writer is not None:
+            writer.add_scalar("raw-tokens", raw, iteration)
         wandb = get_wandb_writer()
         if wandb is not None:
-            wandb.log({"raw-tokens-per-second": rate}, iteration)
-        self.tokens, self.seconds = 0, 0.0
+            wandb.log({"raw-tokens": raw}, iteration)
 
 
 def _device() -> torch.device:

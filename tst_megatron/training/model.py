@@ -1,19 +1,17 @@
 """Model construction: a plain megatron-core ``GPTModel`` in both TST phases.
 
-The launcher's model provider (:func:`build_model_from_args`,
-also the checkpoint converter's) takes the local layer specs from here
-(:func:`gpt_block_spec`, :func:`local_mtp_block_spec`); :func:`build_gpt_model` builds a
-``TSTGPTModel`` from a ``TransformerConfig`` directly (tests, benchmarks). TST adds no module
-and no parameter: its state dict has exactly the keys of a baseline model.
+The launcher's model provider (:func:`build_model_from_args`, also the checkpoint
+converter's) takes the local layer specs from here (:func:`gpt_block_spec`,
+:func:`local_mtp_block_spec`). TST adds no module and no parameter: its state dict has
+exactly the keys of a baseline model.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Literal, Optional
+from typing import Optional
 
-from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 from megatron.core.tensor_parallel import RowParallelLinear
 from megatron.core.transformer.identity_op import IdentityOp
@@ -22,11 +20,8 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from tst_megatron.errors import ConfigError
 from tst_megatron.runtime.norm import SequenceParallelNorm
 from tst_megatron.training.gpt import TSTGPTModel
-
-TransformerImpl = Literal["local", "transformer_engine"]
 
 
 class ExpertRowParallelLinear(RowParallelLinear):
@@ -106,43 +101,12 @@ def _with_norm(spec, norm) -> object:
     return dataclasses.replace(spec, submodules=dataclasses.replace(sub, **changes))
 
 
-def gpt_block_spec(
-    config: TransformerConfig,
-    *,
-    transformer_impl: TransformerImpl = "local",
-    vp_stage: Optional[int] = None,
-) -> TransformerBlockSubmodules:
-    """The decoder block spec for this pipeline stage (and virtual stage).
-
-    ``transformer_impl="transformer_engine"`` returns megatron-core's TE spec (GPU; FP8).
-    ``"local"`` returns megatron-core's local spec with every norm replaced by
-    :class:`~tst_megatron.runtime.norm.SequenceParallelNorm`, so TP + SP + MoE runs without
-    TE or Apex, and the experts' second linear layer by :class:`ExpertRowParallelLinear`, so
-    MoE runs with biases. Dense/MoE layers follow ``config.moe_layer_freq`` as in megatron-core's
-    ``get_gpt_decoder_block_spec``.
-
-    Raises:
-        ImportError: ``transformer_engine`` requested but Transformer Engine does not import.
-        ConfigError: unknown ``transformer_impl``.
-    """
-    if transformer_impl == "transformer_engine":
-        try:
-            import transformer_engine  # noqa: F401
-        except Exception as exc:  # ImportError, or OSError without CUDA libraries
-            raise ImportError(
-                "--transformer-impl transformer_engine needs Transformer Engine "
-                f"(pip install 'tst-megatron[te]' on a CUDA machine): {exc}"
-            ) from exc
-        return get_gpt_decoder_block_spec(
-            config,
-            use_transformer_engine=True,
-            normalization=config.normalization,
-            vp_stage=vp_stage,
-        )
-    if transformer_impl != "local":
-        raise ConfigError(
-            f"--transformer-impl must be local or transformer_engine, got {transformer_impl!r}"
-        )
+def gpt_block_spec(config: TransformerConfig, *, vp_stage: Optional[int] = None):
+    """megatron-core's local decoder block spec (``get_gpt_decoder_block_spec``, dense/MoE
+    layers by ``config.moe_layer_freq``) for this pipeline (and virtual) stage, with every norm
+    a :class:`~tst_megatron.runtime.norm.SequenceParallelNorm` (TP + SP + MoE without TE or
+    Apex) and the experts' second linear layer an :class:`ExpertRowParallelLinear` (MoE with
+    biases). Returns a ``TransformerBlockSubmodules``."""
     block = get_gpt_decoder_block_spec(
         config,
         use_transformer_engine=False,
@@ -194,65 +158,6 @@ def local_mtp_block_spec(config: TransformerConfig, *, vp_stage: Optional[int] =
         for s in block.layer_specs
     ]
     return dataclasses.replace(block, layer_specs=specs)
-
-
-def build_gpt_model(
-    config: TransformerConfig,
-    *,
-    vocab_size: int,
-    max_sequence_length: int,
-    position_embedding_type: Literal["rope", "learned_absolute"] = "rope",
-    rotary_base: int = 10000,
-    rotary_percent: float = 1.0,
-    seq_len_interpolation_factor: Optional[float] = None,
-    share_embeddings_and_output_weights: bool = False,
-    transformer_impl: TransformerImpl = "local",
-    pre_process: bool = True,
-    post_process: bool = True,
-    vp_stage: Optional[int] = None,
-) -> GPTModel:
-    """Build one pipeline stage (or virtual stage) of a megatron-core ``GPTModel``.
-
-    Args:
-        config: the megatron-core ``TransformerConfig`` (MoE settings included).
-        vocab_size: padded vocabulary size ``V`` (a multiple of TP).
-        max_sequence_length: ``--max-position-embeddings``; also bounds learned positions.
-        position_embedding_type: ``"rope"`` or ``"learned_absolute"``.
-        rotary_base: RoPE base (``--rotary-base``).
-        rotary_percent: share of each head's channels RoPE rotates (``--rotary-percent``).
-        seq_len_interpolation_factor: ``--rotary-seq-len-interpolation-factor``.
-        share_embeddings_and_output_weights: tied embeddings (not
-            ``--untie-embeddings-and-output-weights``).
-        transformer_impl: see :func:`gpt_block_spec`.
-        pre_process / post_process: whether this stage holds the embedding / output layer.
-        vp_stage: virtual pipeline stage index for interleaved schedules.
-
-    Returns:
-        The ``GPTModel`` with ``parallel_output=True`` (logits stay vocab-parallel,
-        ``[b, T, V/tp]`` when called with ``labels=None``).
-
-    Raises:
-        ConfigError / ImportError: see :func:`gpt_block_spec`.
-    """
-    model = TSTGPTModel(  # a GPTModel with the bag loss in its loss seam (see training/gpt.py)
-        config=config,
-        transformer_layer_spec=gpt_block_spec(
-            config, transformer_impl=transformer_impl, vp_stage=vp_stage
-        ),
-        vocab_size=vocab_size,
-        max_sequence_length=max_sequence_length,
-        pre_process=pre_process,
-        post_process=post_process,
-        parallel_output=True,
-        share_embeddings_and_output_weights=share_embeddings_and_output_weights,
-        position_embedding_type=position_embedding_type,
-        rotary_base=rotary_base,
-        rotary_percent=rotary_percent,
-        seq_len_interpolation_factor=seq_len_interpolation_factor,
-        vp_stage=vp_stage,
-    )
-    tag_expert_grad_reduction(model, config)
-    return model
 
 
 def tag_expert_grad_reduction(model, config: TransformerConfig) -> None:
@@ -364,7 +269,7 @@ def build_model_from_args(
     if local:
         # megatron-core's local block spec with the project's norms (TP + SP without TE or
         # Apex) and expert fc2 (MoE with biases): tst_megatron.training.model.gpt_block_spec
-        spec = gpt_block_spec(cfg.transformer, transformer_impl="local", vp_stage=vp_stage)
+        spec = gpt_block_spec(cfg.transformer, vp_stage=vp_stage)
     elif spec is None:
         spec = default_layer_spec(cfg, vp_stage)
     elif not isinstance(spec, ModuleSpec) and callable(spec):
