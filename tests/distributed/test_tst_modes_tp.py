@@ -154,12 +154,7 @@ def _mode_case(rank, world, mode, weighting, sp, *, seed):
     model = Head()
     x, mask = _sample(mode, seed)
     batch = {"tokens": x[:, :-1], "labels": x[:, 1:], "loss_mask": mask}
-    step = make_phase1_step(
-        bag_size=S,
-        weighting=weighting,
-        tp_group=tp_group,
-        mode=mode,
-    )
+    step = make_phase1_step(bag_size=S, weighting=weighting, mode=mode)
     output, loss_func = step(iter([batch]), model)
     loss, count, report = loss_func(output)
     mce = loss / count  # the step's loss is MCE x count, whatever unit count has

@@ -1,37 +1,17 @@
 """Forward-step functions for megatron-core's pipeline schedules, one per phase.
 
-Both follow Megatron's contract: ``forward_step(data_iterator, model) -> (output,
-loss_func)``; ``loss_func(output) -> (loss_sum, num_tokens, report)`` with an *integer*
-``num_tokens`` (the schedule accumulates it in an int tensor) and
-``config.calculate_per_token_loss = True`` so gradients are scaled by the global count.
+Megatron's contract: ``forward_step(data_iterator, model) -> (output, loss_func)``;
+``loss_func(output) -> (loss_sum, num_tokens, report)`` with an integer ``num_tokens`` and
+``config.calculate_per_token_loss = True``, so gradients are scaled by the global count.
 
-Phase 1 (``docs/design.md``, "The method"): the first stage embeds bags with ``bag_embedding`` and
-passes them as ``decoder_input``; the last stage gets per-slot cross-entropy ``[b, T, S]``
-from the model's own loss seam (:class:`~tst_megatron.training.gpt.TSTGPTModel` with
-``labels=`` the ``[b, T, S]`` bag targets) and reduces it to the MCE. A model with
-multi-token prediction skips its MTP block there (see ``TSTGPTModel``); phase 2 and
-validation run it as megatron-core does.
-
-The unit of ``num_tokens`` is a *scored position* in both phases: a token whose loss mask
-is 1 in phase 2, a latent position with at least one scored slot in phase 1. The loss
-returned is ``MCE_mb * n_mb``. Two consequences:
-
-- the step's loss (``sum / sum n``) is the MCE of the micro-batches weighted by their
-  scored positions; with uniform weights and no masking inside bags it is exactly the
-  paper's MCE, the mean over all scored slots (every micro-batch has the same
-  slots-per-position ratio);
-- megatron-core scales the MoE aux and z losses by the number of routed positions, which
-  the global count divides: per position, the balancing gradient at a given
-  ``--moe-aux-loss-coeff`` is the same in phase 1 as in phase 2 (counting slots would
-  weigh it about ``1/S`` as much in phase 1).
-
-Masked positions and slots are excluded by selection (``torch.where``), never by
-multiplication, so an ``inf``/``nan`` there cannot reach the loss. Their gradient is zero,
-and the model's loss seam turns a zero gradient into exactly zero on the logits' rows (the
-cross-entropy's backward alone would give ``nan * 0 = nan``): phase 1 in
-``vocab_parallel_multi_target_cross_entropy``, phase 2 and validation around megatron-core's
-cross-entropy (:class:`~tst_megatron.training.gpt.TSTGPTModel`), so no gradient is
-non-finite either. Nothing here reads a device value on the host.
+The unit of ``num_tokens`` is a *scored position*: a token whose loss mask is 1 in phase 2,
+a latent position with at least one scored slot in phase 1, where the loss is
+``MCE_mb * n_mb``. So the step's loss is the paper's MCE (the mean over scored slots, with
+uniform weights), and megatron-core's MoE aux and z losses, scaled per routed position,
+weigh the same in both phases. Masked positions and slots are excluded by selection
+(``torch.where``), never by multiplication, so an ``inf``/``nan`` there reaches neither the
+loss nor, through the model's loss seam (:class:`~tst_megatron.training.gpt.TSTGPTModel`),
+a gradient. Nothing here reads a device value on the host.
 """
 
 from __future__ import annotations
@@ -92,18 +72,15 @@ def make_phase1_step(
     *,
     bag_size: int,
     weighting: str,
-    tp_group=None,
     cp_group: Optional[dist.ProcessGroup] = None,
     mode: str = "full",
 ):
     """Forward step of the superposition phase in ``mode`` (``superposition.bags.TST_MODES``):
     samples of ``S*T`` tokens (``full``, ``input``) or ``T`` tokens (``output``), inputs from
-    ``phase1_inputs`` (``[b, T, S]`` bags or ``[b, T, 1]``), targets ``[b, T, k]`` from
-    ``phase1_targets``, MCE weights from ``phase1_weights``.
-
-    ``tp_group`` is accepted for compatibility and unused: the model's loss seam takes the
-    output layer's own group. ``cp_group`` splits the latent sequence (whole bags).
-    """
+    ``phase1_inputs`` (``[b, T, S]`` bags or ``[b, T, 1]``) embedded by ``bag_embedding`` on
+    the first stage, targets ``[b, T, k]`` from ``phase1_targets`` scored by the model's loss
+    seam on the last, MCE weights from ``phase1_weights``. ``cp_group`` splits the latent
+    sequence (whole bags)."""
 
     def forward_step(data_iterator, model):
         # Every stage reads the micro-batch (cheap); only the first embeds, only the last scores.
@@ -193,21 +170,13 @@ class _OnDevice:
 
 
 class TSTForwardStep:
-    """Megatron-LM ``forward_step(data_iterator, model) -> (output_tensor, loss_func)``.
-
-    The phase is a pure function of the iteration: phase 1 (bags, the project's
-    :func:`~tst_megatron.training.forward.make_phase1_step`) while the model is training and
-    ``args.curr_iteration < N1``, else next-token (:func:`make_phase2_step`), which is what
-    ``evaluate()`` runs (the model is in eval mode there; ``curr_iteration`` is stale).
-    Every stage reads the micro-batch from its own iterator (:class:`TSTDatasets`); the
-    steps split it for context parallelism themselves. The loss function returns
-    Megatron-LM's ``(loss, num_tokens, {key: [loss, num_tokens]})`` with key ``mce loss``
-    in phase 1 and ``lm loss`` in phase 2 and validation.
-
-    Being the one piece of ours called every iteration, it also makes Megatron-LM save,
-    validate and log iteration ``N1`` (:func:`switch_overrides`, set at the last phase-1
-    training forward and undone at the first phase-2 training forward) and, on the last
-    rank, reports the raw tokens read (:class:`_RawTokens`).
+    """Megatron-LM's ``forward_step(data_iterator, model)``: phase 1
+    (:func:`make_phase1_step`, key ``mce loss``) while training and ``args.curr_iteration <
+    N1``, else next-token (:func:`make_phase2_step`, key ``lm loss``), which is also what
+    ``evaluate()`` runs. Called every iteration, it also makes Megatron-LM save, validate and
+    log iteration ``N1`` (:func:`switch_overrides`, set at the last phase-1 step, undone at
+    the first phase-2 step) and, on the last rank, reports the raw tokens read
+    (:class:`_RawTokens`).
     """
 
     def __init__(self):
