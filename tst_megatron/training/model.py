@@ -25,17 +25,13 @@ from tst_megatron.training.gpt import TSTGPTModel
 
 
 class ExpertRowParallelLinear(RowParallelLinear):
-    """megatron-core's ``RowParallelLinear``, for the second linear layer of local experts.
+    """megatron-core's ``RowParallelLinear`` as the local experts' second linear layer, always on
+    megatron-core's expert path (``explicit_expert_comm``: bias handed back separately).
 
-    Why: when the experts are neither tensor- nor expert-parallel (expert TP = EP = 1),
-    megatron-core passes this layer's output through an identity autograd function (the
-    TP reduction over one rank), so it is a view; with biases on, megatron-core's expert MLP
-    then adds the probability-scaled bias *in place* (``output += bias * per_token_scale`` in
-    ``transformer/mlp.py``) and autograd raises "... is a view and is being modified
-    inplace" at the first step. Over one rank that reduction is the identity, so this layer
-    always takes megatron-core's own expert path (``explicit_expert_comm``: the output
-    returned as computed, the bias handed back separately): the same numbers, no view.
-    Parameters and checkpoint keys are those of ``RowParallelLinear``.
+    Why: at expert TP = EP = 1 megatron-core 0.19 returns this layer's output through an
+    identity autograd function (a view), then adds the expert bias to it in place
+    (``transformer/mlp.py``), and autograd raises "... is a view and is being modified
+    inplace". Same numbers, parameters and checkpoint keys as ``RowParallelLinear``.
     """
 
     def __init__(self, *args, **kwargs):
@@ -122,17 +118,9 @@ def gpt_block_spec(config: TransformerConfig, *, vp_stage: Optional[int] = None)
 
 
 def local_mtp_block_spec(config: TransformerConfig, *, vp_stage: Optional[int] = None):
-    """The multi-token prediction block spec matching :func:`gpt_block_spec`'s local spec, or
-    None when this stage builds no MTP layer (or ``config.mtp_num_layers`` is unset).
-
-    megatron-core's ``get_gpt_mtp_block_spec`` (``use_transformer_engine=False``) on the last
-    decoder layer's spec, as Megatron-LM's ``megatron.training.models.gpt.mtp_block_spec``
-    builds it, with the changes :func:`gpt_block_spec` makes: every norm (the MTP layer's
-    ``enorm``, ``hnorm``, ``layer_norm`` and those of its transformer layer) is
-    :class:`~tst_megatron.runtime.norm.SequenceParallelNorm` (megatron-core's local norm
-    refuses sequence parallelism) and the experts' second linear layer is
-    :class:`ExpertRowParallelLinear`.
-    """
+    """megatron-core's local multi-token prediction block spec (``get_gpt_mtp_block_spec`` on
+    the last decoder layer's spec, as Megatron-LM's ``mtp_block_spec`` builds it) with
+    :func:`gpt_block_spec`'s norms and expert fc2; None when this stage has no MTP layer."""
     if not config.mtp_num_layers:
         return None
     from megatron.core.models.gpt.gpt_layer_specs import (
@@ -161,25 +149,14 @@ def local_mtp_block_spec(config: TransformerConfig, *, vp_stage: Optional[int] =
 
 
 def tag_expert_grad_reduction(model, config: TransformerConfig) -> None:
-    """Tag every expert parameter of ``model`` with the group its gradient is summed over.
+    """Tag every expert parameter of ``model`` to have its gradient summed over its expert-DP
+    group only (``allreduce = False``, ``sequence_parallel = False``), when EP > 1 or expert
+    TP differs from TP; otherwise megatron-core's tags stay.
 
-    An expert's gradient is the sum over the ranks that run it on some tokens: its expert
-    data-parallel group whenever EP > 1 or expert TP differs from TP (megatron-core's DDP
-    and optimizer take ``allreduce=False`` for that group; ``True`` means the DP group).
-    megatron-core 0.19 tags so (``use_expert_pgs`` in ``tensor_parallel/layers.py``). It also
-    tags the experts' second-layer bias
-    ``sequence_parallel`` (a ``RowParallelLinear`` bias), which ``finalize_model_grads`` sums
-    over TP on top: twice the gradient at EP 1, another expert's gradient added at EP > 1.
-    Such a parameter is whole on each rank of its expert-DP group, which already holds
-    every contribution, so the TP sum is dropped. Expert TP = TP with EP 1 keeps
-    megatron-core's tags (the DP group; biases there need TP = expert TP = 1, no SP).
-
-    Args:
-        model: a freshly built ``GPTModel`` stage, before DDP wraps it (DDP and the optimizer
-            read the tags when they are built). Changed in place; shared experts are dense
-            layers and keep their tags.
-        config: its ``TransformerConfig`` (``expert_model_parallel_size``,
-            ``expert_tensor_parallel_size``, ``tensor_model_parallel_size``).
+    Why: megatron-core 0.19 also tags the experts' fc2 bias ``sequence_parallel``, so
+    ``finalize_model_grads`` sums it over TP on top: twice the gradient at EP 1, another
+    expert's gradient added at EP > 1. Call before DDP wraps the model (DDP and the
+    optimizer read the tags); shared experts are dense layers and keep theirs.
     """
     etp = config.expert_tensor_parallel_size or config.tensor_model_parallel_size
     if config.expert_model_parallel_size == 1 and etp == config.tensor_model_parallel_size:
@@ -226,26 +203,15 @@ def build_model_from_args(
     pg_collection=None,
 ):
     """A :class:`TSTGPTModel` (a ``GPTModel`` with the TST loss seam; same parameters and
-    state-dict keys) for Megatron-LM's ``args`` namespace ``args`` (the launcher's, or one a
-    checkpoint stores), with Megatron-LM's own configuration. The one way a model is built
-    from arguments: the launcher's :func:`model_provider` and the checkpoint converter
-    (:mod:`tst_megatron.conversion.megatron`) both call it. megatron-core's parallel state
-    must be initialised (its sizes those of ``args``).
+    state-dict keys) for Megatron-LM's ``args`` (the launcher's, or a checkpoint's: the
+    converter calls this too). megatron-core's parallel state must be initialised.
 
-    The ``TransformerConfig`` comes from ``core_transformer_config_from_args`` and the GPT
-    settings from ``gpt_config_from_args`` (``megatron.training.argument_utils``); the layer
-    spec is ``--spec`` when given; with ``--transformer-impl local`` megatron-core's local
-    block spec with the project's sequence-parallel norms and expert fc2
-    (:func:`~tst_megatron.training.model.gpt_block_spec`); else Megatron-LM's
-    ``megatron.training.models.gpt.default_layer_spec`` (Transformer Engine's spec, MoE block
-    specs, experimental attention variants). The MTP block spec is Megatron-LM's
-    ``mtp_block_spec``, or with the local block spec
-    :func:`~tst_megatron.training.model.local_mtp_block_spec` (the same norms). The
-    ``GPTModel`` arguments are those of ``GPTModelBuilder.build_model`` (Megatron-LM 0.19.2),
-    which cannot build a ``GPTModel`` subclass (it names ``GPTModel`` itself), hence this
-    copy of its call. Expert
-    parameters are tagged for their gradient reduction
-    (:func:`~tst_megatron.training.model.tag_expert_grad_reduction`) before DDP wraps them.
+    Configuration from Megatron-LM's ``gpt_config_from_args``; the layer spec is ``--spec``,
+    else with ``--transformer-impl local`` :func:`gpt_block_spec` (and
+    :func:`local_mtp_block_spec`), else Megatron-LM's ``default_layer_spec`` and
+    ``mtp_block_spec``. The ``GPTModel`` arguments are those of Megatron-LM 0.19.2's
+    ``GPTModelBuilder.build_model``, which cannot build a subclass (it names ``GPTModel``).
+    Expert parameters are tagged by :func:`tag_expert_grad_reduction`.
     """
     from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.enums import AttnBackend
