@@ -1,18 +1,7 @@
-"""Data for both TST phases from one megatron-core dataset.
-
-The training data is one ``GPTDataset`` (or ``MockGPTDataset``, or a blend of them) of
-``T``-token samples built by ``BlendedMegatronDatasetBuilder`` (:func:`build_datasets`);
-:class:`~tst_megatron.training.stream.TrainStream` orders its windows into phase-1 blocks and
-phase-2 windows. Training sample ``i`` of the run is read by Megatron-LM's own sampler and
-``DataLoader`` (``--num-workers``; :class:`~tst_megatron.training.PhasedTrainDataset` maps it
-to a phase-1 or phase-2 sample), so the data position is a pure function of the consumed
-samples. Validation reads its own split in the dataset's own (shuffled) sample order, so its
-batches hold independent windows too.
-
-The data boundary: token ids are checked once, where data enters (:func:`check_data_files`
-at start-up, remembered in a stamp; :func:`check_mock_data`), so no training step reads
-values back to check them. Index caches are built once per cache directory and written
-atomically (:mod:`.index_cache`).
+"""megatron-core's ``GPTDataset`` / ``MockGPTDataset`` (or a blend) of ``T``-token samples,
+built by ``BlendedMegatronDatasetBuilder`` (:func:`build_datasets`), and the data boundary:
+token ids are checked once where data enters (:func:`check_data_files`,
+:func:`check_mock_data`), so no training step reads values back to check them.
 """
 
 from __future__ import annotations
@@ -30,10 +19,8 @@ from tst_megatron.training.index_cache import CachedGPTDatasetConfig, build_spli
 
 @dataclasses.dataclass(frozen=True)
 class DataSettings:
-    """The data settings :func:`build_datasets` and :func:`check_data_files` read: Megatron-LM's
-    flags of the same names and defaults (``--data-path`` words joined by spaces; ``mock_data``
-    also when no ``--data-path`` is given, as in Megatron-LM). Built from Megatron-LM's
-    arguments by :func:`data_settings`."""
+    """Megatron-LM's data flags of the same names and defaults (``data_path``: the words
+    joined by spaces)."""
 
     mock_data: bool = False
     data_path: Optional[str] = None
@@ -47,15 +34,12 @@ class DataSettings:
 
 
 def data_settings(args) -> DataSettings:
-    """:class:`DataSettings` from a Megatron-LM argument namespace (``get_args()``).
-
-    The data path is ``--data-path``'s words, or with ``--data-args-path`` the words of that
-    file (Megatron-LM's ``get_blend_and_blend_per_split``: the file holds what
-    ``--data-path`` would). Neither: mock data, as in Megatron-LM.
+    """:class:`DataSettings` from Megatron-LM's ``get_args()``: the words of ``--data-path``
+    or of the ``--data-args-path`` file (Megatron-LM's ``get_blend_and_blend_per_split``);
+    neither: mock data.
 
     Raises:
-        OSError: the ``--data-args-path`` file cannot be read (the launcher checks it first:
-            :func:`tst_megatron.training.data_problems`).
+        OSError: the ``--data-args-path`` file cannot be read.
     """
     words = args.data_path
     if getattr(args, "data_args_path", None):
@@ -80,15 +64,11 @@ def data_prefixes(data_path: str) -> list[str]:
 
 
 def dataset_pad_id(tokenizer) -> Optional[int]:
-    """The id megatron-core's ``GPTDataset`` treats as padding with ``tokenizer``, or None
-    when it uses none that a data file can hold.
+    """The id megatron-core's ``GPTDataset`` treats as padding with ``tokenizer`` (zeroed and
+    left out of the loss), or None when no data id can match it.
 
-    megatron-core (``MegatronDataset.__init__``, 0.19) takes ``tokenizer.pad`` (-1 when
-    the tokenizer has none) unless that id is also another special token
-    (``tokenizer.special_tokens_dict`` without the pad, else EOS and EOD): then -1. Its
-    ``GPTDataset.__getitem__`` then replaces every token and label equal to that id by 0 and
-    leaves it out of the loss. Data ids are never negative (:func:`check_data_files`), so -1
-    and None mean: no token of the data is touched.
+    megatron-core 0.19 (``MegatronDataset.__init__``) takes ``tokenizer.pad``, or -1 when it
+    is missing or also another special token (``special_tokens_dict``, else EOS and EOD).
     """
     try:
         pad = tokenizer.pad
@@ -116,17 +96,9 @@ def check_data_files(
     cache_path: Optional[str] = None,
     pad_id: Optional[int] = None,
 ) -> None:
-    """Before any work: every dataset prefix of ``--data-path`` has a consistent ``.bin`` and
-    ``.idx``, holds only token ids in ``[0, vocab_size)``, inputs and labels alike, and none
-    equal to ``pad_id``.
-
-    The ids are checked here, once, where data enters, so the training step needs no check
-    (and no device-to-host read): see :func:`token_ranges` for how a start-up avoids
-    rereading a ``.bin``. megatron-core's ``GPTDataset`` replaces every token equal to its
-    pad id by 0 and masks its loss, without a word (:func:`dataset_pad_id`): a negative id
-    (taken for the pad when the tokenizer has none) and the tokenizer's own pad id (a
-    Hugging Face ``pad_token`` set to an ordinary token) are refused, so no data token is
-    ever rewritten.
+    """Checks that every dataset prefix of ``--data-path`` has a consistent ``.bin`` and
+    ``.idx`` holding only token ids in ``[0, vocab_size)``, none equal to ``pad_id`` (which
+    megatron-core would silently zero). Scans are cached (:func:`token_ranges`).
 
     Args:
         data_path: ``--data-path``.
@@ -135,9 +107,8 @@ def check_data_files(
         pad_id: :func:`dataset_pad_id` of the run's tokenizer; None: no pad id to refuse.
 
     Raises:
-        ConfigError: a missing, truncated or malformed file, or an empty dataset (the first
-            one found); else every file holding a token id outside ``[0, vocab_size)`` or the
-            pad id, one line each, naming the file and the id.
+        ConfigError: the first missing, truncated, malformed or empty file; else one line per
+            file holding an id outside ``[0, vocab_size)`` or the pad id.
     """
     files = [open_data_file(prefix) for prefix in data_prefixes(data_path)]
     count = (pad_id,) if pad_id is not None else ()
@@ -162,8 +133,8 @@ def check_data_files(
 
 
 def check_mock_data(tokenizer, vocab_size: int) -> None:
-    """``--mock-data``: megatron-core's mock documents are ``(1, 2, ...) % tokenizer.vocab_size``
-    ending in ``tokenizer.eod``; check that they lie in ``[0, vocab_size)`` (no data is read).
+    """Checks that megatron-core's mock documents (``(1, 2, ...) % tokenizer.vocab_size``, then
+    ``tokenizer.eod``) lie in ``[0, vocab_size)``.
 
     Raises:
         ConfigError: the tokenizer's ids or EOD fall outside ``[0, vocab_size)``.
@@ -198,20 +169,17 @@ _SPLIT_NAMES = ("training", "validation", "test")
 
 
 def check_split(config, documents: dict, samples: tuple) -> None:
-    """Every split that is asked for samples gets at least one document of each dataset.
-
-    megatron-core splits each dataset by documents (``round(bookend * documents)``) and, for a
-    split with none, loops forever looking for enough tokens. A split with no document that
-    is asked for no samples is not built (``config.split_matrix`` entry set to None).
+    """Checks that every split asked for samples gets a document of each dataset;
+    megatron-core (``round(bookend * documents)``) loops forever on an empty one. An empty
+    split asked for none is dropped (its ``config.split_matrix`` entry set to None).
 
     Args:
-        config: the ``GPTDatasetConfig`` (its ``split_matrix``; edited as said above).
+        config: the ``GPTDatasetConfig``; its ``split_matrix`` may be edited.
         documents: ``{prefix: documents}`` (sequences in the ``.idx``).
         samples: samples asked of each split, ``(train, valid, test)``.
 
     Raises:
-        ConfigError: a split asked for samples gets no document, naming the split and the
-            document counts.
+        ConfigError: a split asked for samples gets no document.
     """
     for i, bookends in enumerate(config.split_matrix):
         if bookends is None:
@@ -234,12 +202,8 @@ def check_split(config, documents: dict, samples: tuple) -> None:
 
 
 def build_datasets(data, tokenizer, *, seq_length: int, samples: tuple[int, int, int], seed: int):
-    """``(train, valid, test)`` datasets of ``seq_length``-token samples (None where a split
-    is empty and 0 samples are asked of it).
-
-    Index caches are built once per cache directory (once per node when
-    ``--data-cache-path`` is node-local) and written atomically; see
-    :mod:`tst_megatron.training.index_cache`. Must be called on every rank.
+    """``(train, valid, test)`` datasets of ``seq_length``-token samples (None for an empty
+    split asked for 0 samples), index caches per :mod:`.index_cache`. Call on every rank.
 
     Raises:
         ConfigError: a split asked for samples has no document (:func:`check_split`), or a
@@ -261,10 +225,8 @@ def build_datasets(data, tokenizer, *, seq_length: int, samples: tuple[int, int,
 
 
 def training_windows(data, *, phase1_samples: int, phase2_samples: int, per_sample: int) -> int:
-    """``T``-token windows to ask of the training split so that :class:`TrainStream` has
-    ``phase1_samples`` blocks of ``per_sample`` windows and ``phase2_samples`` windows left:
-    whole blocks, plus one block per dataset of a blend (a block never straddles two, so each
-    dataset's stream may end in a partial one). ``data``: the data settings (``mock_data``,
-    ``data_path``)."""
+    """``T``-token windows to ask of the training split for ``phase1_samples`` blocks of
+    ``per_sample`` windows plus ``phase2_samples`` windows, with one spare block per dataset
+    (each stream may end in a partial block)."""
     streams = 1 if data.mock_data else len(data_prefixes(data.data_path))
     return phase1_samples * per_sample + phase2_samples + per_sample * streams

@@ -14,13 +14,10 @@ from tst_megatron.training.switch import switch_validation_samples
 
 
 class PhasedTrainDataset(torch.utils.data.Dataset):
-    """Training sample ``i`` of the run, in Megatron-LM's consumed-samples order: phase-1
-    sample ``i`` (``S*T + 1`` tokens; ``T + 1`` with ``--tst-mode output``) for
-    ``i < switch``, else phase-2 sample ``i - switch`` (``T + 1`` tokens).
-
-    A micro-batch never straddles the switch (it is at a global-batch boundary), so the
-    default collation stacks samples of one length. Each item is a dict of ``tokens``,
-    ``labels``, ``loss_mask`` (and in phase 2 ``position_ids``) tensors.
+    """Training sample ``i`` of the run: phase-1 sample ``i`` for ``i < switch``, else phase-2
+    sample ``i - switch``. Items are dicts of ``tokens``, ``labels``, ``loss_mask`` (phase 2
+    also ``position_ids``), ``[S*T]`` in phase 1 (``[T]`` with ``--tst-mode output``) and
+    ``[T]`` in phase 2.
 
     Args:
         stream: the project's :class:`~tst_megatron.training.stream.TrainStream`.
@@ -41,15 +38,10 @@ class PhasedTrainDataset(torch.utils.data.Dataset):
 
 
 class TSTDatasets:
-    """Megatron-LM train/valid/test datasets provider ``(num_samples) -> (train, valid, test)``.
+    """Megatron-LM datasets provider ``(num_samples) -> (train, valid, test)``.
 
-    Every rank builds its datasets (``is_distributed = True``): the batch is read by each
-    TP rank and pipeline stage rather than broadcast from TP rank 0, because phase-1
-    micro-batches are ``S`` times longer than the ``--seq-length`` buffers that Megatron-LM's
-    ``get_batch_on_this_tp_rank`` allocates. The datasets are megatron-core's
-    (``GPTDataset`` / ``MockGPTDataset`` of ``--seq-length`` windows) built by the project's
-    :func:`~tst_megatron.training.data.build_datasets` (per-node index caches, ids checked
-    where data enters).
+    ``is_distributed = True``: every rank reads its batch, since phase-1 micro-batches are
+    ``S`` times longer than the buffers of Megatron-LM's ``get_batch_on_this_tp_rank``.
     """
 
     is_distributed = True

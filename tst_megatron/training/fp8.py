@@ -1,47 +1,23 @@
-"""Shapes FP8 can run, checked before any work from the model's own ``TransformerConfig``.
+"""FP8 GEMM shape rules, checked before any work from the model's ``TransformerConfig``.
 
-Transformer Engine's FP8 GEMMs (cuBLASLt) need every dimension of both operands to be a
-multiple of 16 (forward *and* backward: the token dimension becomes a leading dimension in
-the weight-gradient GEMM), and MXFP8 quantises in blocks of 32 along each dimension. Source:
-Transformer Engine's ``assert_dim_for_fp8_exec`` / ``check_dim_for_fp8_exec``
-(``transformer_engine/pytorch/utils.py``) and its MXFP8 block size ``MXFP8_BLOCK_SCALING_SIZE``.
-Transformer Engine asserts it inside the first forward step, after the model, the optimizer
-and the data are set up; Megatron-LM's ``validate_args`` does not check it.
-
-Every size is read from the megatron-core ``TransformerConfig`` that Megatron-LM builds for the
-model (``core_transformer_config_from_args``, after ``validate_args`` derived the defaults), so
-this file holds no derivation of its own: the FFN width with ``--swiglu``
-(``int(4h * 2/3 / 64) * 64``), ``kv_channels`` (``h / heads``), the query groups (``heads``
-without ``--group-query-attention``), the expert width and expert TP are Megatron-LM's.
-
-The dimensions a rank gives its TE linear layers are:
-
-- the tokens: ``T * b / CP`` per rank, divided by TP under sequence parallelism (SP keeps a
-  ``[T/tp, b, h]`` slice between the layers). TST phase 1 feeds the model ``T`` latent
-  positions of ``b`` samples, exactly as phase 2 feeds ``T`` tokens, so one check covers both
-  phases;
-- ``h``; the attention widths per TP rank, ``heads * kv_channels / TP`` and
-  ``(heads + 2 * groups) * kv_channels / TP`` (not with multi-latent attention, whose
-  projections are not checked here); the MLP width per TP rank ``ffn / TP`` (when some layers
-  are dense); the expert width per expert-TP rank ``moe_ffn / ETP`` and the shared expert's
-  per TP rank.
-
-Tokens per expert are padded by megatron-core's grouped MLP itself (``Fp8Padding``), and the
-output layer is not an FP8 GEMM, so neither is checked.
+Transformer Engine needs every FP8 GEMM dimension to be a multiple of 16, 32 with MXFP8
+(``assert_dim_for_fp8_exec`` and ``MXFP8_BLOCK_SCALING_SIZE`` in
+``transformer_engine/pytorch/utils.py``), and asserts it only in the first forward step.
+Checked: tokens per rank, ``h``, the attention, QKV, FFN, expert and shared-expert widths
+per (expert-)TP rank. Not checked: multi-latent attention, tokens per expert (``Fp8Padding``)
+and the output layer (not FP8).
 """
 
 from __future__ import annotations
 
 
 def fp8_alignment(recipe) -> int:
-    """The multiple every FP8 GEMM dimension must be: 32 for the ``mxfp8`` recipe, else 16.
-    ``recipe``: ``TransformerConfig.fp8_recipe`` (a string or megatron-core's ``Fp8Recipe``)."""
+    """32 for the ``mxfp8`` ``recipe`` (string or ``Fp8Recipe``), else 16."""
     return 32 if str(getattr(recipe, "value", recipe)) == "mxfp8" else 16
 
 
 def _dense_layers(config) -> bool:
-    """Whether some decoder layer has a dense MLP (``moe_layer_freq``: an int ``k`` makes every
-    ``k``-th layer MoE from the first; a list is the pattern; megatron-core's rule)."""
+    """Whether some decoder layer has a dense MLP (megatron-core's ``moe_layer_freq`` rule)."""
     if not config.num_moe_experts:
         return True
     freq = config.moe_layer_freq
@@ -51,15 +27,14 @@ def _dense_layers(config) -> bool:
 
 
 def fp8_shape_problems(config, *, seq_length: int, micro_batch_size: int) -> list[str]:
-    """With FP8 on (``--fp8-format``), every GEMM dimension of this layout that is not a
-    multiple of :func:`fp8_alignment` (the module docstring lists them), one line each naming
-    the dimension, its value and the flag to change. Reads only.
+    """With FP8 on, each GEMM dimension that is not a multiple of :func:`fp8_alignment`, one
+    line each naming the dimension, its value and the flag to change. Tokens per rank are
+    ``T * b / CP`` (``/ TP`` more with sequence parallelism), the same in both TST phases.
 
     Args:
         config: the model's megatron-core ``TransformerConfig`` (Megatron-LM's
             ``core_transformer_config_from_args``).
-        seq_length: ``--seq-length`` (``T``, tokens per sample in phase 2 and latent positions
-            in phase 1).
+        seq_length: ``--seq-length`` (``T``).
         micro_batch_size: ``--micro-batch-size``.
 
     Returns:

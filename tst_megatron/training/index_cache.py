@@ -1,25 +1,10 @@
-"""Dataset index caches that each node can build and no reader sees half-written.
+"""megatron-core's dataset index caches, built once per node and written atomically.
 
-megatron-core's ``GPTDataset`` and ``BlendedDataset`` cache their index arrays (``.npy``
-files named after a hash of the dataset's description) in ``--data-cache-path``. Upstream,
-only *global* rank 0 builds a missing cache, and it writes the files in place with
-``numpy.save``. So a node whose cache directory is its own (node-local disk) finds no file
-(``FileNotFoundError``), and a reader of a shared directory can map a file that is still
-being written, or was left truncated by a crash ("mmap length is greater than file size").
-
-Here, through megatron-core's own seams (the dataset classes and ``is_built_on_rank`` of
-``BlendedMegatronDatasetBuilder``; no patching):
-- :func:`is_cache_builder` finds out which ranks see one cache directory: global rank 0 builds
-  a shared cache; the local rank 0 of every node that does not see rank 0's files builds
-  its own.
-- :func:`build_splits` runs the builder twice: first on the cache builders (megatron-core's
-  barriers make everyone else wait), then on all the other ranks, which only read.
-- The dataset subclasses below compute a missing or damaged index with megatron-core's code
-  (in memory) and write each file to a temporary name, then rename it; a damaged file is
-  named in the message.
-
-The GPT dataset subclasses also fill megatron-core's cache of per-sample masks at
-construction (:class:`_MaskCacheFilled`), so that no sample can write into it.
+Upstream (megatron-core 0.19) only global rank 0 builds a missing cache, writing in place: a
+node-local ``--data-cache-path`` gives ``FileNotFoundError`` elsewhere, and a reader can map a
+half-written file ("mmap length is greater than file size"). Here, through megatron-core's
+seams: :func:`is_cache_builder` picks one builder per directory, :func:`build_splits` builds
+then reads, and the dataset subclasses compute in memory and rename temporary files.
 """
 
 from __future__ import annotations
@@ -43,8 +28,8 @@ from tst_megatron.errors import ConfigError
 
 
 class _NoCacheNotice(logging.Filter):
-    """Drops megatron-core's warning that indexes computed with ``path_to_cache=""`` are not
-    saved: here they are, by :meth:`_AtomicIndexCache._build_or_load`."""
+    """Drops megatron-core's "not saved" warning: :meth:`_AtomicIndexCache._build_or_load`
+    saves them."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         return "because path_to_cache is None" not in record.getMessage()
@@ -55,9 +40,8 @@ for _module in (gpt_dataset, blended_dataset):
 
 
 def npy_problem(path: str) -> Optional[str]:
-    """Why the ``.npy`` file ``path`` cannot be mapped (a bad header, or a size that differs
-    from what its header says: a truncated or overwritten file), or None if it is sound.
-    Reads the header only."""
+    """Why the ``.npy`` file ``path`` cannot be mapped (bad header, or a size other than its
+    header's), or None. Reads the header only."""
     try:
         with open(path, "rb") as f:
             version = np.lib.format.read_magic(f)
@@ -82,24 +66,19 @@ class CachedGPTDatasetConfig(GPTDatasetConfig):
     """megatron-core's ``GPTDatasetConfig`` plus who may write a missing index cache."""
 
     build_missing_cache: bool = True
-    """True: compute a missing or damaged cache and write it (atomically). False: only
-    read; a missing file is an error (the ranks of :func:`build_splits`' second pass)."""
+    """True: compute and write a missing or damaged cache. False: only read; a missing file
+    is an error."""
 
 
 class _AtomicIndexCache:
-    """Mixin over a megatron-core dataset class whose cache files are
-    ``<hash>-<class>-<split>-<affix>`` in :meth:`_cache_dir`."""
+    """Mixin over a megatron-core dataset with cache files ``<hash>-<class>-<split>-<affix>``;
+    subclasses define ``_split_name``."""
 
     _affixes: tuple = ()
     """The ``.npy`` files of the cache (besides ``description.txt``)."""
 
     def _cache_dir(self) -> Optional[str]:
         return self.config.path_to_cache
-
-    def _split_name(self) -> str:
-        """The split part of megatron-core's cache file names; each dataset subclass below
-        defines it (the mixin is never used alone)."""
-        raise NotImplementedError
 
     def _cache_paths(self, directory: str) -> list[str]:
         """``[description.txt, *arrays]`` as megatron-core names them."""
@@ -108,8 +87,8 @@ class _AtomicIndexCache:
         return [os.path.join(directory, f"{base}-{a}") for a in affixes]
 
     def _build_or_load(self, build: Callable[[], tuple]) -> tuple:
-        """``build()`` is megatron-core's method: it loads when every cache file is there,
-        else computes the arrays (and writes them only on global rank 0, in place)."""
+        """Wraps megatron-core's ``build()``: it loads sound files; else the arrays are
+        computed in memory and written atomically here."""
         directory = self._cache_dir()
         if not directory:
             return build()
@@ -145,16 +124,10 @@ class _AtomicIndexCache:
 
 
 class _MaskCacheFilled:
-    """Mixin over megatron-core's ``GPTDataset``: its mask cache is filled once, here, and
-    never written by a sample.
+    """Mixin over megatron-core's ``GPTDataset`` that fills its mask cache at construction.
 
-    Without ``--reset-position-ids``, ``--reset-attention-mask`` and ``--eod-mask-loss`` the
-    masks and position ids do not depend on the tokens, so megatron-core computes them for
-    the first sample read and keeps them (``cached_loss_mask``, ...). But it then zeroes that
-    very tensor where the first sample's labels equal its pad id (``GPTDataset.__getitem__``,
-    0.19), and every later sample's loss mask is a clone of it: they lose their loss at
-    those positions too. Filled here with megatron-core's own function, the cache is already
-    there when the first sample is read, which then also gets a clone to edit.
+    Workaround: megatron-core 0.19's ``GPTDataset.__getitem__`` caches the first sample's loss
+    mask and zeroes it at that sample's pad labels, so every later sample loses those positions.
     """
 
     def __init__(self, *args, **kwargs):
@@ -173,13 +146,12 @@ class _MaskCacheFilled:
             self.masks_and_position_ids_are_cached = True
 
 
-# The subclasses keep megatron-core's class names on purpose: the names enter the cache
-# file names and the description hash, so caches stay interchangeable with Megatron-LM's.
+# megatron-core's class names are kept: they enter the cache file names and hash.
 
 
 class GPTDataset(_AtomicIndexCache, _MaskCacheFilled, gpt_dataset.GPTDataset):
-    """megatron-core's ``GPTDataset`` with node-local, atomically written index caches and a
-    mask cache no sample writes into."""
+    """megatron-core's ``GPTDataset`` with per-node atomic index caches and a prefilled mask
+    cache."""
 
     _affixes = ("document_index.npy", "sample_index.npy", "shuffle_index.npy")
 
@@ -231,9 +203,8 @@ class _Builder(BlendedMegatronDatasetBuilder):
 
 
 def cache_dir_of(path_to_cache: Optional[str], prefixes: Optional[list]) -> Optional[str]:
-    """The directory the index caches go to: ``--data-cache-path``, else the first dataset
-    prefix's default one (megatron-core's), else None: nothing is cached (mock data,
-    ``prefixes`` None)."""
+    """``--data-cache-path``, else megatron-core's default under the first prefix, else None
+    (mock data: nothing cached)."""
     if path_to_cache:
         return path_to_cache
     if not prefixes:
@@ -242,13 +213,8 @@ def cache_dir_of(path_to_cache: Optional[str], prefixes: Optional[list]) -> Opti
 
 
 def is_cache_builder(directory: str, local_rank: int) -> bool:
-    """Whether this rank builds the index caches of ``directory`` (call on every rank).
-
-    The local rank 0 of each node writes a marker file named after a token from rank 0 and
-    its global rank; every rank then looks for rank 0's marker. Rank 0 builds; so does the
-    local rank 0 of a node that does not see rank 0's marker (its directory is its own). A
-    shared directory whose marker shows up late (e.g. NFS attribute caching) only makes a
-    node build a copy of its own, which the atomic writes make harmless.
+    """Whether this rank builds the index caches of ``directory`` (call on every rank): global
+    rank 0, and local rank 0 of each node that cannot see rank 0's marker file there.
 
     Raises:
         ConfigError: the directory cannot be created or written.
@@ -275,12 +241,12 @@ def is_cache_builder(directory: str, local_rank: int) -> bool:
 
 
 def build_splits(cls, sizes: list, config, *, local_rank: int, prefixes=None) -> list:
-    """``BlendedMegatronDatasetBuilder(cls, sizes, ..., config).build()`` with the caches
-    built by :func:`is_cache_builder` ranks first, then read by every other rank.
+    """``[train, valid, test]`` from ``BlendedMegatronDatasetBuilder(cls, sizes, ...,
+    config).build()``, built by the :func:`is_cache_builder` ranks, then read by the others.
 
-    ``cls`` is megatron-core's ``GPTDataset`` or ``MockGPTDataset``; ``config`` a
-    :class:`CachedGPTDatasetConfig`; ``prefixes`` the dataset prefixes (for upstream's
-    default cache directory when ``config.path_to_cache`` is None). Must be called on every rank. Returns ``[train, valid, test]``.
+    ``cls``: megatron-core's ``GPTDataset`` or ``MockGPTDataset``; ``config``: a
+    :class:`CachedGPTDatasetConfig`; ``prefixes``: for the default cache directory. Call on
+    every rank.
     """
     cls = {gpt_dataset.GPTDataset: GPTDataset, gpt_dataset.MockGPTDataset: MockGPTDataset}[cls]
     directory = cache_dir_of(config.path_to_cache, None if config.mock else prefixes)

@@ -1,6 +1,5 @@
-"""The run's plan, the one home of its counts: training iterations, samples consumed, ``N1``
-and the switch sample (Megatron-LM's own batch-size calculator), and the resume checks that
-compare the plan with the checkpoint a run would load."""
+"""The run's counts (training iterations, consumed samples, ``N1``, the switch sample; from
+Megatron-LM's batch-size calculator) and the resume checks against the checkpoint to load."""
 
 from __future__ import annotations
 
@@ -14,9 +13,8 @@ from tst_megatron.training.flags import tst_config
 
 
 def _batch_calculator(args):
-    """A private copy of Megatron-LM's batch-size calculator for ``--step-batch-size-schedule``
-    (built as ``megatron.training.global_vars.set_global_variables`` builds the global one),
-    or None for a constant global batch."""
+    """A private Megatron-LM batch-size calculator for ``--step-batch-size-schedule`` (as
+    ``set_global_variables`` builds it), or None for a constant global batch."""
     if not getattr(args, "step_batch_size_schedule", None):
         return None
     from megatron.core.num_microbatches_calculator import StepBatchsizeNumMicroBatchesCalculator
@@ -41,10 +39,9 @@ def global_batches(args) -> list[tuple[int, int]]:
 
 
 def consumed_samples(args, iterations: int) -> int:
-    """Training samples consumed by the first ``iterations`` steps, as Megatron-LM's ``train()``
-    counts them: ``iterations * --global-batch-size``, or with ``--step-batch-size-schedule`` the
-    sum of each step's batch, the batch of a step being the schedule's at the samples consumed
-    before it (token thresholds count ``--seq-length`` tokens per sample, in phase 1 too)."""
+    """Training samples consumed by the first ``iterations`` steps, as Megatron-LM's
+    ``train()`` counts them (with a step schedule, each step's batch is the schedule's at the
+    samples consumed before it)."""
     calculator = _batch_calculator(args)
     if calculator is None:
         return iterations * args.global_batch_size
@@ -57,8 +54,7 @@ def consumed_samples(args, iterations: int) -> int:
 
 def train_iters(args) -> int:
     """``--train-iters``, or the steps that consume ``--train-samples`` (Megatron-LM's
-    ``update_train_iters``: ``train_samples // global batch``, or with a step schedule the
-    first step count whose consumed samples reach ``--train-samples``)."""
+    ``update_train_iters``)."""
     if args.train_iters:
         return args.train_iters
     calculator = _batch_calculator(args)
@@ -80,9 +76,7 @@ def schedule(args) -> Schedule:
 
 
 def switch_sample(args) -> int:
-    """Training samples consumed before the switch: those of the first ``N1`` steps
-    (:func:`consumed_samples`), so the switch is right under a batch-size schedule and after
-    a resume (Megatron-LM's sampler restarts at its consumed samples)."""
+    """Training samples consumed by the first ``N1`` steps (:func:`consumed_samples`)."""
     return consumed_samples(args, schedule(args).n1)
 
 
@@ -91,11 +85,9 @@ def switch_sample(args) -> int:
 
 def checkpoint_to_resume(args) -> Optional[tuple[int, dict]]:
     """``(iteration, common state)`` of the ``torch_dist`` checkpoint Megatron-LM's
-    ``load_checkpoint`` would resume under ``args`` (``--load``; ``--ckpt-step`` or the tracker
-    file ``latest_checkpointed_iteration.txt``), read before any process group exists; the
-    common state is megatron-core's ``load_common_state_dict`` (``args``,
-    ``opt_param_scheduler``, ...). None when nothing would be resumed: no ``--load``, no
-    tracker, a release checkpoint, ``--finetune``, or not a ``torch_dist`` checkpoint.
+    ``load_checkpoint`` would resume (``--load``, ``--ckpt-step`` or the tracker file), read
+    without process groups via megatron-core's ``load_common_state_dict``. None when nothing
+    would be resumed (or a release or non-``torch_dist`` checkpoint, ``--finetune``).
 
     Raises:
         ConfigError: a tracker file that holds no iteration.
@@ -113,8 +105,7 @@ def checkpoint_to_resume(args) -> Optional[tuple[int, dict]]:
         tracker = get_checkpoint_tracker_filename(args.load)
         if not os.path.isfile(tracker):
             return None
-        # read here, not with Megatron-LM's read_metadata: on a malformed file that one
-        # prints a line and calls sys.exit() with status 0 (0.19.2)
+        # not Megatron-LM's read_metadata: on a malformed file it exits with status 0 (0.19.2)
         with open(tracker) as f:
             text = f.read().strip()
         if text == "release":
@@ -134,17 +125,10 @@ def checkpoint_to_resume(args) -> Optional[tuple[int, dict]]:
 
 
 def resume_problems(args, saved, iteration: int) -> list[str]:
-    """Why resuming the checkpoint of ``iteration``, written by a run with arguments ``saved``,
-    under the arguments ``args`` would not continue the checkpoint's TST run; one line each
-    naming the flag (empty: none). Reads only. A checkpoint without ``--tst-*`` arguments (a
-    run of Megatron-LM's ``pretrain_gpt.py``) is not checked.
-
-    Phase 2 reads the windows phase 1 left, in an order drawn from what phase 1 read: the
-    windows per phase-1 sample (``--tst-bag-size``; 1 with ``--tst-mode output``) and the
-    samples before the switch (``N1`` x the global batch; ``N1`` from ``--tst-phase1-*`` and
-    ``--train-iters``). Those must equal the checkpoint's at any iteration of a run with a
-    phase 1. Before the switch the phase-1 loss must too (``--tst-mode``,
-    ``--tst-bag-weighting``).
+    """Why resuming the checkpoint of ``iteration`` (written with arguments ``saved``) under
+    ``args`` would not continue its TST run, one line per flag (empty: none, or ``saved`` has
+    no ``--tst-*``). ``N1``, the switch sample and the windows per phase-1 sample must match
+    (phase 2's order depends on them); before the switch the phase-1 loss flags too.
     """
     if iteration <= 0 or not hasattr(saved, "tst_bag_size"):
         return []
@@ -180,9 +164,8 @@ def resume_problems(args, saved, iteration: int) -> list[str]:
 
 
 def _scheduler_plan(args) -> dict:
-    """The values Megatron-LM's ``get_optimizer_param_scheduler`` gives
-    ``OptimizerParamScheduler`` for ``args`` and that its ``load_state_dict`` compares with a
-    checkpoint's, by the checkpoint's key names (Megatron-LM 0.19.2's arithmetic)."""
+    """The values Megatron-LM 0.19.2's ``get_optimizer_param_scheduler`` gives
+    ``OptimizerParamScheduler`` that its ``load_state_dict`` compares, by state-dict key."""
     if args.train_iters:
         decay = (args.lr_decay_iters or args.train_iters) * args.global_batch_size
         wd_steps = args.train_iters * args.global_batch_size
@@ -205,11 +188,10 @@ def _scheduler_plan(args) -> dict:
 
 
 def scheduler_problems(args, saved_scheduler: Optional[dict], iteration: int) -> list[str]:
-    """The learning-rate schedule values that Megatron-LM's ``OptimizerParamScheduler`` would
-    refuse on resuming the checkpoint of ``iteration`` (its ``load_state_dict`` asserts each
-    equals the checkpoint's, after building the model), as one line naming them and the
-    flags that allow it (empty: none). Not checked with ``--override-opt-param-scheduler``,
-    ``--use-checkpoint-opt_param-scheduler`` or ``--no-load-optim``."""
+    """The schedule values Megatron-LM's ``OptimizerParamScheduler.load_state_dict`` would
+    refuse on resuming the checkpoint of ``iteration``, as one line (empty: none, or
+    ``--override-opt-param-scheduler``, ``--use-checkpoint-opt_param-scheduler``,
+    ``--no-load-optim``)."""
     if (
         not saved_scheduler
         or getattr(args, "override_opt_param_scheduler", False)

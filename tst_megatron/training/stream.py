@@ -1,24 +1,11 @@
-"""TST's training order: phase-1 blocks and phase-2 windows over megatron-core's samples,
-built once per cache directory and memory-mapped by every rank.
+"""TST's training order over megatron-core's ``T``-token samples: phase-1 blocks of ``S``
+consecutive windows and the phase-2 windows phase 1 left (``docs/design.md``, "Phase 1 data",
+"The schedule").
 
-The training data is one ``GPTDataset`` (or ``MockGPTDataset``, or a blend of them) of
-``T``-token samples. Read in *stream order* (megatron-core's sample shuffle undone), its
-samples are consecutive windows of the packed token stream: window ``j`` holds tokens
-``[j*T, (j+1)*T]``. :class:`TrainStream` groups the windows into blocks of ``S`` consecutive
-windows of one stream and shuffles the blocks once (seeded):
-- phase-1 sample ``i`` is block ``blocks[i]``: ``S`` windows concatenated, exactly ``S*T + 1``
-  contiguous tokens (``docs/design.md``, "Phase 1 data");
-- phase 2 reads the windows phase 1 did not use, each once, in a second seeded shuffle, so it
-  continues through the data instead of rereading what phase 1 consumed, and its
-  micro-batches hold independent windows (``docs/design.md``, "The schedule").
-A blend has one stream per dataset (:func:`stream_parts`); a block never straddles two.
-
-The orders are arrays of one index per window (1.1 B windows for the published DeepSeek-V3
-line at ``S = 4``). As megatron-core does for its own indices, they are computed once per
-cache directory, by the rank that builds megatron-core's caches there
-(:func:`~tst_megatron.training.index_cache.is_cache_builder`), written to a temporary name
-and renamed, and memory-mapped by every rank (:func:`open_stream`): a rank holds O(1) of
-them in its own memory, and DataLoader workers map the same files.
+In *stream order* (megatron-core's sample shuffle undone) window ``j`` holds tokens
+``[j*T, (j+1)*T]`` of the packed stream; a blend has one stream per dataset. The orders (one
+index per window) are computed once per cache directory, written atomically and memory-mapped
+by every rank and DataLoader worker (:func:`open_stream`).
 """
 
 from __future__ import annotations
@@ -35,21 +22,20 @@ from tst_megatron.data.files import atomic_path
 from tst_megatron.errors import ConfigError
 
 FORMAT = 1
-"""Bumped whenever the orders computed from the same inputs change: it enters the cache key."""
+"""Bumped whenever the orders computed from the same inputs change (part of the cache key)."""
 
 _ARRAYS = ("blocks", "phase2")
 
 
 def index_dtype(n: int) -> np.dtype:
-    """The narrowest index dtype for ``n`` windows, as megatron-core's ``_build_shuffle_index``
-    picks (uint32 below 2**32, else int64): 4 bytes a window for every real corpus."""
+    """uint32 for ``n < 2**32 - 1`` windows, else int64 (megatron-core's
+    ``_build_shuffle_index``)."""
     return np.dtype(np.uint32 if n < 2**32 - 1 else np.int64)
 
 
 def inverse_permutation(perm: np.ndarray, chunk: int = 1 << 24) -> np.ndarray:
-    """``inv`` with ``inv[perm[k]] = k``: what ``np.argsort(perm)`` gives for a permutation of
-    ``0..n-1``, in O(n) time and one array of :func:`index_dtype` (argsort is O(n log n) and
-    int64); ``perm`` (megatron-core's memory-mapped shuffle index) is read in chunks."""
+    """``np.argsort(perm)`` of a permutation of ``0..n-1`` in O(n): ``inv[perm[k]] = k``,
+    ``[n]`` of :func:`index_dtype`; ``perm`` (possibly memory-mapped) is read in chunks."""
     dtype = index_dtype(len(perm))
     inv = np.empty(len(perm), dtype=dtype)
     for start in range(0, len(perm), chunk):
@@ -59,15 +45,10 @@ def inverse_permutation(perm: np.ndarray, chunk: int = 1 << 24) -> np.ndarray:
 
 
 def stream_parts(dataset) -> list[tuple[object, int]]:
-    """The training data as contiguous token streams: ``[(component, n)]``, the first ``n``
-    windows of each component's stream.
+    """``[(component, n)]``: the data as token streams, the first ``n`` windows of each.
 
-    A ``GPTDataset`` is one stream: its samples with megatron-core's sample shuffle undone,
-    consecutive ``T``-token windows of the packed token stream. A blend (megatron-core's
-    ``BlendedDataset``) has one stream per dataset, each the first ``n_d`` windows of that
-    dataset's stream, ``n_d`` being the samples the blend draws from it (so the blend's
-    weights hold; one O(N) count over its memory-mapped dataset index); taking the blend's
-    own order instead would put unrelated windows side by side.
+    A ``GPTDataset`` is one stream. A ``BlendedDataset`` has one per dataset, ``n`` being the
+    samples the blend draws from it, so the blend's weights hold.
     """
     dataset[0]  # megatron-core loads a blend's indices lazily
     if hasattr(dataset, "datasets") and hasattr(dataset, "dataset_index"):  # a blend
@@ -86,16 +67,12 @@ def _stream_order(dataset, n: int) -> np.ndarray:
 
 
 def build_orders(parts, *, bag_size: int, phase1_samples: int, seed: int, chunk: int = 1 << 24):
-    """Yields ``(name, array)``, the arrays of :class:`TrainStream` one at a time (so that a
-    writer can free each before the next is made): ``order<p>`` for each part (its stream
-    order), ``blocks`` (the first global window of each block phase 1 reads: the first
-    ``phase1_samples`` of all blocks shuffled with ``RandomState(seed)``) and ``phase2``
-    (every window no phase-1 sample uses, shuffled with ``default_rng([seed, 2])``). Global window ``g`` is window ``g - offset[p]`` of part ``p``,
-    the parts laid end to end.
-
-    Peak memory, for the cache builder only: the largest part's order (4 bytes a window),
-    then the blocks (12 bytes a block), a mask (1 byte a window) and phase 2 (4 bytes a
-    window) at once.
+    """Yields the ``(name, array)`` of :class:`TrainStream` one at a time, so each can be freed
+    before the next: ``order<p>`` per part, ``blocks`` (first global window of each phase-1
+    block: the first ``phase1_samples`` of all blocks shuffled by ``RandomState(seed)``) and
+    ``phase2`` (every unused window, shuffled by ``default_rng([seed, 2])``). Arrays are
+    1-D, :func:`index_dtype`. Peak memory: a mask (1 byte a window), phase 2 (4 bytes a
+    window) and the blocks (12 bytes a block) at once.
     """
     sizes = [n for _, n in parts]
     total = int(sum(sizes))
@@ -106,8 +83,7 @@ def build_orders(parts, *, bag_size: int, phase1_samples: int, seed: int, chunk:
     starts = np.concatenate(
         [off + np.arange(n // bag_size, dtype=dtype) * bag_size for off, n in zip(offsets, sizes)]
     ).astype(dtype, copy=False)
-    # RandomState(seed).permutation(len(starts)) without its int64 copy: shuffle draws the
-    # same numbers whatever the dtype
+    # RandomState(seed).permutation(len(starts)) without its int64 copy
     perm = np.arange(len(starts), dtype=dtype)
     np.random.RandomState(seed).shuffle(perm)
     blocks = starts[perm[:phase1_samples]]  # the blocks phase 1 reads
@@ -129,11 +105,8 @@ def build_orders(parts, *, bag_size: int, phase1_samples: int, seed: int, chunk:
 
 
 def describe(parts, *, bag_size: int, phase1_samples: int, seed: int) -> Optional[dict]:
-    """What the orders depend on: each part's megatron-core description hash (its data,
-    split, ``--seq-length``, ``--seed`` and sample count) and window count, ``S`` (the
-    windows of a phase-1 sample, which ``--tst-mode`` sets), the phase-1 samples
-    (``N1`` x the global batch, summed over a batch-size ramp) and the seed. None when a part
-    has no description (a stand-in dataset): nothing is cached then."""
+    """The cache description: each part's megatron-core ``unique_description_hash`` and window
+    count, ``S``, the phase-1 samples and the seed. None (no caching) when a part has no hash."""
     hashes = [getattr(d, "unique_description_hash", None) for d, _ in parts]
     if not all(hashes):
         return None
@@ -148,8 +121,8 @@ def describe(parts, *, bag_size: int, phase1_samples: int, seed: int) -> Optiona
 
 
 def cache_files(directory: str, description: dict, parts: int) -> dict:
-    """``{name: path}`` of one stream's cache: ``<key>-TrainStream-<name>.npy`` and the
-    description, the key a SHA-256 of the description (any changed input, another file)."""
+    """``{name: path}``: ``<key>-TrainStream-<name>.npy`` and ``.json``, ``key`` a SHA-256 of
+    ``description``."""
     key = hashlib.sha256(json.dumps(description, sort_keys=True).encode()).hexdigest()[:24]
     names = [f"order{p}" for p in range(parts)] + list(_ARRAYS)
     files = {n: os.path.join(directory, f"{key}-TrainStream-{n}.npy") for n in names}
@@ -158,8 +131,8 @@ def cache_files(directory: str, description: dict, parts: int) -> dict:
 
 
 def cache_problem(files: dict, description: dict) -> Optional[str]:
-    """Why the cache ``files`` cannot be used (a file missing, truncated or corrupt, or a
-    description other than ``description``), or None. Reads headers only."""
+    """Why the cache ``files`` cannot be used (missing, truncated or corrupt file, other
+    description), or None. Reads headers only."""
     from tst_megatron.training.index_cache import npy_problem
 
     for name, path in files.items():
@@ -177,8 +150,7 @@ def cache_problem(files: dict, description: dict) -> Optional[str]:
 
 
 def write_cache(files: dict, arrays, description: dict) -> None:
-    """Each ``(name, array)`` of ``arrays`` to a temporary name, then renamed; the description
-    last (a reader needs all of them)."""
+    """Writes each ``(name, array)`` atomically, the description last."""
     for name, array in arrays:
         with atomic_path(files[name]) as tmp, open(tmp, "wb") as f:
             np.save(f, array)
@@ -188,8 +160,8 @@ def write_cache(files: dict, arrays, description: dict) -> None:
 
 
 def check_enough_blocks(parts, bag_size: int, phase1_samples: int) -> None:
-    """Raises ConfigError when the ``parts`` of :func:`stream_parts` hold fewer blocks of
-    ``bag_size`` windows than phase 1 reads."""
+    """Raises ConfigError when ``parts`` hold fewer ``bag_size``-window blocks than
+    ``phase1_samples``."""
     blocks = sum(n // bag_size for _, n in parts)
     if blocks < phase1_samples:
         raise ConfigError(
@@ -199,18 +171,9 @@ def check_enough_blocks(parts, bag_size: int, phase1_samples: int) -> None:
 
 
 class TrainStream:
-    """Phase-1 and phase-2 training samples from one dataset of ``T``-token windows.
-
-    The windows, in stream order (:func:`stream_parts`), are grouped into blocks of ``S``
-    consecutive windows of one stream, and the blocks are shuffled once (seeded):
-    - phase-1 sample ``i`` is block ``blocks[i]``: ``S`` windows concatenated, exactly
-      ``S*T + 1`` contiguous tokens;
-    - phase 2 reads every window that no phase-1 sample uses, each once, in a second seeded
-      shuffle (``phase2``): served in block order, the ``S`` windows of a block would share a
-      micro-batch, a correlated batch.
-    Both orders depend only on the data, ``S``, the phase-1 sample count and ``seed``, so
-    they are the same on every rank, in DataLoader workers, after a resume and whether
-    computed here or mapped from a cache.
+    """Phase-1 and phase-2 training samples from one dataset of ``T``-token windows: phase-1
+    sample ``i`` is the ``S`` consecutive windows from ``blocks[i]``; phase 2 reads every
+    other window once, in a second seeded shuffle (``phase2``).
 
     Args:
         dataset: a megatron-core ``GPTDataset`` of ``T``-token samples (or a blend).
@@ -221,9 +184,8 @@ class TrainStream:
         build: True: compute a missing or damaged cache and write it; False: only map it.
 
     Attributes:
-        parts: ``[(component, order)]``, window ``j`` of a component's stream being
-            ``component[order[j]]``; ``blocks``, ``phase2``: index arrays (memory-mapped when
-            cached).
+        parts: ``[(component, order)]``, window ``j`` being ``component[order[j]]``;
+            ``blocks``, ``phase2``: 1-D index arrays (memory-mapped when cached).
 
     Raises:
         ConfigError: fewer blocks of ``S`` windows than phase-1 samples; or, with
@@ -274,8 +236,7 @@ class TrainStream:
         self.blocks, self.phase2 = arrays["blocks"], arrays["phase2"]
 
     def __getstate__(self) -> dict:
-        """A cached stream travels to DataLoader workers as its file names (they map the
-        files again), not as copies of the arrays."""
+        """A cached stream pickles as its file names, not its arrays."""
         state = dict(self.__dict__)
         if self.files is not None:
             for name in ("parts", "blocks", "phase2"):
@@ -294,7 +255,8 @@ class TrainStream:
         return dataset[int(order[g - self.offsets[p]])]
 
     def phase1_sample(self, i: int) -> dict:
-        """``S*T``-token sample ``i`` of phase 1 (``tokens``, ``labels``, ``loss_mask`` ``[S*T]``)."""
+        """Phase-1 sample ``i``: ``tokens``, ``labels``, ``loss_mask`` ``[S*T]``; IndexError
+        past ``phase1_samples``."""
         if i >= self.phase1_samples:
             raise IndexError(f"phase-1 sample {i} is past the {self.phase1_samples} planned")
         first = int(self.blocks[i])
@@ -304,8 +266,7 @@ class TrainStream:
         }
 
     def phase2_sample(self, i: int) -> dict:
-        """``T``-token sample ``i`` of phase 2: the ``i``-th of the windows phase 1 left, in
-        their shuffled order."""
+        """Phase-2 sample ``i``: window ``phase2[i]``; IndexError past the last."""
         if i >= len(self.phase2):
             raise IndexError(
                 f"phase 1 left {len(self.phase2)} windows of the data; phase-2 sample {i} is "
@@ -315,14 +276,8 @@ class TrainStream:
 
 
 def open_stream(dataset, *, bag_size: int, phase1_samples: int, seed: int, cache_dir, local_rank):
-    """:class:`TrainStream` with its orders cached in ``cache_dir``: the ranks that build
-    megatron-core's caches there compute and write them (once per directory, so once per node
-    with a node-local ``--data-cache-path``), every other rank waits, then maps them. Without
-    a cache directory (mock data without ``--data-cache-path``) every rank computes them.
-    Must be called on every rank.
-
-    A rank's failure in either step (a builder's full disk, a reader that cannot see the files)
-    is raised on every rank, so none is left waiting for it.
+    """:class:`TrainStream` cached in ``cache_dir``, written by the ``is_cache_builder`` ranks
+    and then mapped by the others. Call on every rank; any rank's failure is raised on all.
 
     Raises:
         ConfigError: as :class:`TrainStream`, or another rank's failure (its message).
@@ -344,9 +299,8 @@ def open_stream(dataset, *, bag_size: int, phase1_samples: int, seed: int, cache
 
 
 def _everywhere(make, mine: bool):
-    """``make()`` on the ranks where ``mine`` (None elsewhere); then every rank learns every
-    rank's failure (``all_gather_object``, a collective: it also waits for the slowest) and
-    raises the first as a ConfigError."""
+    """``make()`` where ``mine`` (else None); the first failure of any rank is raised on all as
+    a ConfigError (``all_gather_object``)."""
     import torch.distributed as dist
 
     result, error = None, None

@@ -1,6 +1,5 @@
-"""The switch at iteration ``N1``: the Megatron-LM intervals set to ``N1`` for that iteration
-only, so that ``train()`` saves, validates and logs the switch with its own code, and the
-validation samples that extra round needs (``docs/launcher.md``, "The switch")."""
+"""The switch at iteration ``N1``: Megatron-LM intervals set to ``N1`` for that iteration so
+``train()`` saves, validates and logs it (``docs/launcher.md``, "The switch")."""
 
 from __future__ import annotations
 
@@ -20,31 +19,24 @@ def _switch_in_run(args, n1: int) -> bool:
 
 
 def _validates_at(args, iteration: int) -> bool:
-    """Megatron-LM's own conditions for a validation at ``iteration`` other than its interval
-    (``train()``: ``--eval-iters`` > 0, ``--start-eval-at-iter``; ``do_valid`` is checked by
-    the caller once the data loaders exist)."""
+    """Megatron-LM ``train()``'s conditions for validating at ``iteration``, besides the
+    interval and ``do_valid``."""
     start = getattr(args, "start_eval_at_iter", None)
     return _eval_iters(args) > 0 and (start is None or iteration >= start)
 
 
 def divides(interval, iteration: int) -> bool:
+    """Whether ``interval`` is set and divides ``iteration``."""
     return bool(interval) and iteration % interval == 0
 
 
 def switch_overrides(args, n1: int) -> dict:
-    """The Megatron-LM intervals to set to ``N1`` for iteration ``N1`` only, so that
-    ``train()`` saves, validates and logs the switch with its own code.
-
-    ``save_interval`` when ``--save`` is given, ``--no-tst-save-at-switch`` is not, and
-    ``--save-interval`` does not divide ``N1``; ``eval_interval`` when validation is on
-    (``args.do_valid``, ``--eval-iters`` > 0, ``N1 >= --start-eval-at-iter``) and
-    ``--eval-interval`` does not divide ``N1``; ``log_interval`` when ``--log-interval``
-    does not divide ``N1`` (so no ``training_log`` average spans both phases). Empty when
-    the switch is not inside the run (``N1`` = 0, ``N1 >= --train-iters``, ``--skip-train``).
+    """The Megatron-LM intervals to set to ``N1`` for iteration ``N1`` only: each of
+    ``save_interval`` (with ``--save`` and TST's save-at-switch), ``eval_interval`` (when
+    validating) and ``log_interval`` that does not already divide ``N1``.
 
     Returns:
-        ``{args attribute: N1}`` (each key one of ``save_interval``, ``eval_interval``,
-        ``log_interval``).
+        ``{args attribute: N1}``; empty when the switch is not inside the run.
     """
     if not _switch_in_run(args, n1):
         return {}
@@ -60,10 +52,9 @@ def switch_overrides(args, n1: int) -> dict:
 
 
 def switch_validation_samples(args) -> int:
-    """Validation samples the round at the switch adds to Megatron-LM's count
-    (``get_train_valid_test_num_samples``: ``(train_iters // eval_interval + 1)`` rounds of
-    ``--eval-iters`` global batches): one round when :func:`switch_overrides` will add a
-    validation at ``N1``, else 0. Read before the data loaders exist (``do_valid`` unknown)."""
+    """Validation samples to add to Megatron-LM's ``get_train_valid_test_num_samples`` count:
+    one round (``--eval-iters`` global batches) when :func:`switch_overrides` adds a
+    validation at ``N1``, else 0."""
     if getattr(args, "full_validation", False):
         return 0  # every round reads the whole set from its start
     n1 = schedule(args).n1
