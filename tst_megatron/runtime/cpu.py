@@ -198,15 +198,23 @@ class _Stream:
 _DEFAULT_STREAM = _Stream()
 
 
+#: What the stand-in answers for the device by default: no CUDA architecture.
+_NO_GPU = types.SimpleNamespace(
+    name="cpu", major=0, minor=0, total_memory=0, multi_processor_count=0
+)
+
+
 class _CpuCuda(types.ModuleType):
-    """What megatron-core sees as ``torch.cuda`` under :func:`enable`."""
+    """What megatron-core sees as ``torch.cuda`` under :func:`enable` (and a dry run's
+    validation, with ``gpu`` the assumed cluster GPU: :mod:`tst_megatron.training.assumed`)."""
 
     Stream = _Stream
     Event = _Event
 
-    def __init__(self, *, one_device: bool = False):
+    def __init__(self, *, one_device: bool = False, gpu=_NO_GPU):
         super().__init__("torch.cuda (tst_megatron CPU stand-in)")
         self._one_device = one_device
+        self._gpu = gpu
 
     def __getattr__(self, name):
         return getattr(torch.cuda, name)
@@ -223,17 +231,13 @@ class _CpuCuda(types.ModuleType):
         """torch's answer, or True for ``megatron.training.initialize`` (point 5)."""
         return True if self._one_device else torch.cuda.is_available()
 
-    @staticmethod
-    def get_device_capability(device=None):
-        """Compute capability (0, 0): no CUDA architecture (``validate_args`` compares it)."""
-        return (0, 0)
+    def get_device_capability(self, device=None):
+        """``gpu``'s compute capability, (0, 0) by default (``validate_args`` compares it)."""
+        return (self._gpu.major, self._gpu.minor)
 
-    @staticmethod
-    def get_device_properties(device=None):
-        """What ``validate_args`` reads of a device: ``major``/``minor`` 0, no CUDA memory."""
-        return types.SimpleNamespace(
-            name="cpu", major=0, minor=0, total_memory=0, multi_processor_count=0
-        )
+    def get_device_properties(self, device=None):
+        """``gpu``: by default ``major``/``minor`` 0 and no CUDA memory."""
+        return self._gpu
 
     @staticmethod
     def memory_stats(device=None):
@@ -287,9 +291,9 @@ class _CpuCuda(types.ModuleType):
 class _CpuTorch(types.ModuleType):
     """What megatron-core sees as ``torch`` under :func:`enable`: torch, CUDA mapped to CPU."""
 
-    def __init__(self, *, one_device: bool = False):
+    def __init__(self, *, one_device: bool = False, gpu=_NO_GPU):
         super().__init__("torch (tst_megatron CPU stand-in)")
-        self.cuda = _CpuCuda(one_device=one_device)
+        self.cuda = _CpuCuda(one_device=one_device, gpu=gpu)
         self.__tst_cpu_stand_in__ = True
 
     def __getattr__(self, name):

@@ -1,17 +1,18 @@
-"""The rules a launch line must pass on top of Megatron-LM's ``validate_args`` and
-``TransformerConfig``, each a function returning one line per problem, naming the flag
-(empty: none); they read and never raise. :mod:`tst_megatron.training.validate` runs them
-with Megatron-LM's own checks, for the real launch and ``--dry-run`` alike. Covered: the
-rules megatron-core enforces only inside the first step (sequence parallelism, interleaved
-pipelines), settings Megatron-LM accepts but cannot run, data flags, TST, FP8 shapes, a CPU
-run's limits, and a resume that would not continue its checkpoint's run.
+"""The launcher's rules on top of Megatron-LM's ``validate_args`` and ``TransformerConfig``,
+each a function that reads only and returns one line per problem naming the flag (empty:
+none): TST, data flags, layout rules megatron-core enforces only in the first step, and a
+resume that would not continue its checkpoint's run. Megatron-LM's own late refusals are in
+:mod:`tst_megatron.training.megatron_checks`.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import traceback
 from typing import Sequence
+
+import torch
 
 from tst_megatron.errors import ConfigError
 from tst_megatron.training.flags import tst_config
@@ -36,25 +37,18 @@ from tst_megatron.training.plan import (
 
 
 def tst_problems(args, *, config=None) -> list[str]:
-    """Every setting this launcher refuses before any work on top of Megatron-LM's
-    ``validate_args``, one line each naming the flag (empty: none): what TST cannot run
-    (:func:`_tst_setting_problems`), then with ``--fp8-format`` the GEMM shapes Transformer
-    Engine would refuse in the first step
-    (:func:`~tst_megatron.training.fp8.fp8_shape_problems`). Reads only.
+    """What TST cannot run (:func:`_tst_setting_problems`), then with ``--fp8-format`` the GEMM
+    shapes Transformer Engine would refuse in the first step
+    (:func:`~tst_megatron.training.fp8.fp8_shape_problems`).
 
     Args:
         args: Megatron-LM's arguments after ``validate_args``.
-        config: the model's ``TransformerConfig`` when the caller built it (:func:`check`);
-            otherwise, with ``--fp8-format``, built here by Megatron-LM's
-            ``core_transformer_config_from_args`` (the sizes FP8 checks are Megatron-LM's).
+        config: the model's ``TransformerConfig``; None: built here (with ``--fp8-format``) by
+            Megatron-LM's ``core_transformer_config_from_args``.
     """
-    return _tst_setting_problems(args) + _fp8_problems(args, config)
-
-
-def _fp8_problems(args, config) -> list[str]:
-    """:func:`~tst_megatron.training.fp8.fp8_shape_problems` of the run (empty without FP8)."""
+    problems = _tst_setting_problems(args)
     if not getattr(args, "fp8", None):
-        return []
+        return problems
     from tst_megatron.training.fp8 import fp8_shape_problems
 
     if config is None:
@@ -63,14 +57,14 @@ def _fp8_problems(args, config) -> list[str]:
         try:
             config = core_transformer_config_from_args(args)
         except (AssertionError, ValueError) as exc:
-            return [validation_error(exc, "TransformerConfig")]
-    return fp8_shape_problems(
+            return problems + [validation_error(exc, "TransformerConfig")]
+    return problems + fp8_shape_problems(
         config, seq_length=args.seq_length, micro_batch_size=args.micro_batch_size
     )
 
 
 def _tst_setting_problems(args) -> list[str]:
-    """The settings TST cannot run, one line each naming the flag. Reads only."""
+    """The settings TST cannot run, one line each naming the flag."""
     tst = tst_config(args)
     iters = train_iters(args)
     problems = tst.validate(max(iters, 1))
@@ -106,18 +100,10 @@ def _tst_setting_problems(args) -> list[str]:
 
 
 def data_problems(args) -> list[str]:
-    """Data flags Megatron-LM accepts that this launcher cannot honour, one line each naming
-    the flag (empty: none). Reads only (``--data-args-path``: whether the file is readable).
-
-    - ``--train-data-path`` / ``--valid-data-path`` / ``--test-data-path`` /
-      ``--per-split-data-args-path``: the datasets provider builds the three splits from one
-      blend with ``--split`` (:func:`~tst_megatron.training.data.build_datasets`); without
-      this check a run given only these would train on mock data.
-    - ``--data-args-path`` naming no readable file, or a file without a word in it (it would
-      leave the run on mock data), or without ``--split`` (Megatron-LM's ``validate_args``
-      sets its default split only for ``--data-path``; megatron-core's dataset config would
-      assert inside ``pretrain()``).
-    """
+    """Data flags Megatron-LM accepts that this launcher cannot honour: per-split paths (the
+    datasets provider reads one blend with ``--split``; the run would train on mock data), and
+    a ``--data-args-path`` that is unreadable, empty or without ``--split`` (``validate_args``
+    defaults the split only for ``--data-path``). Reads the ``--data-args-path`` file."""
     problems = []
     for flag in (
         "train_data_path",
@@ -146,14 +132,8 @@ def data_problems(args) -> list[str]:
 
 
 def argv_problems(argv: Sequence[str]) -> list[str]:
-    """Flags refused as given on the command line, before Megatron-LM parses it (empty:
-    none): ``--yaml-cfg`` (Megatron-LM's experimental YAML config replaces the whole parsed
-    namespace, so the ``--tst-*`` flags, ``--device`` and a CPU run's :data:`CPU_FLAGS` would
-    be lost).
-
-    Args:
-        argv: the command line as the user gave it.
-    """
+    """Flags refused in the command line as given, before Megatron-LM parses it:
+    ``--yaml-cfg`` (its YAML config replaces the whole parsed namespace, ``--tst-*`` included)."""
     if any(word == "--yaml-cfg" or word.startswith("--yaml-cfg=") for word in argv):
         return [
             "--yaml-cfg is not supported by this launcher: Megatron-LM's experimental YAML "
@@ -163,21 +143,14 @@ def argv_problems(argv: Sequence[str]) -> list[str]:
 
 
 def parallel_problems(args, config) -> list[str]:
-    """Layout rules megatron-core enforces only inside the first training step, one line each
-    naming the flag (empty: none). Reads only.
+    """Layout rules megatron-core enforces only inside the first training step:
 
-    - Sequence parallelism splits each rank's sequence across TP: ``--seq-length`` / CP must
-      be divisible by TP. TST's phases both run ``--seq-length`` positions (phase 1 folds
-      ``S*T`` tokens into ``T`` bags), so one rule covers both.
-    - The interleaved pipeline schedule (``--num-layers-per-virtual-pipeline-stage`` or
-      ``--num-virtual-stages-per-pipeline-rank``) needs, for each global batch of M
-      micro-batches, ``PP <= N <= M`` and ``M mod N`` 0 or ``>= PP``, N being
-      ``--microbatch-group-size-per-virtual-pipeline-stage`` (default PP): megatron-core's
-      ``forward_backward_pipelining_with_interleaving`` (0.19) raises otherwise.
-
-    Args:
-        args: Megatron-LM's arguments after ``validate_args``.
-        config: the model's ``TransformerConfig`` (for the micro-batch group size).
+    - sequence parallelism: ``--seq-length`` / CP divisible by TP (both TST phases run
+      ``--seq-length`` positions);
+    - the interleaved pipeline, for each global batch of M micro-batches and group size N
+      (``config.microbatch_group_size_per_vp_stage``, default PP): ``PP <= N <= M`` and
+      ``M mod N`` 0 or ``>= PP`` (megatron-core 0.19's
+      ``forward_backward_pipelining_with_interleaving`` raises otherwise).
     """
     problems = []
     tp, cp, t = args.tensor_model_parallel_size, args.context_parallel_size, args.seq_length
@@ -191,8 +164,7 @@ def parallel_problems(args, config) -> list[str]:
     if pp > 1 and vpp and vpp > 1:
         group = getattr(config, "microbatch_group_size_per_vp_stage", None) or pp
         per_step = args.micro_batch_size * args.data_parallel_size
-        total = consumed_samples(args, train_iters(args))
-        batches = {batch for first, batch in global_batches(args) if first < total}
+        batches = {batch for _, batch in _reached_batches(args)}
         if getattr(args, "eval_iters", 0):
             batches.add(getattr(args, "eval_global_batch_size", None) or args.global_batch_size)
         for batch in sorted(batches):
@@ -208,28 +180,31 @@ def parallel_problems(args, config) -> list[str]:
     return problems
 
 
+def _reached_batches(args) -> list[tuple[int, int]]:
+    """``[(first sample, global batch)]`` of the global batches the run reaches."""
+    total = consumed_samples(args, train_iters(args))
+    return [(first, batch) for first, batch in global_batches(args) if first < total]
+
+
 def schedule_problems(args) -> list[str]:
-    """Megatron-LM's checks of ``--step-batch-size-schedule``: the divisibility of each global
-    batch the run reaches by micro-batch x DP, which ``train()`` asserts only when it gets
-    there (``update_num_microbatches(..., consistency_check=True)``). The calculator's own
-    checks raise when it is built (:func:`check` reports them)."""
+    """Each global batch of ``--step-batch-size-schedule`` the run reaches that micro-batch x
+    DP does not divide: Megatron-LM's ``train()`` asserts it only when it gets there. Raises
+    what Megatron-LM's batch-size calculator raises for a malformed schedule."""
     if _batch_calculator(args) is None:
         return []
     per_step = args.micro_batch_size * args.data_parallel_size
-    total = consumed_samples(args, train_iters(args))
     return [
         f"--step-batch-size-schedule: global batch {batch} (from sample {first:,}) is not "
         f"divisible by --micro-batch-size {args.micro_batch_size} x data-parallel size "
         f"{args.data_parallel_size}; Megatron-LM asserts it when the run gets there"
-        for first, batch in global_batches(args)
-        if first < total and batch % per_step
+        for first, batch in _reached_batches(args)
+        if batch % per_step
     ]
 
 
 def resume_checks(args) -> list[str]:
-    """The problems of resuming the checkpoint ``--load`` holds (empty: nothing to resume):
-    :func:`~tst_megatron.training.plan.resume_problems` (TST) and
-    :func:`~tst_megatron.training.plan.scheduler_problems` (Megatron-LM's schedule check)."""
+    """The problems of resuming the checkpoint in ``--load`` (empty: none, or nothing to
+    resume): TST's, the model's (:func:`architecture_problems`) and the LR schedule's."""
     try:
         found = checkpoint_to_resume(args)
     except ConfigError as exc:
@@ -237,9 +212,9 @@ def resume_checks(args) -> list[str]:
     if found is None:
         return []
     iteration, common = found
-    saved = common.get("args")
-    problems = [] if saved is None else resume_problems(args, saved, iteration)
-    problems += [] if saved is None else architecture_problems(args, saved)
+    saved, problems = common.get("args"), []
+    if saved is not None:
+        problems = resume_problems(args, saved, iteration) + architecture_problems(args, saved)
     return problems + scheduler_problems(args, common.get("opt_param_scheduler"), iteration)
 
 
@@ -263,16 +238,13 @@ ARCHITECTURE = (
     "multi_latent_attention",
     "mtp_num_layers",
 )
-"""The flags whose change makes a checkpoint's weights another model's. Megatron-LM's
-``check_checkpoint_args`` compares the first, second and fourth only, and only while loading
-(an assertion after the model is built); the others fail later still, as a shape or key
-mismatch inside megatron-core's checkpoint loader."""
+"""The flags whose change makes a checkpoint another model's. Megatron-LM's
+``check_checkpoint_args`` compares three of them, and only after the model is built."""
 
 
 def architecture_problems(args, saved) -> list[str]:
-    """One line naming every model flag of ``args`` that differs from the checkpoint's
-    ``saved`` arguments, with both values (empty: none, or ``--use-checkpoint-args``, which
-    takes the checkpoint's)."""
+    """One line naming each :data:`ARCHITECTURE` flag of ``args`` that differs from the
+    checkpoint's ``saved`` arguments (empty: none, or ``--use-checkpoint-args``)."""
     if getattr(args, "use_checkpoint_args", False):
         return []
     changed = []
@@ -293,12 +265,8 @@ def architecture_problems(args, saved) -> list[str]:
 
 
 def launch_notes(args) -> list[str]:
-    """What the user should know before the run starts, one line each (empty: nothing).
-
-    - ``--moe-router-load-balancing-type global_aux_loss``: megatron-core (0.19) accumulates
-      its token counts over the micro-batches and data-parallel ranks of a step, so the loss
-      and its gradient depend on the layout (DP x micro-batches), unlike ``aux_loss``.
-    """
+    """What the user should know before the run starts, one line each: that megatron-core
+    0.19's ``global_aux_loss`` counts tokens over DP and micro-batches (layout-dependent)."""
     kinds = args.moe_router_load_balancing_type
     kinds = [kinds] if isinstance(kinds, str) else list(kinds or [])
     notes = []
@@ -314,32 +282,22 @@ def launch_notes(args) -> list[str]:
 
 
 def launch_problems(
-    args,
-    user_argv: Sequence[str],
-    *,
-    device: str,
-    config=None,
-    launch: bool = False,
+    args, user_argv: Sequence[str], *, device: str, config=None, launch: bool = False
 ) -> list[str]:
-    """Everything the launcher refuses after Megatron-LM's ``validate_args`` and
-    ``TransformerConfig``, one line each (empty: none): :func:`schedule_problems`,
-    :func:`parallel_problems`, :func:`late_megatron_problems`, :func:`data_problems`,
-    :func:`tokenizer_problems`,
-    in a launch :func:`installed_problems`, :func:`tst_problems`, :func:`without_te_problems`, for a CPU run :func:`cpu_problems` and
-    :func:`cpu_flag_problems`, and, when nothing else is wrong, :func:`resume_checks`.
+    """Every rule of this module and of :mod:`~tst_megatron.training.megatron_checks`, one
+    line each; :func:`resume_checks` only when nothing else is wrong.
 
     Args:
         args: Megatron-LM's arguments after ``validate_args``.
         user_argv: the command line as given, before :data:`CPU_FLAGS` are appended.
         device: ``"cpu"`` or ``"cuda"``.
         config: the model's ``TransformerConfig``.
-        launch: a real launch (not a dry run): ``--device cuda`` must see a GPU, and
-            Transformer Engine is what is installed here (a dry run assumes the cluster's).
+        launch: a real launch, which checks this machine (a GPU, installed packages, TE);
+            a dry run assumes the cluster's.
+
+    Raises:
+        AssertionError, ValueError: Megatron-LM's batch-size calculator refused the schedule.
     """
-    import importlib.util
-
-    import torch
-
     problems = schedule_problems(args) + parallel_problems(args, config)
     problems += model_problems(args) + late_megatron_problems(args) + data_problems(args)
     problems += tokenizer_problems(args, launch=launch)
@@ -357,9 +315,8 @@ def launch_problems(
 
 
 def validation_error(exc: BaseException, where: str = "argument validation") -> str:
-    """One line for an exception raised by Megatron-LM's checks (``where``: which): its
-    message with whitespace collapsed or, for a bare ``assert``, the failing source line and
-    where it is (``file:line``)."""
+    """One line for an exception raised by Megatron-LM's checks (``where``): its message with
+    whitespace collapsed or, for a bare ``assert``, the failing source line and ``file:line``."""
     message = " ".join(str(exc).split())
     if message and isinstance(exc, (AssertionError, ValueError)):
         return f"Megatron-LM's {where}: {message}"

@@ -1,20 +1,8 @@
 """The launcher (``examples/pretrain_gpt_tst.py``): Megatron-LM's ``pretrain_gpt.py`` with
-Token Superposition Training, run by Megatron-LM's own ``pretrain()``.
-
-:func:`main` runs every check first (:func:`tst_megatron.training.validate.check`: Megatron-LM's
-parser and ``validate_args``, the model's ``TransformerConfig``, the launcher's rules); any
-problem ends the job with one ``error:`` line per problem from rank 0 and exit status 2 on
-every rank, before any process group, model or data exists. ``--dry-run`` is the same path
-plus a report (:mod:`tst_megatron.training.dry_run`). Then ``pretrain()`` gets TST's
-extension points: the model provider (:func:`~tst_megatron.training.model.model_provider`),
-the datasets provider (:class:`~tst_megatron.training.datasets.TSTDatasets`) and the forward
-step (:class:`~tst_megatron.training.forward.TSTForwardStep`), which also makes Megatron-LM
-save, validate and log the switch (:mod:`tst_megatron.training.switch`).
-
-Device: Megatron-LM has no ``--device`` flag; this launcher adds ``--device {auto,cuda,cpu}``
-(``auto``: CUDA when ``torch.cuda.is_available()``). A CPU run enables
-:func:`tst_megatron.runtime.cpu.enable` and appends
-:data:`~tst_megatron.training.flags.CPU_FLAGS`.
+Token Superposition Training, run by Megatron-LM's own ``pretrain()``, and its torchrun/Slurm
+glue. Every check runs first (:func:`tst_megatron.training.validate.check`); a problem ends the
+job before any process group, model or data exists. A CPU run (``--device cpu``) enables
+:func:`tst_megatron.runtime.cpu.enable`.
 """
 
 from __future__ import annotations
@@ -30,15 +18,13 @@ from tst_megatron.errors import ConfigError
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
-    """Check, then run Megatron-LM's ``pretrain()`` with TST's extension points.
+    """Check ``argv`` (default ``sys.argv[1:]``), then run Megatron-LM's ``pretrain()`` with
+    TST's model provider, datasets provider and forward step.
 
-    ``argv`` defaults to ``sys.argv[1:]``. On a problem (any check before work, or a
-    :class:`ConfigError` raised inside ``pretrain()``: a data file the datasets provider
-    refuses) the job prints one ``error:`` line per problem, once
-    (:func:`tst_megatron.runtime.report_error`: rank 0, and every other rank returns only
-    after it printed, so a launcher that stops all ranks when one exits does not lose the
-    line), and every rank exits with status 2. With ``--dry-run`` it exits with
-    :func:`tst_megatron.training.dry_run.dry_run`'s status (0 or 2) instead of training.
+    Raises:
+        SystemExit: 2 on every rank after one ``error:`` line per problem from rank 0 (any
+            check, or a :class:`ConfigError` inside ``pretrain()``); with ``--dry-run``,
+            :func:`tst_megatron.training.dry_run.dry_run`'s status (0 or 2).
     """
     from megatron.core.enums import ModelType
 
@@ -83,10 +69,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
 
 
 def _nothing_left_to_train(args) -> bool:
-    """True (after a ``note:`` on rank 0) when the checkpoint ``--load`` would resume is already
-    at ``--train-iters``: Megatron-LM's sampler would stop on it with "no samples left to
-    consume" (0.19.2), as the dataset holds exactly the run's samples. A run with
-    ``--skip-train`` (evaluation only) goes on."""
+    """True (after a ``note:`` on rank 0) when the checkpoint to resume is already at
+    ``--train-iters`` and not ``--skip-train``: Megatron-LM 0.19.2's sampler would stop with
+    "no samples left to consume"."""
     from tst_megatron.training.plan import checkpoint_to_resume, train_iters
 
     found = None if args.skip_train else checkpoint_to_resume(args)
@@ -102,19 +87,11 @@ def _nothing_left_to_train(args) -> bool:
 
 
 def export_torchrun_env(env: Optional[dict] = None, *, gpus: Optional[int] = None) -> dict:
-    """Make a task of an ``srun`` step look like a torchrun worker to Megatron-LM.
-
-    Megatron-LM's ``parse_args`` and ``initialize_megatron`` read torchrun's variables
-    (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``; init method
-    ``env://``). A task started by ``srun`` without torchrun has Slurm's instead; they are read
-    by :func:`tst_megatron.runtime.distributed.resolve_process` (rank ``SLURM_PROCID``, world
-    ``SLURM_STEP_NUM_TASKS``, local rank ``SLURM_LOCALID``, rendezvous on the step's first host
-    at a port derived from the job id: :func:`tst_megatron.runtime.slurm.slurm_rendezvous`) and
-    exported under torchrun's names. torchrun's variables win (nothing is changed when ``RANK``
-    is set), and outside an ``srun`` step nothing is set. Megatron-LM calls
-    ``torch.cuda.set_device(LOCAL_RANK)``: when Slurm binds fewer GPUs to the task than there
-    are tasks on the node (``--gpus-per-task=1``: each task sees one GPU, device 0),
-    ``LOCAL_RANK`` is ``SLURM_LOCALID`` modulo the visible GPUs, the task's own GPU.
+    """Export a ``srun`` task's rank, world and rendezvous
+    (:func:`tst_megatron.runtime.distributed.resolve_process`) under torchrun's names (``RANK``,
+    ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``), which Megatron-LM reads.
+    Nothing is set when ``RANK`` is or outside an ``srun`` step. ``LOCAL_RANK`` is
+    ``SLURM_LOCALID`` modulo the visible GPUs (``--gpus-per-task=1``: the task's own GPU 0).
 
     Args:
         env: the environment to update (default ``os.environ``).
@@ -150,56 +127,37 @@ def export_torchrun_env(env: Optional[dict] = None, *, gpus: Optional[int] = Non
 
 
 def one_process_env(env: typing.Mapping[str, str]) -> dict:
-    """The variables that make a process started by neither torchrun nor ``srun`` (``python
-    examples/pretrain_gpt_tst.py ...`` in a shell or a batch script) a world of one, as
-    ``torchrun --nproc_per_node 1`` would: rank 0 of 1, rendezvous on ``MASTER_ADDR`` (default
-    127.0.0.1) at ``MASTER_PORT`` (default a free port). Megatron-LM alone stops there with a
-    traceback ("MASTER_ADDR expected, but not set"). Empty when ``RANK`` is set (torchrun, or
-    :func:`export_torchrun_env` in an ``srun`` step)."""
+    """The variables that make a process started by neither torchrun nor ``srun`` a world of
+    one (rank 0 of 1 on ``MASTER_ADDR``, default 127.0.0.1, at ``MASTER_PORT``, default a free
+    port); Megatron-LM alone stops with "MASTER_ADDR expected, but not set". Empty when ``RANK``
+    is set."""
     if "RANK" in env:
         return {}
     from tst_megatron.runtime.distributed import free_port
 
     port = env.get("MASTER_PORT") or str(free_port())
     master = env.get("MASTER_ADDR", "127.0.0.1")
-    return {
-        "RANK": "0",
-        "WORLD_SIZE": "1",
-        "LOCAL_RANK": "0",
-        "MASTER_ADDR": master,
-        "MASTER_PORT": port,
-    }
+    return dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR=master, MASTER_PORT=port)
 
 
 def _use_prebuilt_dataset_helpers() -> None:
-    """Megatron-LM's ``initialize_megatron`` runs ``make`` in megatron-core's datasets folder
-    (``megatron.core.datasets.utils.compile_helpers``); the wheel ships the compiled helper
-    and no Makefile, so ``make`` fails and the run exits. When the compiled helper imports,
-    that function is replaced (in its module only) by one that does nothing."""
+    """Make ``megatron.core.datasets.utils.compile_helpers`` a no-op when the compiled helper
+    imports: the megatron-core 0.19.2 wheel ships it without the Makefile that
+    ``initialize_megatron``'s ``make`` needs, so the run would exit."""
     try:
         from megatron.core.datasets import helpers_cpp  # noqa: F401
     except ImportError:
         return  # a source checkout: let Megatron-LM compile it
     import megatron.core.datasets.utils as dataset_utils
 
-    def compile_helpers():
-        """The compiled dataset helper is already installed (megatron-core wheel)."""
-
-    dataset_utils.compile_helpers = compile_helpers
+    dataset_utils.compile_helpers = lambda: None
 
 
 def fork_checkpoint_results_queue() -> None:
-    """Start megatron-core's torch_dist write-results queue now, by ``fork`` (a CPU run).
-
-    megatron-core's ``FileSystemWriterAsync`` makes the queue at a process's first torch_dist
-    save (``filesystem_async.get_write_results_queue``) with a multiprocessing ``Manager``
-    started by ``spawn``, whose server process re-imports the launcher and with it torch and
-    megatron-core: about 8 s at each process's first save on a 2-core machine. Megatron-LM makes the same queue with ``mp_mode="fork"`` when it starts its
-    persistent checkpoint worker (``megatron.training.async_utils``); this does what that does,
-    through the same public function, before ``pretrain()``. Only for a CPU run: on a GPU the
-    launcher keeps megatron-core's default (no fork of a process that holds a CUDA context).
-    Idempotent (the queue is made once per process).
-    """
+    """Make megatron-core's torch_dist write-results queue now by ``fork``, as Megatron-LM's
+    persistent checkpoint worker does (``megatron.training.async_utils``), for a CPU run: at the
+    first save its default ``spawn`` re-imports torch and megatron-core (about 8 s on 2 cores).
+    Idempotent."""
     from megatron.core.dist_checkpointing.strategies.filesystem_async import (
         get_write_results_queue,
     )
@@ -208,8 +166,7 @@ def fork_checkpoint_results_queue() -> None:
 
 
 def _exit_on(exc: ConfigError) -> typing.NoReturn:
-    """Report ``exc`` once for the job (:func:`tst_megatron.runtime.report_error`) and exit
-    with status 2."""
+    """Report ``exc`` once for the job (rank 0) and exit with status 2."""
     from tst_megatron.runtime import report_error
 
     report_error(str(exc))

@@ -1,5 +1,5 @@
-"""The launcher's own flags: ``--tst-*`` (from :class:`TSTConfig` through Megatron-LM's
-``ArgumentGroupFactory``), ``--dry-run`` and ``--device``; and the flags a CPU run appends."""
+"""The launcher's own flags (``--tst-*``, ``--dry-run``, ``--device``) and those a CPU run
+appends."""
 
 from __future__ import annotations
 
@@ -13,12 +13,8 @@ import torch
 
 from tst_megatron.superposition.schedule import TSTConfig
 
-#: Flags appended to the command line of a CPU run: Megatron-LM's defaults assume CUDA
-#: kernels (Transformer Engine, fused norms/RoPE/SwiGLU, gradient-accumulation fusion, NCCL).
-#: ``--disable-jit-fuser`` keeps the fusions' ``torch.compile`` out of the training steps;
-#: ``pretrain()``'s warm-up of them still runs (its decorators ran at import; the tests set
-#: ``TORCHDYNAMO_DISABLE=1``). A user's own ``--transformer-impl`` / ``--distributed-backend``
-#: other than these is refused (:func:`~tst_megatron.training.megatron_checks.cpu_flag_problems`).
+#: Flags appended to a CPU run's command line: Megatron-LM's defaults assume CUDA kernels (TE,
+#: fusions, NCCL). ``--disable-jit-fuser`` keeps ``torch.compile`` out of the training steps.
 CPU_FLAGS = (
     "--transformer-impl",
     "local",
@@ -32,19 +28,14 @@ CPU_FLAGS = (
     "--no-bias-dropout-fusion",
     "--no-masked-softmax-fusion",
     "--disable-jit-fuser",
-    # weights drawn on the host whole, then split, as megatron-core does for this flag
     "--use-cpu-initialization",
 )
 
-DEVICES = ("auto", "cuda", "cpu")
-
 
 def _tst_group_factory():
-    """Megatron-LM's ``ArgumentGroupFactory`` for :class:`TSTConfig`, with every flag and
-    destination prefixed ``tst`` (field ``bag_size``: ``--tst-bag-size``, dest ``tst_bag_size``;
-    a boolean defaulting to True: ``--no-tst-...`` and ``--disable-tst-...``). The field types
-    are resolved first (the module uses postponed annotations, which the factory reads as
-    strings)."""
+    """Megatron-LM's ``ArgumentGroupFactory`` for :class:`TSTConfig`, flags and destinations
+    prefixed ``tst`` (``bag_size``: ``--tst-bag-size``, dest ``tst_bag_size``), with the field
+    types resolved (the factory would read postponed annotations as strings)."""
     from megatron.training.argument_utils import ArgumentGroupFactory
 
     hints = typing.get_type_hints(TSTConfig)
@@ -63,8 +54,8 @@ def _tst_group_factory():
 
 
 def add_tst_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Megatron-LM extra-args provider: the ``--tst-*`` group, ``--dry-run`` and ``--device``.
-    Returns ``parser``."""
+    """Megatron-LM extra-args provider: ``--tst-*``, ``--dry-run``, ``--device``; returns
+    ``parser``."""
     group = _tst_group_factory().build_group(parser, title="token superposition training (TST)")
     group.add_argument(
         "--dry-run",
@@ -75,7 +66,7 @@ def add_tst_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     group.add_argument(
         "--device",
-        choices=DEVICES,
+        choices=("auto", "cuda", "cpu"),
         default="auto",
         help="Where to run: cuda; cpu (gloo, the local layer spec, float32; the launcher adds "
         "the flags a CPU run needs); or auto, cuda when a GPU is visible. Default: auto.",
@@ -85,10 +76,9 @@ def add_tst_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def _escape_broken_help(parser: argparse.ArgumentParser) -> None:
-    """Make ``--help`` work: double the ``%`` of each help text of ``parser`` that argparse
-    cannot expand (Megatron-LM 0.19.2's ``--moe-paged-stash-buffer-size-factor-cuda`` help
-    says ``10%)``, so its own ``--help`` stops with ``ValueError: unsupported format
-    character``). Only this parser's actions are edited; a text that expands is left as is."""
+    """Double the ``%`` of each help text argparse cannot expand: Megatron-LM 0.19.2's
+    ``--moe-paged-stash-buffer-size-factor-cuda`` help (``10%)``) makes ``--help`` raise
+    ``ValueError: unsupported format character``."""
     formatter = parser._get_formatter()
     for action in parser._actions:
         if action.help:
@@ -107,11 +97,18 @@ def tst_config(args) -> TSTConfig:
 
 def pick_device(argv: Sequence[str], *, cuda: Optional[bool] = None) -> str:
     """``"cuda"`` or ``"cpu"`` from ``--device`` in ``argv``; ``auto`` is ``"cuda"`` when
-    ``cuda`` (default: ``torch.cuda.is_available()``; a dry run passes True, checking the line
-    for the cluster). An invalid value is left to the full parser, which names it."""
-    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-    pre.add_argument("--device", default="auto")
-    device = pre.parse_known_args(list(argv))[0].device
-    if device == "auto":
+    ``cuda`` (default ``torch.cuda.is_available()``). An invalid value is returned as given,
+    for the full parser to refuse."""
+    device = flag_values(argv, "--device").device
+    if device in (None, "auto"):
         return "cuda" if (torch.cuda.is_available() if cuda is None else cuda) else "cpu"
     return device
+
+
+def flag_values(argv: Sequence[str], *flags: str) -> argparse.Namespace:
+    """The values of ``flags`` in ``argv`` as given (None: absent), before Megatron-LM parses
+    it; other words are ignored."""
+    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    for flag in flags:
+        pre.add_argument(flag)
+    return pre.parse_known_args(list(argv))[0]

@@ -1,30 +1,22 @@
-"""Settings Megatron-LM 0.19 accepts but cannot run, each found before any work and said in
-one line naming the flag (empty: none): what its ``pretrain()`` stops on only after building
-the model or in the first step, what its tokenizer builder stops on, what megatron-core
-cannot do without Transformer Engine (every CPU run) and what a CPU run cannot do. Each
-function reads and returns lines; none raises.
+"""Settings Megatron-LM 0.19 accepts but cannot run (its ``pretrain()`` would stop with a
+traceback after set-up), found before any work: each function reads only and returns one line
+per problem naming the flag (empty: none).
 """
 
 from __future__ import annotations
 
-import argparse
+import importlib.util
 import os
 from typing import Sequence
 
+from tst_megatron.training.flags import flag_values
+
 
 def tokenizer_problems(args, *, launch: bool) -> list[str]:
-    """The tokenizer settings Megatron-LM's ``set_global_variables`` would stop on with a
-    traceback (it builds the tokenizer right after ``validate_args``), one line each naming
-    the flag (empty: none). Reads only (whether files exist).
-
-    - no ``--tokenizer-type`` (Megatron-LM 0.19 has no default: "tokenizer_type None is not
-      supported"); ``NullTokenizer`` without ``--vocab-size``; ``HuggingFaceTokenizer``
-      without ``--tokenizer-model``;
-    - in a launch (a dry run may run where the cluster's files are not): a
-      ``--tokenizer-model`` file of a SentencePiece type, or ``--vocab-file`` /
-      ``--merge-file`` of ``GPT2BPETokenizer``, that does not exist. A Hugging Face
-      ``--tokenizer-model`` may be a hub name and is not checked.
-    """
+    """The tokenizer settings Megatron-LM's ``set_global_variables`` stops on: no
+    ``--tokenizer-type``, a type without its ``--vocab-size`` / ``--tokenizer-model``, and in a
+    ``launch`` (not a dry run, which may run where the cluster's files are not) a tokenizer
+    file that does not exist (a Hugging Face ``--tokenizer-model`` may be a hub name)."""
     kind = args.tokenizer_type
     if kind is None:
         return ["--tokenizer-type is required (Megatron-LM 0.19 has no default)"]
@@ -51,36 +43,20 @@ def tokenizer_problems(args, *, launch: bool) -> list[str]:
 
 
 def installed_problems(args) -> list[str]:
-    """In a launch only (a dry run may run where the cluster's packages are not): packages a
-    flag needs that are not installed here. ``--wandb-project`` without ``wandb``
-    (Megatron-LM imports it in ``set_global_variables``, a traceback on the last rank)."""
-    import importlib.util
-
+    """Packages a flag needs that are not installed here (for a launch; a dry run may run
+    where the cluster's packages are not): ``--wandb-project`` without ``wandb``."""
     if getattr(args, "wandb_project", None) and importlib.util.find_spec("wandb") is None:
         return ["--wandb-project needs the wandb package here: pip install wandb"]
     return []
 
 
 def late_megatron_problems(args) -> list[str]:
-    """Settings Megatron-LM's ``validate_args`` accepts but its ``pretrain()`` refuses only
-    after building the model, one line each naming the flag (empty: none). Reads only.
-
-    - neither ``--train-iters`` nor ``--train-samples``, or no ``--lr``, in a training run
-      (``get_optimizer_param_scheduler`` raises);
-    - ``--finetune`` without a checkpoint to start from (it would train from scratch);
-
-    - ``--lr-decay-style WSD`` without ``--lr-wsd-decay-iters`` (iteration-based run) or
-      ``--lr-wsd-decay-samples`` (sample-based run): ``get_optimizer_param_scheduler`` passes
-      ``wsd_decay_steps=None`` and ``OptimizerParamScheduler`` asserts on it.
-    - no ``--eval-interval`` (0.19's default is None) in a training run without
-      ``--full-validation``: ``get_train_valid_test_num_samples`` computes
-      ``train_iters // eval_interval`` and stops with a ``TypeError``.
-    - ``--full-validation`` with one validation set: ``evaluate()`` indexes the int
-      ``--eval-iters`` (``eval_iters[0]`` of ``torch.tensor(int).tolist()``) and stops with a
-      ``TypeError`` at the first evaluation (megatron-core 0.19.2).
-    - ``--wandb-project`` without ``--wandb-exp-name``: ``set_global_variables`` raises on
-      the last rank (``_set_wandb_writer``).
-    """
+    """Settings ``validate_args`` accepts but ``pretrain()`` refuses only after building the
+    model: no ``--train-iters``/``--train-samples`` or ``--lr`` (the scheduler raises);
+    ``--finetune`` without a checkpoint; ``--lr-decay-style WSD`` without its decay length;
+    no ``--eval-interval`` (a ``TypeError`` sizing the validation set); ``--full-validation``
+    with one validation set (a ``TypeError`` in ``evaluate()``, Megatron-LM 0.19.2);
+    ``--wandb-project`` without ``--wandb-exp-name``."""
     problems = []
     if getattr(args, "wandb_project", None) and not getattr(args, "wandb_exp_name", None):
         problems.append("--wandb-project needs --wandb-exp-name (Megatron-LM raises without)")
@@ -120,20 +96,10 @@ def late_megatron_problems(args) -> list[str]:
 
 
 def model_problems(args) -> list[str]:
-    """Model and layout settings megatron-core refuses only while building the model or in
-    the first step (megatron-core 0.19), one line each naming the flag (empty: none).
-
-    - ``--moe-router-topk`` above ``--num-experts`` (``torch.topk`` fails in the first step);
-    - MoE with TP > 1 and no ``--sequence-parallel`` (``MoELayer.forward`` raises in training);
-    - a world size that expert TP x EP x PP does not divide (``initialize_model_parallel``
-      raises inside ``pretrain()``);
-    - ``--num-query-groups`` that does not divide ``--num-attention-heads`` (a reshape fails in
-      the first forward);
-    - a shared expert (``--moe-shared-expert-intermediate-size``) with biases (the default
-      without ``--disable-bias-linear``: ``SharedExpertMLP`` asserts while building the
-      model);
-    - ``--num-workers`` below 0 (the ``DataLoader`` refuses it after the model is built).
-    """
+    """Model and layout settings megatron-core 0.19 refuses only while building the model or
+    in the first step: heads not divisible by ``--num-query-groups``, a shared expert with
+    biases, ``--num-workers`` below 0, ``--moe-router-topk`` above ``--num-experts``, MoE with
+    TP > 1 and no ``--sequence-parallel``, a world size expert TP x EP x PP does not divide."""
     problems = []
     if args.group_query_attention and args.num_attention_heads % args.num_query_groups:
         problems.append(
@@ -169,23 +135,9 @@ def model_problems(args) -> list[str]:
 
 
 def cpu_problems(args) -> list[str]:
-    """Settings a CPU run (``--device cpu``) cannot do, one line each naming the flag (empty:
-    none). Reads only.
-
-    - ``--use-distributed-optimizer``: megatron-core's ``DistributedOptimizer`` builds its
-      buffers as CUDA tensors (a ``TypeError`` at set-up on a CPU).
-    - pipeline parallelism with tied embeddings: megatron-core's embedding-group all-reduce
-      of the tied weights calls ``.cuda()``.
-    - ``--bf16`` / ``--fp16``: megatron-core's ``Float16OptimizerWithFloat16Params`` accepts
-      only ``torch.cuda.*`` parameter types.
-    - ``--log-memory-to-tensorboard``: Megatron-LM reads CUDA memory statistics
-      (``KeyError: 'reserved_bytes.all.current'`` at the first log line).
-    - ``--mtp-num-layers`` with pipeline parallelism: megatron-core gives the last stage its
-      own copy of the embedding and sets it up with ``weight.data.cuda()``
-      (``LanguageModule.setup_embeddings_and_output_layer``).
-    - ``--profile`` without ``--use-pytorch-profiler``: Megatron-LM then starts CUDA's
-      profiler (``cudaProfilerStart``) at ``--profile-step-start``.
-    """
+    """Settings a CPU run (``--device cpu``) cannot do, megatron-core 0.19 needing CUDA for
+    them: ``--use-distributed-optimizer``, ``--bf16``/``--fp16``, ``--log-memory-to-tensorboard``,
+    ``--profile`` (CUDA's profiler), PP > 1 with tied embeddings or ``--mtp-num-layers``."""
     problems = []
     if args.profile and not args.use_pytorch_profiler:
         problems.append(
@@ -221,16 +173,9 @@ def cpu_problems(args) -> list[str]:
 
 
 def cpu_flag_problems(argv: Sequence[str]) -> list[str]:
-    """The user's own ``--transformer-impl`` / ``--distributed-backend`` that a CPU run's
-    :data:`CPU_FLAGS` would override (``local`` / ``gloo``), one line each (empty: none).
-
-    Args:
-        argv: the command line as the user gave it, before :data:`CPU_FLAGS` are appended.
-    """
-    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-    parser.add_argument("--transformer-impl")
-    parser.add_argument("--distributed-backend")
-    given, _ = parser.parse_known_args(list(argv))
+    """The user's own ``--transformer-impl`` / ``--distributed-backend`` in ``argv`` (the
+    command line as given) that a CPU run's ``CPU_FLAGS`` (``local`` / ``gloo``) would override."""
+    given = flag_values(argv, "--transformer-impl", "--distributed-backend")
     problems = []
     if given.transformer_impl not in (None, "local"):
         problems.append(
@@ -246,23 +191,10 @@ def cpu_flag_problems(argv: Sequence[str]) -> list[str]:
 
 
 def without_te_problems(args, *, te: bool) -> list[str]:
-    """Features megatron-core 0.19 accepts but cannot run without Transformer Engine (every
-    CPU run), or on its local layer spec, one line each naming the flag (empty: none).
-
-    - ``--context-parallel-size`` > 1, or ``--fp8-format``, without TE (megatron-core's
-      ``DotProductAttention`` asserts on CP; FP8 would silently not happen);
-    - ``--multi-latent-attention`` with ``--transformer-impl local``: the local spec builds
-      MLA's core attention with ``k_channels``/``v_channels``, which its
-      ``DotProductAttention`` does not take (a ``TypeError`` while building the model).
-    - ``--recompute-granularity selective`` of ``layernorm`` or ``mla_up_proj`` without TE:
-      megatron-core's ``CheckpointWithoutOutput`` always takes its FP8 branch and calls TE's
-      ``FP8GlobalStateManager`` (a ``NameError`` in the first forward).
-
-    Args:
-        args: Megatron-LM's arguments after ``validate_args``.
-        te: Transformer Engine is importable where the run will be (a dry run of a CUDA line
-            assumes the cluster has it; a CPU run never has).
-    """
+    """Features megatron-core 0.19 cannot run without Transformer Engine (``te`` False: TE
+    is not where the run will be; a CPU run never has it), or on its local layer spec: CP > 1,
+    FP8, selective recompute of ``layernorm``/``mla_up_proj``, and MLA with the local spec;
+    each line says why."""
     problems = []
     if not te and args.context_parallel_size > 1:
         problems.append(
