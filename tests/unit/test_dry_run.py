@@ -345,3 +345,24 @@ def test_a_cpu_run_with_tp_needs_no_cuda_device_max_connections():
     assert r.returncode == 0, r.stderr
     cuda = dry(tp2 + ["--device", "cuda"], env={"WORLD_SIZE": "2"})
     assert cuda.returncode == 2 and "CUDA_DEVICE_MAX_CONNECTIONS" in cuda.stderr + cuda.stdout
+
+
+def test_a_cuda_run_without_te_apex_or_grouped_gemm_is_told_which_flag_avoids_each():
+    """Megatron-LM's defaults (the TE spec, gradient accumulation fusion) fail after set-up
+    where Transformer Engine or Apex is missing (the lent H200 has neither): one line each,
+    naming the flag; the CPU flags (local spec, no fusion) avoid them all."""
+    from tst_megatron.training.flags import CPU_FLAGS
+    from tst_megatron.training.megatron_checks import without_te_problems
+    from tst_megatron.training.validate import _parse
+
+    args = _parse(SMALL + ["--moe-grouped-gemm", "--transformer-impl", "local"])
+    problems = without_te_problems(args, te=False, apex=False, grouped_gemm=False)
+    assert len(problems) == 2, problems
+    assert "add --no-gradient-accumulation-fusion" in problems[0]
+    assert problems[1].startswith("--moe-grouped-gemm on the local spec needs the grouped_gemm")
+    default = _parse(SMALL)
+    assert without_te_problems(default, te=False, apex=True)[0].startswith(
+        "--transformer-impl transformer_engine (Megatron-LM's default) needs Transformer Engine"
+    )
+    assert without_te_problems(default, te=True, apex=True) == []
+    assert without_te_problems(_parse(SMALL + list(CPU_FLAGS)), te=False, apex=False) == []

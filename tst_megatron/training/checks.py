@@ -303,10 +303,16 @@ def launch_problems(
     problems += tokenizer_problems(args, launch=launch)
     problems += installed_problems(args) if launch else []
     problems += tst_problems(args, config=config)
-    te = device == "cuda" and (
-        not launch or importlib.util.find_spec("transformer_engine") is not None
+
+    def here(package: str) -> bool:  # installed where the run will be (a dry run: assumed)
+        return device == "cuda" and (not launch or importlib.util.find_spec(package) is not None)
+
+    problems += without_te_problems(
+        args,
+        te=here("transformer_engine"),
+        apex=here("fused_weight_gradient_mlp_cuda"),
+        grouped_gemm=here("grouped_gemm"),
     )
-    problems += without_te_problems(args, te=te)
     if device == "cpu":
         problems += cpu_problems(args) + cpu_flag_problems(user_argv)
     elif launch and not torch.cuda.is_available():

@@ -190,12 +190,34 @@ def cpu_flag_problems(argv: Sequence[str]) -> list[str]:
     return problems
 
 
-def without_te_problems(args, *, te: bool) -> list[str]:
+def without_te_problems(
+    args, *, te: bool, apex: bool = True, grouped_gemm: bool = True
+) -> list[str]:
     """Features megatron-core 0.19 cannot run without Transformer Engine (``te`` False: TE
-    is not where the run will be; a CPU run never has it), or on its local layer spec: CP > 1,
-    FP8, selective recompute of ``layernorm``/``mla_up_proj``, and MLA with the local spec;
-    each line says why."""
+    is not where the run will be; a CPU run never has it), without Apex's CUDA extensions
+    (``apex`` False), without the ``grouped_gemm`` package (``grouped_gemm`` False), or on
+    its local layer spec: the TE spec (Megatron-LM's default), CP > 1,
+    FP8, grouped GEMM without the ``grouped_gemm`` package, selective recompute of
+    ``layernorm``/``mla_up_proj``, MLA with the local spec, and gradient accumulation fusion
+    (Megatron-LM's default; ``ColumnParallelLinear`` raises without Apex's
+    ``fused_weight_gradient_mlp_cuda``); each line names the flag that avoids it."""
     problems = []
+    if not te and args.transformer_impl == "transformer_engine":
+        problems.append(
+            "--transformer-impl transformer_engine (Megatron-LM's default) needs Transformer "
+            "Engine, which this run lacks: install it, or add --transformer-impl local"
+        )
+    if not apex and args.gradient_accumulation_fusion:
+        problems.append(
+            "gradient accumulation fusion (Megatron-LM's default) needs Apex's "
+            "fused_weight_gradient_mlp_cuda extension, which this run lacks: add "
+            "--no-gradient-accumulation-fusion"
+        )
+    if args.moe_grouped_gemm and not grouped_gemm and args.transformer_impl == "local":
+        problems.append(
+            "--moe-grouped-gemm on the local spec needs the grouped_gemm package, which this "
+            "run lacks: drop it, or use --transformer-impl transformer_engine"
+        )
     if not te and args.context_parallel_size > 1:
         problems.append(
             "--context-parallel-size > 1 needs Transformer Engine (megatron-core's "
