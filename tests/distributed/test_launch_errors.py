@@ -95,6 +95,35 @@ def test_every_class_of_problem_stops_a_real_launch_in_one_line():
         assert status1 == 2 and "error:" not in err1 + out1, (name, err1[-2000:])
 
 
+@pytest.mark.slow
+def test_a_missing_or_truncated_data_file_stops_a_launch_before_the_model(tmp_path):
+    """A launch checks that each --data-path prefix's .bin and .idx exist and agree before
+    any work (one line, rank 0 prints, status 2 everywhere); the dry run, which may run where
+    the data is not, does not."""
+    real = tmp_path / "real"
+    real.with_suffix(".bin").write_bytes(b"")
+    real.with_suffix(".idx").write_bytes(b"MMIDIDX\x00\x00")  # a header cut short
+    base = [w for w in BASE if w != "--mock-data"]
+    cases = {
+        "missing": base + ["--data-path", str(tmp_path / "nowhere")],
+        "truncated": base + ["--data-path", "0.5", str(real), "0.5", str(real)],
+    }
+    rank0, rank1 = run_distributed(_launch_and_dry_run_child, world_size=2, cases=cases)
+    expected = {
+        "missing": f"error: --data-path: {tmp_path / 'nowhere'}.bin does not exist",
+        "truncated": f"error: --data-path: {real}.idx is not a Megatron index file",
+    }
+    for name, line in expected.items():
+        status, out, err, dry_lines = rank0[name]
+        errors = [x for x in err.splitlines() if x.startswith("error:")]
+        assert status == 2 and len(errors) == 2 - (name == "missing"), (name, err[-2000:])
+        assert all(e.startswith(line) for e in errors), (name, errors)
+        assert "Traceback" not in out + err and "building GPT model" not in out, name
+        assert dry_lines == [], (name, dry_lines)
+        status1, out1, err1, _ = rank1[name]
+        assert status1 == 2 and "error:" not in err1 + out1, (name, err1[-2000:])
+
+
 def _torchrun(tmp_path, *flags):
     from tst_megatron.runtime.distributed import free_port
 

@@ -317,7 +317,29 @@ def launch_problems(
         problems += cpu_problems(args) + cpu_flag_problems(user_argv)
     elif launch and not torch.cuda.is_available():
         problems.append("--device cuda: no GPU is visible here (use --device cpu for a CPU run)")
+    if launch and not problems:
+        problems += data_file_problems(args)
     return problems or resume_checks(args)
+
+
+def data_file_problems(args) -> list[str]:
+    """In a launch: each dataset prefix of ``--data-path`` (or ``--data-args-path``) has a
+    ``.bin`` and ``.idx`` that agree (:func:`~tst_megatron.data.files.open_data_file`: header
+    and sizes, O(1) reads), one line per bad prefix. The token ids are scanned later, with the
+    tokenizer (:func:`~tst_megatron.training.data.check_data_files`)."""
+    from tst_megatron.data.files import open_data_file
+    from tst_megatron.training.data import data_prefixes, data_settings
+
+    data = data_settings(args)
+    if data.mock_data:
+        return []
+    problems = []
+    for prefix in data_prefixes(data.data_path):
+        try:
+            open_data_file(prefix)
+        except ConfigError as exc:
+            problems.append(str(exc))
+    return problems
 
 
 def validation_error(exc: BaseException, where: str = "argument validation") -> str:
