@@ -450,9 +450,8 @@ SIZES = {
 
 #: FP8 needs Transformer Engine (CUDA only).
 FP8 = ["--fp8-format", "--fp8-amax-history-len", "--fp8-amax-compute-algo", "--fp8-param-gather"]
-#: megatron-core's DistributedOptimizer accepts only ``torch.cuda.*`` parameter types
-#: (``_build_model_and_main_param_groups``), which the CPU runtime does not redirect;
-#: --overlap-param-gather needs it.
+#: The distributed optimizer runs on a CPU (tests/distributed/test_distributed_optimizer.py);
+#: the shrunk lines drop it to keep their runs as they were measured.
 DIST_OPT = ["--use-distributed-optimizer", "--overlap-param-gather"]
 #: megatron-core's Float16OptimizerWithFloat16Params (--bf16, --fp16) accepts only
 #: ``torch.cuda.*`` parameter types, which the CPU runtime does not redirect: fp32 instead.

@@ -27,7 +27,8 @@ How:
    RNG only when ``device_count() > 0``); ``torch.cuda.get_device_properties`` /
    ``get_device_capability`` answer a compute capability of 0.0 (``validate_args`` asks
    for it when TP or CP > 1); and a model chunk is kept on the CPU by
-   :func:`keep_on_cpu` (``get_model`` calls ``model_module.cuda(...)``).
+   :func:`keep_on_cpu` (``get_model`` calls ``model_module.cuda(...)``), its parameters'
+   ``type()`` naming the CUDA type (the distributed optimizer checks it).
 
 :func:`enable` is idempotent and may be called before or after ``torch.distributed`` is
 initialised; :func:`is_enabled` tells whether it ran.
@@ -415,13 +416,30 @@ def _redirect_loaded_modules() -> int:
 def keep_on_cpu(module: torch.nn.Module) -> torch.nn.Module:
     """``module`` whose ``.cuda(...)`` leaves it where it is: Megatron-LM's ``get_model``
     calls ``model_module.cuda(torch.cuda.current_device())`` on what the model provider
-    returns. Only this object is changed (an instance attribute); returns it."""
+    returns; and whose parameters' ``type()`` names the CUDA type (megatron-core 0.19's
+    ``DistributedOptimizer`` accepts only ``torch.cuda.*Tensor`` parameters). Only these
+    objects are changed (instance attributes); returns ``module``."""
 
     def cuda(device=None):
         return module
 
     module.cuda = cuda
+    for param in module.parameters():
+        param.type = _cuda_type_name(param)
     return module
+
+
+def _cuda_type_name(tensor: torch.Tensor):
+    """``tensor.type`` whose no-argument call answers the CUDA type name
+    (``torch.cuda.FloatTensor``): megatron-core's optimizers sort parameters by that string."""
+    real = torch.Tensor.type
+
+    def type_(dtype=None, non_blocking=False, **kwargs):
+        if dtype is None:
+            return real(tensor).replace("torch.", "torch.cuda.", 1)
+        return real(tensor, dtype, non_blocking, **kwargs)
+
+    return type_
 
 
 def enable(*, training: bool = False) -> None:

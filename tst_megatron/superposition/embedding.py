@@ -36,6 +36,15 @@ def check_token_ids(ids: torch.Tensor, vocab_size: int, *, what: str = "token id
         raise ValueError(f"{what} {bad} is outside the vocabulary [0, {vocab_size})")
 
 
+def run_forward_pre_hooks(module: torch.nn.Module, *args) -> None:
+    """Run ``module``'s forward pre-hooks as calling it would, for code that reads its
+    parameters without calling it. megatron-core's DDP (0.19) waits in these hooks for the
+    parameters' all-gather under ``--overlap-param-gather`` (distributed optimizer); skipping
+    them reads stale weights (found on CPU: phase 1's loss differed from iteration 2)."""
+    for hook in tuple(module._forward_pre_hooks.values()):
+        hook(module, args)
+
+
 def bag_embedding(
     embedding: LanguageModelEmbedding,
     bags: torch.Tensor,
@@ -99,6 +108,7 @@ def bag_embedding(
     if check:
         check_token_ids(bags, word.num_embeddings)
     b, latent_len, bag_size = bags.shape
+    run_forward_pre_hooks(word, bags)  # the lookup reads word.weight without calling word
     weight = word.weight
 
     # Local masked lookup, exactly as VocabParallelEmbedding.forward does, summed per bag.

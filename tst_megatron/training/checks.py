@@ -80,12 +80,6 @@ def _tst_setting_problems(args) -> list[str]:
                 f"{flag} is not supported in TST phase 1 {bags}: bags are formed on the packed "
                 "token stream; drop the flag or set --tst-bag-size 1"
             )
-    if getattr(args, "mtp_num_layers", None) and getattr(args, "overlap_param_gather", False):
-        problems.append(
-            f"--overlap-param-gather is not supported with --mtp-num-layers and a TST phase 1 "
-            f"{bags}: the MTP block does not run in phase 1, so a bucket of MTP parameters "
-            "would keep its all-gather in flight at the optimizer step; drop the flag"
-        )
     if getattr(args, "phase_transition_iterations", None):
         problems.append(
             f"--phase-transition-iterations is not supported with TST {bags}: it restarts "

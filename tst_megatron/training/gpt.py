@@ -12,6 +12,7 @@ import torch
 from megatron.core.models.gpt import GPTModel
 
 from tst_megatron.superposition import vocab_parallel_multi_target_cross_entropy
+from tst_megatron.superposition.embedding import run_forward_pre_hooks
 
 
 class TSTGPTModel(GPTModel):
@@ -44,6 +45,15 @@ class TSTGPTModel(GPTModel):
                 hidden_states, input_ids, position_ids, labels, *args, **kwargs
             )
         idle = self._mtp_only_parameters()
+        # the skipped block's forward pre-hooks still run: megatron-core DDP waits there for
+        # its parameters' all-gather (--overlap-param-gather), which must not stay in flight
+        if not hasattr(self, "_idle_modules"):
+            owners = {id(p) for p in idle}
+            self._idle_modules = [
+                m for m in self.modules() if any(id(p) in owners for p in m.parameters(False))
+            ]
+        for module in self._idle_modules:
+            run_forward_pre_hooks(module, hidden_states)
         if not self.post_process:
             return _ZeroGradient.apply(hidden_states, *idle)
         output_weight = None

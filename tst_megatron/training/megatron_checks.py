@@ -154,11 +154,6 @@ def cpu_problems(args) -> list[str]:
         problems.append(
             "--log-memory-to-tensorboard reads CUDA memory statistics; drop it for a CPU run"
         )
-    if args.use_distributed_optimizer:
-        problems.append(
-            "--use-distributed-optimizer needs CUDA (megatron-core's DistributedOptimizer "
-            "builds CUDA buffers); drop it for a CPU run"
-        )
     if args.pipeline_model_parallel_size > 1 and not args.untie_embeddings_and_output_weights:
         problems.append(
             "--pipeline-model-parallel-size > 1 on a CPU needs --untie-embeddings-and-output-"
