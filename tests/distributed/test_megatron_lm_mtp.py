@@ -77,3 +77,93 @@ def test_mtp_trains_from_the_switch_and_is_logged_in_phase2_only(runs, layout):
     mtp = {int(i): float(v) for i, v in _MTP_LOSS.findall(last)}
     assert sorted(mtp) == [4, 5, 6], last[-3000:]  # phase 2 only (the switch is at 3)
     assert all(math.isfinite(v) and v > 0 for v in mtp.values())
+
+
+def _adam_reference_child(rank, world, *, argv, n1):
+    """Run ``argv`` with two test hooks on every torch optimizer step, and replay each step of
+    each parameter in float64 with plain AdamW (torch's formula: decay, then
+    ``p -= lr / (1 - b1**t) * m / (sqrt(v) / sqrt(1 - b2**t) + eps)``).
+
+    A parameter is idle when every phase-1 gradient was exactly zero (found here, not by the
+    code under test); its Adam step count ``t`` restarts at the switch. Returns
+    ``{"idle": n, "busy": n, "err_idle": e, "err_busy": e, "stale_idle": e}``: the largest
+    absolute error of the real update against the reference, and against the reference that
+    keeps counting through phase 1 (what a missed reset gives).
+    """
+    from megatron.training import get_args
+    from torch.optim.optimizer import (
+        register_optimizer_step_post_hook,
+        register_optimizer_step_pre_hook,
+    )
+
+    steps = {}  # id(param) -> list of (iteration, p0, g, lr, wd, betas, eps, p1)
+
+    def pre(opt, *_):
+        it = get_args().curr_iteration
+        for group in opt.param_groups:
+            for p in group["params"]:
+                row = [it, p.detach().double().clone(), p.grad.detach().double().clone()]
+                row += [group["lr"], group["weight_decay"], group["betas"], group["eps"]]
+                steps.setdefault(id(p), []).append(row)
+
+    def post(opt, *_):
+        for group in opt.param_groups:
+            for p in group["params"]:
+                steps[id(p)][-1].append(p.detach().double().clone())
+
+    hooks = [
+        register_optimizer_step_pre_hook(pre),
+        register_optimizer_step_post_hook(post),
+    ]
+    try:
+        _fresh_pretrain_child(rank, world, runs=[argv])
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+    def replay(rows, restart):
+        m = v = None
+        errors, t = [], 0
+        for it, p0, g, lr, wd, (b1, b2), eps, p1 in rows:
+            if restart and it == n1:
+                m = v = None
+                t = 0
+            t += 1
+            m = (1 - b1) * g if m is None else b1 * m + (1 - b1) * g
+            v = (1 - b2) * g * g if v is None else b2 * v + (1 - b2) * g * g
+            ref = p0 * (1 - lr * wd) - lr / (1 - b1**t) * m / (v.sqrt() / (1 - b2**t) ** 0.5 + eps)
+            errors.append((it, (p1 - ref).abs().max().item()))
+        return errors
+
+    out = {"idle": 0, "busy": 0, "err_idle": 0.0, "err_busy": 0.0, "stale_idle": float("inf")}
+    for rows in steps.values():
+        idle = all(not row[2].any() for row in rows if row[0] < n1)
+        out["idle" if idle else "busy"] += 1
+        err = max(e for _, e in replay(rows, restart=idle))
+        key = "err_idle" if idle else "err_busy"
+        out[key] = max(out[key], err)
+        if idle:
+            switch_step = dict(replay(rows, restart=False))[n1]
+            out["stale_idle"] = min(out["stale_idle"], switch_step)
+    return out
+
+
+DISTOPT = [
+    "--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather",
+    "--ddp-bucket-size", "2000",
+]  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world,extra", [(1, []), (2, DISTOPT)], ids=["plain", "distopt-dp2"])
+def test_mtp_parameters_start_adam_afresh_at_the_switch(world, extra):
+    """MTP's first update after the switch is Adam's first step (step count and moments from
+    the switch), every other parameter's steps are plain AdamW throughout, against a float64
+    replay of each step; Megatron-LM's default ``--adam-beta2 0.999`` and weight decay 0.1.
+    Under the distributed optimizer each rank's shards (views of the parameters) are checked."""
+    argv = BASE + NO_DROPOUT + MTP + ["--weight-decay", "0.1", "--eval-iters", "0"] + extra
+    for out in run_distributed(_adam_reference_child, world, argv=argv, n1=3):
+        assert out["idle"] > 0 and out["busy"] > 0, out
+        assert out["err_idle"] < 1e-6 and out["err_busy"] < 1e-6, out
+        # a step count kept through phase 1 would be off by far more than the tolerance
+        assert out["stale_idle"] > 2e-5, out

@@ -365,3 +365,24 @@ def test_a_cuda_run_without_te_apex_or_grouped_gemm_is_told_which_flag_avoids_ea
     )
     assert without_te_problems(default, te=True, apex=True) == []
     assert without_te_problems(_parse(SMALL + list(CPU_FLAGS)), te=False, apex=False) == []
+
+
+def test_mtp_with_a_fused_adam_is_noted_and_with_torch_adamw_is_not():
+    """A fused Adam (Transformer Engine's or Apex's, one step count per group) cannot start the
+    MTP parameters afresh at the switch: the launch says so; torch's AdamW (this machine)
+    can, and nothing is said. No note without MTP or without a phase 1."""
+    from tst_megatron.training import checks
+    from tst_megatron.training.validate import _parse
+
+    mtp = SMALL + ["--mtp-num-layers", "1", "--position-embedding-type", "rope"]
+
+    def notes(argv, fused):
+        with mock.patch.object(checks, "_group_step_adam", return_value=fused):
+            return [n for n in checks.launch_notes(_parse(argv)) if "--mtp-num-layers" in n]
+
+    assert len(notes(mtp, fused=True)) == 1
+    assert "without Adam's bias correction" in notes(mtp, fused=True)[0]
+    assert notes(mtp, fused=False) == []
+    assert notes(SMALL, fused=True) == []
+    assert notes(mtp + ["--tst-phase1-iters", "0"], fused=True) == []
+    assert checks._group_step_adam() is False  # no TE, no Apex here: torch's AdamW

@@ -31,6 +31,7 @@ from tst_megatron.training.plan import (
     consumed_samples,
     global_batches,
     resume_problems,
+    schedule,
     scheduler_problems,
     train_iters,
 )
@@ -260,7 +261,9 @@ def architecture_problems(args, saved) -> list[str]:
 
 def launch_notes(args) -> list[str]:
     """What the user should know before the run starts, one line each: that megatron-core
-    0.19's ``global_aux_loss`` counts tokens over DP and micro-batches (layout-dependent)."""
+    0.19's ``global_aux_loss`` counts tokens over DP and micro-batches (layout-dependent), and
+    that a fused Adam cannot start MTP's state afresh at the switch
+    (:class:`~tst_megatron.training.switch.FreshAdamForMTP`)."""
     kinds = args.moe_router_load_balancing_type
     kinds = [kinds] if isinstance(kinds, str) else list(kinds or [])
     notes = []
@@ -272,7 +275,24 @@ def launch_notes(args) -> list[str]:
             "layout trains differently; aux_loss does not). TST keeps its meaning: a phase-1 "
             "bag counts as one token"
         )
+    mtp = getattr(args, "mtp_num_layers", None) and schedule(args).n1 > 0
+    if mtp and args.optimizer == "adam" and _group_step_adam():
+        notes.append(
+            "--mtp-num-layers: this machine's Adam (Transformer Engine's or Apex's FusedAdam) "
+            "keeps one step count per parameter group, so the MTP parameters, idle in phase 1, "
+            "take their first updates after the switch without Adam's bias correction "
+            "((1 - beta1) / sqrt(1 - beta2) times a first step); with torch's AdamW they start "
+            "afresh"
+        )
     return notes
+
+
+def _group_step_adam() -> bool:
+    """Whether megatron-core's ``Adam`` is a fused Adam with a group-level step count (it
+    takes Transformer Engine's, else Apex's ``FusedAdam``, else ``torch.optim.AdamW``)."""
+    from megatron.core.optimizer import Adam
+
+    return Adam is not torch.optim.AdamW
 
 
 def launch_problems(

@@ -19,7 +19,8 @@ from tst_megatron.errors import ConfigError
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
     """Check ``argv`` (default ``sys.argv[1:]``), then run Megatron-LM's ``pretrain()`` with
-    TST's model provider, datasets provider and forward step.
+    TST's model provider, datasets provider and forward step (and, with MTP, the optimizer
+    hook :class:`~tst_megatron.training.switch.FreshAdamForMTP`).
 
     Raises:
         SystemExit: 2 on every rank after one ``error:`` line per problem from rank 0 (any
@@ -27,10 +28,13 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             :func:`tst_megatron.training.dry_run.dry_run`'s status (0 or 2).
     """
     from megatron.core.enums import ModelType
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
 
     from tst_megatron.training.datasets import TSTDatasets
     from tst_megatron.training.forward import TSTForwardStep
     from tst_megatron.training.model import model_provider
+    from tst_megatron.training.plan import schedule
+    from tst_megatron.training.switch import FreshAdamForMTP
     from tst_megatron.training.validate import parse
 
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -56,16 +60,25 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         cpu.enable(training=True)  # again: modules imported since
         fork_checkpoint_results_queue()
     cfg = pretrain_cfg_container_from_args(checked.args)
+    provider, hook = model_provider, None
+    n1 = schedule(checked.args).n1
+    if getattr(checked.args, "mtp_num_layers", None) and n1 > 0:
+        fresh = FreshAdamForMTP(n1)
+        provider = fresh.watch(model_provider)
+        hook = register_optimizer_step_pre_hook(fresh)
     try:
         pretrain(
             cfg,
             TSTDatasets(),
             ModelType.encoder_or_decoder,
             TSTForwardStep(),
-            model_provider=model_provider,
+            model_provider=provider,
         )
     except ConfigError as exc:  # found inside: the datasets provider's data checks
         _exit_on(exc)
+    finally:
+        if hook is not None:
+            hook.remove()
 
 
 def _nothing_left_to_train(args) -> bool:

@@ -1,7 +1,13 @@
 """The switch at iteration ``N1``: Megatron-LM intervals set to ``N1`` for that iteration so
-``train()`` saves, validates and logs it (``docs/launcher.md``, "The switch")."""
+``train()`` saves, validates and logs it (``docs/launcher.md``, "The switch"), and a fresh Adam
+state for the multi-token-prediction parameters, which phase 1 leaves idle."""
 
 from __future__ import annotations
+
+import functools
+import weakref
+
+import torch
 
 from tst_megatron.training.flags import tst_config
 from tst_megatron.training.plan import schedule, train_iters
@@ -64,3 +70,78 @@ def switch_validation_samples(args) -> int:
         return 0
     batch = getattr(args, "eval_global_batch_size", None) or args.global_batch_size
     return _eval_iters(args) * batch
+
+
+class FreshAdamForMTP:
+    """A torch optimizer step pre-hook (``torch.optim.optimizer.register_optimizer_step_pre_hook``)
+    that starts Adam afresh for the MTP-only parameters at the switch: their step count and
+    both moments are zeroed before the first phase-2 step, so their first update is Adam's
+    first step (bias-corrected, ``m_hat = g``, ``v_hat = g**2``; Kingma & Ba, Algorithm 1).
+
+    Phase 1 gives them exactly zero gradients (:class:`~tst_megatron.training.gpt.TSTGPTModel`),
+    so their moments are exactly zero at ``N1`` but torch's ``AdamW`` counted ``N1`` steps:
+    without this, the first update is ``(1 - beta1) / sqrt(1 - beta2)`` times Adam's first
+    step (3.2x at ``--adam-beta2 0.999``). Weight decay still shrank them in phase 1.
+
+    It acts once per inner optimizer, at its first step with ``args.curr_iteration >= N1``, on
+    the states of the watched models' MTP-only parameters whose step count exceeds the steps
+    taken since ``N1`` (so a resume after the switch keeps them). It finds them as the model
+    parameter itself (megatron-core's ``FP32Optimizer``), its ``main_param`` (fp16/bf16 and the
+    distributed optimizer's shard copy) or a view into its memory (the distributed optimizer's
+    fp32 shard). Optimizers with a group-level step (Transformer Engine's and Apex's
+    ``FusedAdam``) keep their state: the launch notes it.
+    """
+
+    def __init__(self, n1: int):
+        self.n1 = n1
+        self._models = weakref.WeakSet()
+        self._done = set()
+
+    def watch(self, provider):
+        """``provider`` (a Megatron-LM model provider) remembering each model it builds."""
+
+        @functools.wraps(provider)
+        def build(*args, **kwargs):
+            model = provider(*args, **kwargs)
+            self._models.add(model)
+            return model
+
+        return build
+
+    def _idle_parameters(self) -> tuple[set, list]:
+        """(ids of the MTP-only parameters and their ``main_param``, their memory ranges)."""
+        ids, spans = set(), []
+        for model in list(self._models):
+            for p in model._mtp_only_parameters():
+                ids.add(id(p))
+                spans.append((p.data_ptr(), p.data_ptr() + p.numel() * p.element_size()))
+                main = getattr(p, "main_param", None)
+                if main is not None:
+                    ids.add(id(main))
+        return ids, spans
+
+    def __call__(self, optimizer: torch.optim.Optimizer, *_unused) -> None:
+        if id(optimizer) in self._done or not self._models:
+            return
+        from megatron.training import get_args
+
+        iteration = getattr(get_args(), "curr_iteration", None)
+        if iteration is None or iteration < self.n1:
+            return
+        self._done.add(id(optimizer))
+        ids, spans = self._idle_parameters()
+        for group in optimizer.param_groups:
+            for q in group["params"]:
+                start = q.data_ptr()
+                if id(q) not in ids and not any(a <= start < b for a, b in spans):
+                    continue
+                state = optimizer.state.get(q)
+                if not state or "step" not in state:
+                    continue
+                if float(state["step"]) <= iteration - self.n1:
+                    continue  # restarted after the switch: already fresh
+                for key, value in state.items():
+                    if torch.is_tensor(value):
+                        value.zero_()
+                    elif key == "step":
+                        state[key] = 0
