@@ -157,7 +157,9 @@ def test_a_torchrun_launch_prints_exactly_one_error_line(tmp_path, case):
 
 
 @pytest.mark.slow
-def test_a_plain_python_launch_trains_as_a_world_of_one(tmp_path):
+def test_a_plain_python_launch_trains_as_a_world_of_one_and_a_lone_world_size_is_refused(
+    tmp_path,
+):
     """``python examples/pretrain_gpt_tst.py ...`` without torchrun or srun: Megatron-LM alone
     stops with a traceback (MASTER_ADDR not set); the launcher runs it as rank 0 of 1."""
     script = os.path.join(ROOT, "examples", "pretrain_gpt_tst.py")
@@ -173,3 +175,19 @@ def test_a_plain_python_launch_trains_as_a_world_of_one(tmp_path):
     text = done.stdout + done.stderr
     assert done.returncode == 0, text[-3000:]
     assert "Traceback" not in text and " iteration        2/       2 |" in text, text[-3000:]
+    # WORLD_SIZE without RANK: the checks would see a world of 2 while the process trains alone
+    done = subprocess.run(
+        [sys.executable, script, *BASE],
+        capture_output=True,
+        text=True,
+        env={**env, "PYTHONPATH": ROOT, "WORLD_SIZE": "2"},
+        cwd=tmp_path,
+        timeout=300,
+    )
+    text = done.stdout + done.stderr
+    errors = [line for line in text.splitlines() if line.startswith("error:")]
+    assert done.returncode == 2 and "Traceback" not in text, text[-3000:]
+    assert errors == [
+        "error: WORLD_SIZE=2 is set but RANK is not: start the 2 processes with torchrun (or "
+        "srun), which gives each its rank, or unset WORLD_SIZE for one process"
+    ], text[-3000:]

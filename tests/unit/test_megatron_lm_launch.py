@@ -130,3 +130,11 @@ def test_what_megatron_lm_s_scheduler_or_loader_needs_is_refused_before_the_mode
     assert late_megatron_problems(types.SimpleNamespace(**ok)) == []
     skip = base | {"skip_train": True, "train_iters": None, "lr": None, "eval_interval": None}
     assert late_megatron_problems(types.SimpleNamespace(**skip)) == []
+
+
+def test_a_world_size_without_a_rank_is_refused_in_one_line():
+    """``WORLD_SIZE=2 python examples/pretrain_gpt_tst.py ...`` (no torchrun): the checks
+    would validate a world of 2 while the process trains alone; one line, status 2."""
+    with pytest.raises(ConfigError, match="WORLD_SIZE=2 is set but RANK is not: start the 2"):
+        one_process_env({"WORLD_SIZE": "2"})
+    assert one_process_env({"WORLD_SIZE": "1"})["WORLD_SIZE"] == "1"

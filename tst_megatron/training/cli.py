@@ -44,6 +44,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         raise SystemExit(dry_run(argv))
     try:
         export_torchrun_env()
+        alone = one_process_env(os.environ)
         checked = parse(argv)
     except ConfigError as exc:
         _exit_on(exc)
@@ -52,7 +53,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
 
     if _nothing_left_to_train(checked.args):
         return
-    os.environ.update(one_process_env(os.environ))
+    os.environ.update(alone)
     _use_prebuilt_dataset_helpers()
     if checked.device == "cpu":
         from tst_megatron.runtime import cpu
@@ -143,9 +144,20 @@ def one_process_env(env: typing.Mapping[str, str]) -> dict:
     """The variables that make a process started by neither torchrun nor ``srun`` a world of
     one (rank 0 of 1 on ``MASTER_ADDR``, default 127.0.0.1, at ``MASTER_PORT``, default a free
     port); Megatron-LM alone stops with "MASTER_ADDR expected, but not set". Empty when ``RANK``
-    is set."""
+    is set.
+
+    Raises:
+        ConfigError: ``WORLD_SIZE`` > 1 without ``RANK`` (the checks validated that world, but
+            this process would train alone).
+    """
     if "RANK" in env:
         return {}
+    world = env.get("WORLD_SIZE", "1")
+    if world.strip() not in ("", "1"):
+        raise ConfigError(
+            f"WORLD_SIZE={world} is set but RANK is not: start the {world} processes with "
+            "torchrun (or srun), which gives each its rank, or unset WORLD_SIZE for one process"
+        )
     from tst_megatron.runtime.distributed import free_port
 
     port = env.get("MASTER_PORT") or str(free_port())
