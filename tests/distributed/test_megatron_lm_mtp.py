@@ -167,3 +167,27 @@ def test_mtp_parameters_start_adam_afresh_at_the_switch(world, extra):
         assert out["err_idle"] < 1e-6 and out["err_busy"] < 1e-6, out
         # a step count kept through phase 1 would be off by far more than the tolerance
         assert out["stale_idle"] > 2e-5, out
+
+
+@pytest.mark.slow
+def test_a_resume_at_or_after_the_switch_continues_mtp_s_adam_exactly(tmp_path):
+    """Resumed from the switch checkpoint (iteration 3), MTP's Adam starts afresh as in the
+    uninterrupted run; resumed from iteration 4, it keeps the checkpoint's fresh state (no
+    second reset). Both equal the uninterrupted run bitwise, ``mtp_1 loss`` included."""
+    from tests.launcher import scalars
+
+    base = BASE + NO_DROPOUT + MTP + ["--save-interval", "4", "--ckpt-format", "torch_dist"]
+    save = str(tmp_path / "ckpt")
+    argvs = [
+        base + ["--save", save, "--tensorboard-dir", str(tmp_path / "tb")],
+        base + ["--load", save, "--ckpt-step", "3", "--tensorboard-dir", str(tmp_path / "tb3")],
+        base + ["--load", save, "--ckpt-step", "4", "--tensorboard-dir", str(tmp_path / "tb4")],
+    ]
+    run_distributed(_fresh_pretrain_child, 1, runs=argvs)
+    whole = scalars(str(tmp_path / "tb"))
+    for name, first in (("tb3", 4), ("tb4", 5)):
+        resumed = scalars(str(tmp_path / name))
+        for key in ("lm loss", "mtp_1 loss"):
+            assert sorted(resumed[key]) == list(range(first, 7)), (name, key, resumed[key])
+            for i in range(first, 7):
+                assert resumed[key][i] == whole[key][i], (name, key, i)

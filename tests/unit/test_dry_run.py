@@ -368,9 +368,9 @@ def test_a_cuda_run_without_te_apex_or_grouped_gemm_is_told_which_flag_avoids_ea
 
 
 def test_mtp_with_a_fused_adam_is_noted_and_with_torch_adamw_is_not():
-    """A fused Adam (Transformer Engine's or Apex's, one step count per group) cannot start the
-    MTP parameters afresh at the switch: the launch says so; torch's AdamW (this machine)
-    can, and nothing is said. No note without MTP or without a phase 1."""
+    """A fused Adam (Transformer Engine's or Apex's) is not made to start the MTP parameters
+    afresh at the switch: the launch says so; torch's AdamW (this machine) is, and nothing is
+    said. No note without MTP or without a phase 1."""
     from tst_megatron.training import checks
     from tst_megatron.training.validate import _parse
 

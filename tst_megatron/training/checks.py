@@ -262,7 +262,7 @@ def architecture_problems(args, saved) -> list[str]:
 def launch_notes(args) -> list[str]:
     """What the user should know before the run starts, one line each: that megatron-core
     0.19's ``global_aux_loss`` counts tokens over DP and micro-batches (layout-dependent), and
-    that a fused Adam cannot start MTP's state afresh at the switch
+    that a fused Adam is not made to start MTP afresh at the switch
     (:class:`~tst_megatron.training.switch.FreshAdamForMTP`)."""
     kinds = args.moe_router_load_balancing_type
     kinds = [kinds] if isinstance(kinds, str) else list(kinds or [])
@@ -279,17 +279,16 @@ def launch_notes(args) -> list[str]:
     if mtp and args.optimizer == "adam" and _group_step_adam():
         notes.append(
             "--mtp-num-layers: this machine's Adam (Transformer Engine's or Apex's FusedAdam) "
-            "keeps one step count per parameter group, so the MTP parameters, idle in phase 1, "
-            "take their first updates after the switch without Adam's bias correction "
-            "((1 - beta1) / sqrt(1 - beta2) times a first step); with torch's AdamW they start "
-            "afresh"
+            "is left as it is at the switch, so the MTP parameters, idle in phase 1, take their "
+            "first updates without Adam's bias correction ((1 - beta1) / sqrt(1 - beta2) times "
+            "a first step); with torch's AdamW they start afresh"
         )
     return notes
 
 
 def _group_step_adam() -> bool:
-    """Whether megatron-core's ``Adam`` is a fused Adam with a group-level step count (it
-    takes Transformer Engine's, else Apex's ``FusedAdam``, else ``torch.optim.AdamW``)."""
+    """Whether megatron-core's ``Adam`` is a fused Adam (Transformer Engine's, else Apex's
+    ``FusedAdam``; else it is ``torch.optim.AdamW``)."""
     from megatron.core.optimizer import Adam
 
     return Adam is not torch.optim.AdamW

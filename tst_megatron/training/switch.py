@@ -74,28 +74,35 @@ def switch_validation_samples(args) -> int:
 
 class FreshAdamForMTP:
     """A torch optimizer step pre-hook (``torch.optim.optimizer.register_optimizer_step_pre_hook``)
-    that starts Adam afresh for the MTP-only parameters at the switch: their step count and
-    both moments are zeroed before the first phase-2 step, so their first update is Adam's
-    first step (bias-corrected, ``m_hat = g``, ``v_hat = g**2``; Kingma & Ba, Algorithm 1).
+    that makes every AdamW update of the MTP-only parameters after the switch the update of an
+    Adam started at the switch (Kingma & Ba, Algorithm 1: step ``k`` from 1, both moments from
+    0), within the optimizer's one step count.
 
     Phase 1 gives them exactly zero gradients (:class:`~tst_megatron.training.gpt.TSTGPTModel`),
-    so their moments are exactly zero at ``N1`` but torch's ``AdamW`` counted ``N1`` steps:
-    without this, the first update is ``(1 - beta1) / sqrt(1 - beta2)`` times Adam's first
-    step (3.2x at ``--adam-beta2 0.999``). Weight decay still shrank them in phase 1.
+    so their moments are exactly zero at ``N1``, but the step count ``T`` is shared by all
+    parameters (megatron-core's ``torch_dist`` optimizer checkpoint refuses per-parameter
+    counts) and is ``N1`` larger than ``k``: the first update would be
+    ``(1 - beta1) / sqrt(1 - beta2)`` times Adam's first step (3.2x at beta2 0.999). So before
+    each step, with ``r1 = (1 - beta1**T) / (1 - beta1**k)`` and ``r2`` likewise, the stored
+    moments (``r1 * m`` and ``r2 * v`` of the fresh Adam's ``m``, ``v`` at step ``k - 1``) are
+    replaced by the values from which torch's update
+    ``m_T = beta1 * m_stored + (1 - beta1) * g`` gives ``r1 * m_k`` (and ``v`` likewise), so
+    that ``m_T / (1 - beta1**T) = m_k / (1 - beta1**k)``. The stored moments stay a scaled
+    fresh state, so a resume continues it (``k = iteration - N1 + 1``; an fp16 step skipped
+    after the switch counts in ``k``). It stops once ``r1`` and ``r2`` are within 1e-7 of 1.
+    Weight decay still shrank the parameters in phase 1.
 
-    It acts once per inner optimizer, at its first step with ``args.curr_iteration >= N1``, on
-    the states of the watched models' MTP-only parameters whose step count exceeds the steps
-    taken since ``N1`` (so a resume after the switch keeps them). It finds them as the model
-    parameter itself (megatron-core's ``FP32Optimizer``), its ``main_param`` (fp16/bf16 and the
-    distributed optimizer's shard copy) or a view into its memory (the distributed optimizer's
-    fp32 shard). Optimizers with a group-level step (Transformer Engine's and Apex's
-    ``FusedAdam``) keep their state: the launch notes it.
+    The parameters are found as the model parameter itself (megatron-core's ``FP32Optimizer``),
+    its ``main_param`` (fp16/bf16, and the distributed optimizer's shard copy) or a view into
+    its memory (the distributed optimizer's fp32 shard). Only per-parameter ``step`` states
+    (torch's ``AdamW``) are adjusted; a fused Adam (Transformer Engine's, Apex's) is left as
+    it is, and the launch notes it.
     """
 
     def __init__(self, n1: int):
         self.n1 = n1
         self._models = weakref.WeakSet()
-        self._done = set()
+        self._targets = {}  # id(optimizer) -> [(param group, parameter)]
 
     def watch(self, provider):
         """``provider`` (a Megatron-LM model provider) remembering each model it builds."""
@@ -108,8 +115,8 @@ class FreshAdamForMTP:
 
         return build
 
-    def _idle_parameters(self) -> tuple[set, list]:
-        """(ids of the MTP-only parameters and their ``main_param``, their memory ranges)."""
+    def _find(self, optimizer) -> list:
+        """``[(param group, parameter)]`` of ``optimizer``'s MTP-only parameters."""
         ids, spans = set(), []
         for model in list(self._models):
             for p in model._mtp_only_parameters():
@@ -118,30 +125,39 @@ class FreshAdamForMTP:
                 main = getattr(p, "main_param", None)
                 if main is not None:
                     ids.add(id(main))
-        return ids, spans
+        return [
+            (group, q)
+            for group in optimizer.param_groups
+            for q in group["params"]
+            if id(q) in ids or any(a <= q.data_ptr() < b for a, b in spans)
+        ]
 
+    @torch.no_grad()
     def __call__(self, optimizer: torch.optim.Optimizer, *_unused) -> None:
-        if id(optimizer) in self._done or not self._models:
+        if not self._models:
             return
         from megatron.training import get_args
 
         iteration = getattr(get_args(), "curr_iteration", None)
         if iteration is None or iteration < self.n1:
             return
-        self._done.add(id(optimizer))
-        ids, spans = self._idle_parameters()
-        for group in optimizer.param_groups:
-            for q in group["params"]:
-                start = q.data_ptr()
-                if id(q) not in ids and not any(a <= start < b for a, b in spans):
-                    continue
-                state = optimizer.state.get(q)
-                if not state or "step" not in state:
-                    continue
-                if float(state["step"]) <= iteration - self.n1:
-                    continue  # restarted after the switch: already fresh
-                for key, value in state.items():
-                    if torch.is_tensor(value):
-                        value.zero_()
-                    elif key == "step":
-                        state[key] = 0
+        if id(optimizer) not in self._targets:
+            self._targets[id(optimizer)] = self._find(optimizer)
+        k = iteration - self.n1 + 1  # this update's step in an Adam started at the switch
+        for group, q in self._targets[id(optimizer)]:
+            state = optimizer.state.get(q)
+            if not state or "step" not in state or "exp_avg" not in state or q.grad is None:
+                continue
+            b1, b2 = group["betas"]
+            t = int(state["step"]) + 1  # torch counts the step before using it
+            r1, r2 = (1 - b1**t) / (1 - b1**k), (1 - b2**t) / (1 - b2**k)
+            if t <= k or (abs(r1 - 1) < 1e-7 and abs(r2 - 1) < 1e-7):
+                continue
+            g = q.grad
+            m, v = state["exp_avg"], state["exp_avg_sq"]
+            # the fresh moments after step k - 1 (zero at the switch), then after step k
+            m_k = (m * ((1 - b1 ** (k - 1)) / (1 - b1 ** (t - 1)))).mul_(b1).add_(g, alpha=1 - b1)
+            v_k = (v * ((1 - b2 ** (k - 1)) / (1 - b2 ** (t - 1)))).mul_(b2)
+            v_k.addcmul_(g, g, value=1 - b2)
+            m.copy_(m_k.mul_(r1).sub_(g, alpha=1 - b1).div_(b1))
+            v.copy_(v_k.mul_(r2).addcmul_(g, g, value=-(1 - b2)).div_(b2).clamp_(min=0))
