@@ -178,10 +178,8 @@ def _timed_forward_step_class():
         def __call__(self, data_iterator, model):
             from megatron.training import get_args
 
-            from tst_megatron.training.forward import unwrap
-
             iteration = get_args().curr_iteration
-            if unwrap(model).training and iteration != self._open:
+            if model.training and iteration != self._open:
                 self._next(iteration)
             return super().__call__(data_iterator, model)
 

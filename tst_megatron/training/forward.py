@@ -21,6 +21,7 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
+from megatron.core.utils import unwrap_model
 
 from tst_megatron.superposition import (
     bag_embedding,
@@ -31,14 +32,6 @@ from tst_megatron.superposition.schedule import Schedule
 from tst_megatron.training.flags import tst_config
 from tst_megatron.training.plan import schedule
 from tst_megatron.training.switch import divides, switch_overrides
-
-
-def unwrap(model):
-    """The ``GPTModel`` inside DDP (or other) wrappers."""
-    while hasattr(model, "module"):
-        model = model.module
-    return model
-
 
 #: The key (log line, TensorBoard tag) of the phase-1 loss; phase 2 and validation report
 #: Megatron-LM's ``lm loss``, so that ``lm loss`` stays the next-token loss a baseline reports.
@@ -85,7 +78,7 @@ def make_phase1_step(
     def forward_step(data_iterator, model):
         # Every stage reads the micro-batch (cheap); only the first embeds, only the last scores.
         batch = next(data_iterator)
-        gpt = unwrap(model)
+        gpt = unwrap_model(model)
         targets, mask = phase1_targets(batch["labels"], batch["loss_mask"], bag_size, mode)
         bags = phase1_inputs(batch["tokens"], bag_size, mode)  # [b, T, S] or [b, T, 1]
         local = _cp_split({"bags": bags, "targets": targets, "mask": mask}, cp_group)
@@ -206,7 +199,7 @@ class TSTForwardStep:
         if self._steps is None:
             self._steps = self._build(args)
         plan, phase1, phase2 = self._steps
-        training = unwrap(model).training
+        training = model.training
         in_phase1 = training and args.curr_iteration < plan.n1
         if training:
             self._announce(1 if in_phase1 else 2, args.curr_iteration, plan.n1)

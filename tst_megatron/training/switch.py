@@ -88,15 +88,18 @@ class FreshAdamForMTP:
     replaced by the values from which torch's update
     ``m_T = beta1 * m_stored + (1 - beta1) * g`` gives ``r1 * m_k`` (and ``v`` likewise), so
     that ``m_T / (1 - beta1**T) = m_k / (1 - beta1**k)``. The stored moments stay a scaled
-    fresh state, so a resume continues it (``k = iteration - N1 + 1``; an fp16 step skipped
-    after the switch counts in ``k``). It stops once ``r1`` and ``r2`` are within 1e-7 of 1.
-    Weight decay still shrank the parameters in phase 1.
+    fresh state, so a resume continues it (``k = iteration - N1 + 1``). Each moment is left as
+    it is once its ``r`` is within 1e-7 of 1 (about 16,000 steps at beta2 0.999), and at a beta
+    of 0 (torch's update does not read it then). An iteration skipped after the switch (an
+    fp16 overflow, ``--iterations-to-skip``) counts in ``k`` but not in ``T``: the updates
+    after it are then close to, not exactly, a fresh Adam's. Weight decay still shrank the
+    parameters in phase 1.
 
     The parameters are found as the model parameter itself (megatron-core's ``FP32Optimizer``),
     its ``main_param`` (fp16/bf16, and the distributed optimizer's shard copy) or a view into
-    its memory (the distributed optimizer's fp32 shard). Only per-parameter ``step`` states
-    (torch's ``AdamW``) are adjusted; a fused Adam (Transformer Engine's, Apex's) is left as
-    it is, and the launch notes it.
+    its memory (the distributed optimizer's fp32 shard; a DTensor by identity only). Only
+    per-parameter ``step`` states (torch's ``AdamW``) are adjusted; a fused Adam (Transformer
+    Engine's, Apex's) is left as it is, and the launch notes it.
     """
 
     def __init__(self, n1: int):
@@ -116,12 +119,15 @@ class FreshAdamForMTP:
         return build
 
     def _find(self, optimizer) -> list:
-        """``[(param group, parameter)]`` of ``optimizer``'s MTP-only parameters."""
+        """``[(param group, parameter)]`` of ``optimizer``'s MTP-only parameters. Memory ranges
+        are compared only for tensors with storage of their own (a DTensor's ``data_ptr()``
+        is 0)."""
         ids, spans = set(), []
         for model in list(self._models):
             for p in model._mtp_only_parameters():
                 ids.add(id(p))
-                spans.append((p.data_ptr(), p.data_ptr() + p.numel() * p.element_size()))
+                if p.data_ptr():
+                    spans.append((p.data_ptr(), p.data_ptr() + p.numel() * p.element_size()))
                 main = getattr(p, "main_param", None)
                 if main is not None:
                     ids.add(id(main))
@@ -129,7 +135,7 @@ class FreshAdamForMTP:
             (group, q)
             for group in optimizer.param_groups
             for q in group["params"]
-            if id(q) in ids or any(a <= q.data_ptr() < b for a, b in spans)
+            if id(q) in ids or (q.data_ptr() and any(a <= q.data_ptr() < b for a, b in spans))
         ]
 
     @torch.no_grad()
@@ -148,16 +154,19 @@ class FreshAdamForMTP:
             state = optimizer.state.get(q)
             if not state or "step" not in state or "exp_avg" not in state or q.grad is None:
                 continue
-            b1, b2 = group["betas"]
             t = int(state["step"]) + 1  # torch counts the step before using it
-            r1, r2 = (1 - b1**t) / (1 - b1**k), (1 - b2**t) / (1 - b2**k)
-            if t <= k or (abs(r1 - 1) < 1e-7 and abs(r2 - 1) < 1e-7):
-                continue
+            if t <= k:
+                continue  # the count is the fresh Adam's already (e.g. --no-load-optim)
             g = q.grad
-            m, v = state["exp_avg"], state["exp_avg_sq"]
-            # the fresh moments after step k - 1 (zero at the switch), then after step k
-            m_k = (m * ((1 - b1 ** (k - 1)) / (1 - b1 ** (t - 1)))).mul_(b1).add_(g, alpha=1 - b1)
-            v_k = (v * ((1 - b2 ** (k - 1)) / (1 - b2 ** (t - 1)))).mul_(b2)
-            v_k.addcmul_(g, g, value=1 - b2)
-            m.copy_(m_k.mul_(r1).sub_(g, alpha=1 - b1).div_(b1))
-            v.copy_(v_k.mul_(r2).addcmul_(g, g, value=-(1 - b2)).div_(b2).clamp_(min=0))
+            moments = (("exp_avg", group["betas"][0], g), ("exp_avg_sq", group["betas"][1], g * g))
+            for key, beta, x in moments:
+                r = (1 - beta**t) / (1 - beta**k)
+                if beta == 0 or abs(r - 1) < 1e-7:
+                    continue  # torch's update does not read the stored moment, or r is 1
+                stored = state[key]
+                # the fresh moment after step k - 1 (zero at the switch), then after step k
+                fresh = stored * ((1 - beta ** (k - 1)) / (1 - beta ** (t - 1)))
+                fresh.mul_(beta).add_(x, alpha=1 - beta)
+                stored.copy_(fresh.mul_(r).sub_(x, alpha=1 - beta).div_(beta))
+                if key == "exp_avg_sq":
+                    stored.clamp_(min=0)  # >= 0 exactly; rounding only
