@@ -125,11 +125,11 @@ def describe(args) -> list[str]:
     ]
     lines += _batch_lines(args, dp)
     if args.num_experts:
-        freq = args.moe_layer_freq  # Megatron-LM's rule: every k-th layer, or a 0/1 pattern
-        n_moe = sum(
-            (i % freq == 0) if isinstance(freq, int) else int(freq[i])
-            for i in range(args.num_layers)
+        from megatron.core.models.gpt.experimental_attention_variant_module_specs import (
+            get_moe_layer_pattern,
         )
+
+        n_moe = sum(get_moe_layer_pattern(args))
         kind = (
             f"MoE {n_moe} of {args.num_layers} layers: {args.num_experts} experts of "
             f"{args.moe_ffn_hidden_size}, top-{args.moe_router_topk}"

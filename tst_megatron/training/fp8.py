@@ -17,13 +17,14 @@ def fp8_alignment(recipe) -> int:
 
 
 def _dense_layers(config) -> bool:
-    """Whether some decoder layer has a dense MLP (megatron-core's ``moe_layer_freq`` rule)."""
+    """Whether some decoder layer has a dense MLP (megatron-core's ``get_moe_layer_pattern``)."""
     if not config.num_moe_experts:
         return True
-    freq = config.moe_layer_freq
-    if isinstance(freq, int):
-        return freq > 1 and config.num_layers > 1
-    return 0 in list(freq)
+    from megatron.core.models.gpt.experimental_attention_variant_module_specs import (
+        get_moe_layer_pattern,
+    )
+
+    return 0 in get_moe_layer_pattern(config)
 
 
 def fp8_shape_problems(config, *, seq_length: int, micro_batch_size: int) -> list[str]:
