@@ -5,7 +5,19 @@ flags. Launch it as ``pretrain_gpt.py`` (torchrun, the same flags) with ``--tst-
 ``tst_megatron/training/cli.py``.
 """
 
-from tst_megatron.training.cli import main
+import warnings
+
+# megatron-core announces at import each optional package it lacks (Transformer Engine, Apex):
+# about ten UserWarning lines before any output. The launcher refuses in one line every
+# setting that needs one of them, so these notices are hidden.
+for _notice in (
+    "Transformer Engine and Apex are not installed",
+    "Apex is not installed",
+    r"Only transformer-engine>=1\.7\.0 supports MoE experts",
+):
+    warnings.filterwarnings("ignore", message=_notice, category=UserWarning)
+
+from tst_megatron.training.cli import main  # noqa: E402
 
 if __name__ == "__main__":  # dist_checkpointing spawns processes: keep the guard
     main()

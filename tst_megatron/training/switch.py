@@ -157,12 +157,11 @@ class FreshAdamForMTP:
             t = int(state["step"]) + 1  # torch counts the step before using it
             if t <= k:
                 continue  # the count is the fresh Adam's already (e.g. --no-load-optim)
-            g = q.grad
-            moments = (("exp_avg", group["betas"][0], g), ("exp_avg_sq", group["betas"][1], g * g))
-            for key, beta, x in moments:
+            for key, beta in zip(("exp_avg", "exp_avg_sq"), group["betas"]):
                 r = (1 - beta**t) / (1 - beta**k)
                 if beta == 0 or abs(r - 1) < 1e-7:
                     continue  # torch's update does not read the stored moment, or r is 1
+                x = q.grad if key == "exp_avg" else q.grad * q.grad
                 stored = state[key]
                 # the fresh moment after step k - 1 (zero at the switch), then after step k
                 fresh = stored * ((1 - beta ** (k - 1)) / (1 - beta ** (t - 1)))
