@@ -36,6 +36,16 @@ EP2 = [
     "--disable-bias-linear",
 ]  # fmt: skip
 
+#: One multi-token-prediction layer (Megatron-LM refuses MTP with learned absolute positions).
+MTP = ["--mtp-num-layers", "1", "--position-embedding-type", "rope"]
+
+#: The distributed optimizer with overlapped reduce-scatter and all-gather, in small buckets
+#: (some hold only MTP parameters), as every published MoE recipe runs it.
+DIST_OPT = [
+    "--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather",
+    "--ddp-bucket-size", "2000",
+]  # fmt: skip
+
 #: Dropout off: the losses depend on data and weights only.
 NO_DROPOUT = ["--hidden-dropout", "0", "--attention-dropout", "0"]
 
@@ -114,13 +124,13 @@ def losses(text: str) -> tuple[dict, dict]:
     return train, valid
 
 
-def log_lines(text: str) -> dict:
-    """``{iteration: {key: value}}`` of Megatron-LM's training log lines (``lm loss``,
-    ``mce loss``)."""
+def log_lines(text: str, keys=("lm loss", "mce loss")) -> dict:
+    """``{iteration: {key: value}}`` of Megatron-LM's training log lines, for each of
+    ``keys`` a line shows."""
     lines = {}
     for i, rest in _LOG.findall(text):
         values = {}
-        for key in ("lm loss", "mce loss"):
+        for key in keys:
             m = re.search(_KEY.format(key), "|" + rest)
             if m:
                 values[key] = float(m.group(1))

@@ -19,27 +19,23 @@ import pytest
 pytest.importorskip("megatron.training")
 
 from tests.distributed.harness import run_distributed  # noqa: E402
-from tests.launcher import BASE, EP2, NO_DROPOUT, pretrain_child  # noqa: E402
+from tests.launcher import (  # noqa: E402
+    BASE,
+    DIST_OPT,
+    EP2,
+    MTP,
+    NO_DROPOUT,
+    log_lines,
+    pretrain_child,
+)
 
-DIST_OPT = [
-    "--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather",
-    "--ddp-bucket-size", "2000",
-]  # fmt: skip
-MTP = ["--mtp-num-layers", "1", "--position-embedding-type", "rope"]
 _KEYS = ("mce loss", "lm loss", "mtp_1 loss")
 
 
 def _losses(text: str) -> dict:
     """``{(iteration, key): value}`` of the training log lines (log interval 1)."""
-    import re
-
-    out = {}
-    for i, rest in re.findall(r"iteration\s+(\d+)/\s*\d+ \|(.*)", text):
-        for key in _KEYS:
-            m = re.search(rf"\| {key}: ([0-9.E+-]+) \|", "|" + rest)
-            if m:
-                out[(int(i), key)] = float(m.group(1))
-    return out
+    lines = log_lines(text, _KEYS)
+    return {(i, key): value for i, values in lines.items() for key, value in values.items()}
 
 
 @pytest.mark.slow

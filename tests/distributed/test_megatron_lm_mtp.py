@@ -35,11 +35,10 @@ import pytest
 pytest.importorskip("megatron.training")
 
 from tests.distributed.harness import run_distributed  # noqa: E402
-from tests.launcher import BASE, NO_DROPOUT  # noqa: E402
+from tests.launcher import BASE, DIST_OPT, MTP, NO_DROPOUT  # noqa: E402
 from tests.launcher import losses as _losses  # noqa: E402
 from tests.launcher import pretrain_child as _pretrain_child  # noqa: E402
 
-MTP = ["--mtp-num-layers", "1", "--position-embedding-type", "rope"]
 _MTP_LOSS = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?\| mtp_1 loss: ([0-9.E+-]+) \|")
 
 
@@ -153,14 +152,8 @@ def _adam_reference_child(rank, world, *, argv, n1):
     return out
 
 
-DISTOPT = [
-    "--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather",
-    "--ddp-bucket-size", "2000",
-]  # fmt: skip
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("world,extra", [(1, []), (2, DISTOPT)], ids=["plain", "distopt-dp2"])
+@pytest.mark.parametrize("world,extra", [(1, []), (2, DIST_OPT)], ids=["plain", "distopt-dp2"])
 def test_mtp_parameters_start_adam_afresh_at_the_switch(world, extra):
     """MTP's first update after the switch is Adam's first step (step count and moments from
     the switch), every other parameter's steps are plain AdamW throughout, against a float64

@@ -17,6 +17,8 @@ import torch
 
 pytest.importorskip("megatron.training")
 
+from tests.launcher import MTP  # noqa: E402
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 #: A small valid launch line on mock data (no file is read by a dry run).
@@ -262,8 +264,7 @@ def test_the_parameter_count_is_megatron_lm_s_and_follows_the_flags():
             "--pipeline-model-parallel-size > 1 on a CPU needs --untie-embeddings",
         ),
         (  # tied embeddings too: both lines, not only the first
-            ["--pipeline-model-parallel-size", "2"]
-            + ["--mtp-num-layers", "1", "--position-embedding-type", "rope"],
+            ["--pipeline-model-parallel-size", "2"] + MTP,
             "cpu",
             "2",
             "--mtp-num-layers with --pipeline-model-parallel-size > 1 needs CUDA",
@@ -374,7 +375,7 @@ def test_mtp_with_a_fused_adam_is_noted_and_with_torch_adamw_is_not():
     from tst_megatron.training import checks
     from tst_megatron.training.validate import _parse
 
-    mtp = SMALL + ["--mtp-num-layers", "1", "--position-embedding-type", "rope"]
+    mtp = SMALL + MTP
 
     def notes(argv, fused):
         with mock.patch.object(checks, "_group_step_adam", return_value=fused):
@@ -386,3 +387,18 @@ def test_mtp_with_a_fused_adam_is_noted_and_with_torch_adamw_is_not():
     assert notes(SMALL, fused=True) == []
     assert notes(mtp + ["--tst-phase1-iters", "0"], fused=True) == []
     assert checks._group_step_adam() is False  # no TE, no Apex here: torch's AdamW
+
+
+def test_a_moe_layer_pattern_of_another_length_is_one_error_line():
+    """``--moe-layer-freq`` as a list of another length than ``--num-layers``: megatron-core
+    asserts it only while building the model (``get_moe_layer_pattern``)."""
+    moe = SMALL + ["--num-experts", "4", "--disable-bias-linear"]
+    r = dry(moe + ["--moe-layer-freq", "([1]*3)"])
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert _errors(r.stderr) == [
+        "error: --moe-layer-freq gives a pattern of 3 layers for --num-layers 2: give one 0/1 "
+        "entry per layer"
+    ]
+    ok = dry(moe + ["--moe-layer-freq", "([1,0])"])
+    assert ok.returncode == 0, ok.stderr
+    assert "MoE 1 of 2 layers" in ok.stdout

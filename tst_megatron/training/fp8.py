@@ -24,6 +24,9 @@ def _dense_layers(config) -> bool:
         get_moe_layer_pattern,
     )
 
+    freq = config.moe_layer_freq
+    if isinstance(freq, list) and len(freq) != config.num_layers:
+        return 0 in freq  # megatron-core would assert; the length is model_problems' line
     return 0 in get_moe_layer_pattern(config)
 
 

@@ -98,7 +98,8 @@ def late_megatron_problems(args) -> list[str]:
 def model_problems(args) -> list[str]:
     """Model and layout settings megatron-core 0.19 refuses only while building the model or
     in the first step: heads not divisible by ``--num-query-groups``, a shared expert with
-    biases, ``--num-workers`` below 0, ``--moe-router-topk`` above ``--num-experts``, MoE with
+    biases, ``--num-workers`` below 0, a ``--moe-layer-freq`` pattern whose length is not
+    ``--num-layers``, ``--moe-router-topk`` above ``--num-experts``, MoE with
     TP > 1 and no ``--sequence-parallel``, a world size expert TP x EP x PP does not divide."""
     problems = []
     if args.group_query_attention and args.num_attention_heads % args.num_query_groups:
@@ -114,6 +115,12 @@ def model_problems(args) -> list[str]:
     if args.num_workers < 0:
         problems.append(f"--num-workers must be 0 or more (got {args.num_workers})")
     experts = args.num_experts or 0
+    freq = args.moe_layer_freq
+    if experts and isinstance(freq, list) and len(freq) != args.num_layers:
+        problems.append(
+            f"--moe-layer-freq gives a pattern of {len(freq)} layers for --num-layers "
+            f"{args.num_layers}: give one 0/1 entry per layer"
+        )
     if experts and args.moe_router_topk > experts:
         problems.append(
             f"--moe-router-topk {args.moe_router_topk} is more than --num-experts {experts}"
