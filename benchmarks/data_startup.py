@@ -4,7 +4,7 @@
 Writes a synthetic dataset of ``--gigabytes`` GB (random ids, ``--dtype``; documents of 1 M
 tokens through megatron-core's ``IndexedDatasetBuilder``), then times, side by side:
 - *full read*: the check as it was (``numpy`` max over the whole memory-mapped ``.bin``);
-- *first start*: :func:`tst_megatron.training.data.check_data_files` with no stamp (reads the
+- *first start*: :func:`tst_megatron.data.gpt_datasets.check_data_files` with no stamp (reads the
   ``.bin`` once in 16 M-token chunks, min and max, and writes the stamp);
 - *second start*: the same call again (the stamp answers; the ``.bin`` is not read).
 The page cache is not dropped (other processes share the machine): the reads are warm
@@ -15,7 +15,7 @@ at the end.
         --output docs/results/data_startup.md
     .venv/bin/python benchmarks/data_startup.py --smoke
 
-**TST's sample orders** (``--stream-windows N``): :class:`~tst_megatron.training.stream.TrainStream`
+**TST's sample orders** (``--stream-windows N``): :class:`~tst_megatron.data.stream.TrainStream`
 over a synthetic dataset of ``N`` windows (a memory-mapped random permutation of ``N`` as
 megatron-core's shuffle index; samples are not read), ``--bag-size S`` and
 ``--phase1-fraction r`` (phase 1 reads ``r`` of the run's samples, so ``N = X (1 + r (S-1))``
@@ -90,7 +90,7 @@ def memory_kib(field: str) -> int:
 
 def stream_child(directory: str, cache: str, bag_size: int, phase1_samples: int) -> None:
     """One rank's start: builds or maps the stream, prints a JSON line of its costs."""
-    from tst_megatron.training.stream import TrainStream
+    from tst_megatron.data.stream import TrainStream
 
     dataset = SyntheticWindows(directory)
     before_anon, before_hwm = memory_kib("RssAnon"), memory_kib("VmHWM")
@@ -228,7 +228,7 @@ def main() -> None:
     args = p.parse_args()
     if args.stream_windows:
         return stream_benchmark(args)
-    from tst_megatron.training.data import check_data_files
+    from tst_megatron.data.gpt_datasets import check_data_files
 
     gigabytes = 0.02 if args.smoke else args.gigabytes
     vocab = 32000

@@ -44,7 +44,7 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 from measure import CollectiveBytes, PeakTensorMemory, write, write_index  # noqa: E402
 
-from tst_megatron.training.flags import CPU_FLAGS  # noqa: E402
+from tst_megatron.runtime.cpu_settings import CPU_FLAGS  # noqa: E402
 
 SMOKE_SIZE = "--num-layers 2 --hidden-size 64 --seq-length 32 --num-experts 4 "
 SMOKE_SIZE += "--moe-ffn-hidden-size 64 --vocab-size 512"

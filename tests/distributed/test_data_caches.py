@@ -35,7 +35,7 @@ def random_documents(n, seed=0):
 
 def _build(prefix, cache, local_rank):
     from tests.unit.test_data_boundary import null_tokenizer
-    from tst_megatron.training.data import DataSettings, build_datasets
+    from tst_megatron.data.gpt_datasets import DataSettings, build_datasets
 
     os.environ["LOCAL_RANK"] = str(local_rank)
     tok = null_tokenizer(VOCAB)
@@ -70,8 +70,8 @@ def _build(prefix, cache, local_rank):
 def _child(rank, world, *, prefix, bad_prefix, root):
     import torch.distributed as dist
 
+    from tst_megatron.data.gpt_datasets import check_data_files
     from tst_megatron.errors import ConfigError
-    from tst_megatron.training.data import check_data_files
 
     out = {}
     shared = os.path.join(root, "shared")
@@ -164,9 +164,9 @@ def test_index_caches_shared_and_node_local(tmp_path):
 def _failing_child(rank, world, *, prefix, root, fail):
     """Each rank opens the TST stream of a shared cache directory; one rank fails."""
     from tests.unit.test_data_boundary import null_tokenizer
+    from tst_megatron.data.gpt_datasets import DataSettings, build_datasets
     from tst_megatron.errors import ConfigError
     from tst_megatron.training import stream as stream_module
-    from tst_megatron.training.data import DataSettings, build_datasets
 
     os.environ["LOCAL_RANK"] = str(rank)
     cache = os.path.join(root, fail)

@@ -82,7 +82,7 @@ MEGATRON_OWN = (
 LOOP = "megatron/training/"
 #: the data pipeline: the datasets build each sample from host tensors (a read there is no
 #: device sync); the forward step moves the batch to the device after
-DATA_PIPELINE = ("megatron/core/datasets/", "tst_megatron/training/data.py")
+DATA_PIPELINE = ("megatron/core/datasets/", "tst_megatron/data/gpt_datasets.py")
 
 
 def _child(rank, world):

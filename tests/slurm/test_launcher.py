@@ -9,8 +9,7 @@ import subprocess
 import pytest
 
 from tests.slurm.local_cluster import Unavailable, ensure_installed
-from tst_megatron.runtime import ProcessInfo, resolve_process
-from tst_megatron.runtime.distributed import format_layout
+from tst_megatron.runtime import resolve_process
 from tst_megatron.runtime.slurm import PORT_BASE, PORT_SPAN, expand_hostlist, slurm_rendezvous
 
 HOSTLISTS = {
@@ -121,30 +120,6 @@ def test_bad_slurm_environment_is_a_clear_error():
     no_nodes = {k: v for k, v in STEP.items() if "NODELIST" not in k}
     with pytest.raises(ValueError, match="export MASTER_ADDR"):
         slurm_rendezvous(no_nodes)
-
-
-def test_layout_line():
-    import torch
-
-    info = ProcessInfo(
-        rank=0,
-        world_size=4,
-        local_rank=0,
-        device=torch.device("cpu"),
-        backend="gloo",
-        launcher="srun",
-        master_addr="n1",
-        master_port=11234,
-    )
-    line = format_layout(
-        info, ["n1", "n1", "n2", "n2"], {"TP": 2, "PP": 1, "VPP": None, "EP": 2, "DP": 2}
-    )
-    assert line == (
-        " layout: 2 nodes [n1, n2], 4 ranks (2 per node), launched by srun, "
-        "rendezvous n1:11234, gloo | TP 2, PP 1, VPP -, EP 2, DP 2"
-    )
-    many = format_layout(info, [f"h{i}" for i in range(6)], {"TP": 1})
-    assert "6 nodes [h0, h1, h2, h3, ... (2 more)], 6 ranks (1 per node)" in many
 
 
 @pytest.mark.parametrize("visible,expected", [(8, 1), (1, 0)])

@@ -7,9 +7,9 @@ import pytest
 import torch
 from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
+from tst_megatron.data import gpt_datasets as data_mod
+from tst_megatron.data.gpt_datasets import DataSettings, build_datasets, check_data_files
 from tst_megatron.errors import ConfigError
-from tst_megatron.training import data as data_mod
-from tst_megatron.training.data import DataSettings, build_datasets, check_data_files
 
 VOCAB = 64
 
@@ -157,7 +157,7 @@ def test_weighted_blend_unquoted_and_quoted(tmp_path):
 
     from megatron.training.arguments import add_megatron_arguments
 
-    from tst_megatron.training.data import data_prefixes, data_settings
+    from tst_megatron.data.gpt_datasets import data_prefixes, data_settings
 
     parser = add_megatron_arguments(argparse.ArgumentParser())
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
@@ -179,7 +179,7 @@ def test_weighted_blend_unquoted_and_quoted(tmp_path):
 
 
 def test_damaged_index_cache_is_named_and_rebuilt(tmp_path, capsys):
-    from tst_megatron.training.index_cache import CachedGPTDatasetConfig, npy_problem
+    from tst_megatron.data.index_cache import CachedGPTDatasetConfig, npy_problem
 
     prefix = write_dataset(tmp_path / "d", random_documents(100))
     tok = null_tokenizer()
@@ -204,7 +204,7 @@ def test_damaged_index_cache_is_named_and_rebuilt(tmp_path, capsys):
     config.build_missing_cache = False
     from megatron.core.datasets.gpt_dataset import GPTDataset
 
-    from tst_megatron.training.index_cache import build_splits
+    from tst_megatron.data.index_cache import build_splits
 
     with pytest.raises(ConfigError, match=rf"{victim} has \d+ bytes .* delete it"):
         build_splits(GPTDataset, [50, 0, 0], config, local_rank=0, prefixes=[prefix])

@@ -115,8 +115,8 @@ def test_preprocess_errors(tmp_path, tiny):
 def test_preprocess_counts_the_pad_id_so_start_up_reads_nothing(tiny, monkeypatch):
     """The stamp holds the SentencePiece pad id's count (never written: a control piece), so
     the start-up check of a pad-holding tokenizer needs no scan."""
+    from tst_megatron.data import gpt_datasets as data_mod
     from tst_megatron.data.files import read_stamp
-    from tst_megatron.training import data as data_mod
 
     _, model, prefix = tiny
     pad = spm.SentencePieceProcessor(model_file=model).pad_id()
@@ -129,7 +129,7 @@ def test_preprocess_counts_the_pad_id_so_start_up_reads_nothing(tiny, monkeypatc
 
 
 def test_check_data_files(tmp_path, tiny):
-    from tst_megatron.training.data import check_data_files
+    from tst_megatron.data.gpt_datasets import check_data_files
 
     _, _, prefix = tiny
     check_data_files(prefix, 512)
@@ -145,8 +145,8 @@ def test_check_data_files(tmp_path, tiny):
 
 def _stream(tiny, bag, phase1_samples, seq_length=16):
     from tests.unit.test_data_boundary import megatron_tokenizer
-    from tst_megatron.training.data import DataSettings, build_datasets
-    from tst_megatron.training.stream import TrainStream
+    from tst_megatron.data.gpt_datasets import DataSettings, build_datasets
+    from tst_megatron.data.stream import TrainStream
 
     d, model, prefix = tiny
     tok = megatron_tokenizer(

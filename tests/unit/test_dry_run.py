@@ -82,6 +82,12 @@ def test_the_cpu_flags_are_not_added_unless_the_run_is_a_cpu_run():
         (["--pipeline-model-parallel-size", "2"], "3", "world size (3) is not divisible by"),
         # validate_args' bare `assert args.hidden_size % args.num_attention_heads == 0`
         (["--num-attention-heads", "5"], "1", "hidden_size % args.num_attention_heads == 0"),
+        # parse_and_validate_args' own --use-checkpoint-args rule (it asserts before validating)
+        (
+            ["--use-checkpoint-args", "--load", "/nowhere", "--non-persistent-ckpt-type", "local"],
+            "1",
+            "--use-checkpoint-args is not supported with --non_persistent_ckpt_type=local",
+        ),
     ],
 )
 def test_an_assertion_in_megatron_validate_args_is_one_error_line(extra, world, expected):
@@ -351,7 +357,7 @@ def test_a_cuda_run_without_te_apex_or_grouped_gemm_is_told_which_flag_avoids_ea
     """Megatron-LM's defaults (the TE spec, gradient accumulation fusion) fail after set-up
     where Transformer Engine or Apex is missing (the lent H200 has neither): one line each,
     naming the flag; the CPU flags (local spec, no fusion) avoid them all."""
-    from tst_megatron.training.flags import CPU_FLAGS
+    from tst_megatron.runtime.cpu_settings import CPU_FLAGS
     from tst_megatron.training.megatron_checks import without_te_problems
     from tst_megatron.training.validate import _parse
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from tst_megatron.errors import ConfigError
-from tst_megatron.training.cli import export_torchrun_env, one_process_env
+from tst_megatron.runtime.distributed import export_torchrun_env, one_process_env
 
 #: Task 5 of an 8-task step on two nodes (4 per node): what srun sets.
 SRUN_TASK = {

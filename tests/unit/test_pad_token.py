@@ -11,13 +11,13 @@ import pytest
 import torch
 
 from tests.unit.test_data_boundary import megatron_tokenizer, null_tokenizer, write_dataset
-from tst_megatron.errors import ConfigError
-from tst_megatron.training.data import (
+from tst_megatron.data.gpt_datasets import (
     DataSettings,
     build_datasets,
     check_data_files,
     dataset_pad_id,
 )
+from tst_megatron.errors import ConfigError
 
 CORPUS = ["the quick brown fox jumps over the lazy dog. " * 20, "def main(argv): return 0\n" * 10]
 EOS = "<|endoftext|>"

@@ -14,13 +14,13 @@ import pytest
 
 from tests.unit.test_data_boundary import write_dataset
 from tests.unit.test_data_order import _datasets, index_coded_documents
-from tst_megatron.errors import ConfigError
-from tst_megatron.training.stream import (
+from tst_megatron.data.stream import (
     TrainStream,
     build_orders,
     inverse_permutation,
     stream_parts,
 )
+from tst_megatron.errors import ConfigError
 
 S, N1, SEED = 4, 50, 7
 

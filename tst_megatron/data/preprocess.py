@@ -107,7 +107,7 @@ def preprocess(
         for key in json_keys:
             os.replace(tmp[key][0], final[key][0])
             os.replace(tmp[key][1], final[key][1])
-            # the launcher's start-up check then need not read the .bin (training/data.py)
+            # the launcher's start-up check then need not read the .bin (data/gpt_datasets.py)
             counts = {pad: pads[key]} if pad >= 0 else None
             write_stamp(stats[key]["prefix"], *ranges[key], counts=counts)
     finally:

@@ -207,7 +207,7 @@ _NO_GPU = types.SimpleNamespace(
 
 class _CpuCuda(types.ModuleType):
     """What megatron-core sees as ``torch.cuda`` under :func:`enable` (and a dry run's
-    validation, with ``gpu`` the assumed cluster GPU: :mod:`tst_megatron.training.assumed`)."""
+    validation, with ``gpu`` the assumed cluster GPU: :mod:`tst_megatron.runtime.assumed`)."""
 
     Stream = _Stream
     Event = _Event

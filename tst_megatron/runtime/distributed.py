@@ -181,6 +181,66 @@ def resolve_process(
     )
 
 
+def export_torchrun_env(env: Optional[dict] = None, *, gpus: Optional[int] = None) -> dict:
+    """Export a ``srun`` task's rank, world and rendezvous
+    (:func:`tst_megatron.runtime.distributed.resolve_process`) under torchrun's names (``RANK``,
+    ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``), which Megatron-LM reads.
+    Nothing is set when ``RANK`` is or outside an ``srun`` step. ``LOCAL_RANK`` is
+    ``SLURM_LOCALID`` modulo the visible GPUs (``--gpus-per-task=1``: the task's own GPU 0).
+
+    Args:
+        env: the environment to update (default ``os.environ``).
+        gpus: the CUDA devices this task sees (default ``torch.cuda.device_count()``; 0 on a
+            CPU, where ``LOCAL_RANK`` is ``SLURM_LOCALID``).
+
+    Returns:
+        The variables set (empty when none).
+
+    Raises:
+        ConfigError: a malformed Slurm node list or a rank outside the world.
+    """
+    env = os.environ if env is None else env
+    if "RANK" in env or not in_srun_step(env):
+        return {}
+    gpus = torch.cuda.device_count() if gpus is None else gpus
+    try:
+        process = resolve_process(env, device="cpu")  # the device is not read here
+    except ValueError as exc:  # a malformed node list
+        raise ConfigError(str(exc)) from None
+    exported = {
+        "RANK": str(process.rank),
+        "WORLD_SIZE": str(process.world_size),
+        "LOCAL_RANK": str(process.local_rank % gpus if gpus else process.local_rank),
+        "MASTER_ADDR": process.master_addr,
+        "MASTER_PORT": str(process.master_port),
+    }
+    env.update(exported)
+    return exported
+
+
+def one_process_env(env: Mapping[str, str]) -> dict:
+    """The variables that make a process started by neither torchrun nor ``srun`` a world of
+    one (rank 0 of 1 on ``MASTER_ADDR``, default 127.0.0.1, at ``MASTER_PORT``, default a free
+    port); Megatron-LM alone stops with "MASTER_ADDR expected, but not set". Empty when ``RANK``
+    is set.
+
+    Raises:
+        ConfigError: ``WORLD_SIZE`` > 1 without ``RANK`` (the checks validated that world, but
+            this process would train alone).
+    """
+    if "RANK" in env:
+        return {}
+    world = env.get("WORLD_SIZE", "1")
+    if world.strip() not in ("", "1"):
+        raise ConfigError(
+            f"WORLD_SIZE={world} is set but RANK is not: start the {world} processes with "
+            "torchrun (or srun), which gives each its rank, or unset WORLD_SIZE for one process"
+        )
+    port = env.get("MASTER_PORT") or str(free_port())
+    master = env.get("MASTER_ADDR", "127.0.0.1")
+    return dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR=master, MASTER_PORT=port)
+
+
 def init_distributed(
     *, device: str = "auto", timeout_minutes: int = 30, env: Optional[Mapping[str, str]] = None
 ) -> ProcessInfo:
@@ -225,48 +285,6 @@ def initialize_model_parallel(config: ParallelConfig) -> None:
     parallel_state.destroy_model_parallel()
     # The field names are megatron-core's keyword names.
     parallel_state.initialize_model_parallel(**dataclasses.asdict(config))
-
-
-def format_layout(info: ProcessInfo, hosts: list[str], sizes: Mapping[str, Optional[int]]) -> str:
-    """The start-of-run layout line from already-gathered facts (pure; see :func:`describe_layout`).
-
-    Args:
-        info: this process (launcher and rendezvous are read).
-        hosts: the host name of every rank, indexed by global rank.
-        sizes: parallel sizes by short name in print order, e.g. ``{"TP": 2, ..., "DP": 4}``;
-            ``None`` prints ``-``.
-    """
-    nodes = list(dict.fromkeys(hosts))  # in rank order, each once
-    per_node = sorted({hosts.count(node) for node in nodes})
-    shown = ", ".join(nodes[:4]) + (f", ... ({len(nodes) - 4} more)" if len(nodes) > 4 else "")
-    parallel = ", ".join(f"{name} {'-' if size is None else size}" for name, size in sizes.items())
-    return (
-        f" layout: {len(nodes)} node{'s' if len(nodes) != 1 else ''} [{shown}], "
-        f"{len(hosts)} ranks ({'/'.join(map(str, per_node))} per node), launched by "
-        f"{info.launcher}, rendezvous {info.master_addr}:{info.master_port}, {info.backend} | "
-        f"{parallel}"
-    )
-
-
-def describe_layout(info: ProcessInfo) -> str:
-    """One line naming the nodes, ranks, launcher, rendezvous and TP/PP/VPP/CP/EP/ETP/DP sizes.
-
-    Collective: every rank must call it (one ``all_gather_object`` of host names), after
-    :func:`initialize_model_parallel`. Returns the same line on every rank; print it once.
-    """
-    hosts = [None] * dist.get_world_size()
-    dist.all_gather_object(hosts, socket.gethostname())
-    sizes = {
-        "TP": parallel_state.get_tensor_model_parallel_world_size(),
-        "PP": parallel_state.get_pipeline_model_parallel_world_size(),
-        "VPP": parallel_state.get_virtual_pipeline_model_parallel_world_size(),
-        "CP": parallel_state.get_context_parallel_world_size(),
-        "EP": parallel_state.get_expert_model_parallel_world_size(),
-        "ETP": parallel_state.get_expert_tensor_parallel_world_size(),
-        "DP": parallel_state.get_data_parallel_world_size(),
-        "expert DP": parallel_state.get_expert_data_parallel_world_size(),
-    }
-    return format_layout(info, hosts, sizes)
 
 
 def set_seed(seed: int) -> None:

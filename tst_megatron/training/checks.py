@@ -15,10 +15,9 @@ from typing import Sequence
 import torch
 
 from tst_megatron.errors import ConfigError
+from tst_megatron.runtime.cpu_settings import cpu_flag_problems, cpu_problems
 from tst_megatron.training.flags import tst_config
 from tst_megatron.training.megatron_checks import (
-    cpu_flag_problems,
-    cpu_problems,
     installed_problems,
     late_megatron_problems,
     model_problems,
@@ -40,7 +39,7 @@ from tst_megatron.training.plan import (
 def tst_problems(args, *, config=None) -> list[str]:
     """What TST cannot run (:func:`_tst_setting_problems`), then with ``--fp8-format`` the GEMM
     shapes Transformer Engine would refuse in the first step
-    (:func:`~tst_megatron.training.fp8.fp8_shape_problems`).
+    (:func:`~tst_megatron.runtime.fp8.fp8_shape_problems`).
 
     Args:
         args: Megatron-LM's arguments after ``validate_args``.
@@ -50,7 +49,7 @@ def tst_problems(args, *, config=None) -> list[str]:
     problems = _tst_setting_problems(args)
     if not getattr(args, "fp8", None):
         return problems
-    from tst_megatron.training.fp8 import fp8_shape_problems
+    from tst_megatron.runtime.fp8 import fp8_shape_problems
 
     if config is None:
         from megatron.training.argument_utils import core_transformer_config_from_args
@@ -297,8 +296,10 @@ def _group_step_adam() -> bool:
 def launch_problems(
     args, user_argv: Sequence[str], *, device: str, config=None, launch: bool = False
 ) -> list[str]:
-    """Every rule of this module and of :mod:`~tst_megatron.training.megatron_checks`, one
-    line each; :func:`resume_checks` only when nothing else is wrong.
+    """Every rule of this module, :mod:`~tst_megatron.training.megatron_checks` and
+    :mod:`~tst_megatron.runtime.cpu_settings`, one line each; in a launch the data files
+    (:func:`~tst_megatron.data.gpt_datasets.data_file_problems`); :func:`resume_checks` only
+    when nothing else is wrong.
 
     Args:
         args: Megatron-LM's arguments after ``validate_args``.
@@ -331,28 +332,10 @@ def launch_problems(
     elif launch and not torch.cuda.is_available():
         problems.append("--device cuda: no GPU is visible here (use --device cpu for a CPU run)")
     if launch and not problems:
+        from tst_megatron.data.gpt_datasets import data_file_problems
+
         problems += data_file_problems(args)
     return problems or resume_checks(args)
-
-
-def data_file_problems(args) -> list[str]:
-    """In a launch: each dataset prefix of ``--data-path`` (or ``--data-args-path``) has a
-    ``.bin`` and ``.idx`` that agree (:func:`~tst_megatron.data.files.open_data_file`: header
-    and sizes, O(1) reads), one line per bad prefix. The token ids are scanned later, with the
-    tokenizer (:func:`~tst_megatron.training.data.check_data_files`)."""
-    from tst_megatron.data.files import open_data_file
-    from tst_megatron.training.data import data_prefixes, data_settings
-
-    data = data_settings(args)
-    if data.mock_data:
-        return []
-    problems = []
-    for prefix in data_prefixes(data.data_path):
-        try:
-            open_data_file(prefix)
-        except ConfigError as exc:
-            problems.append(str(exc))
-    return problems
 
 
 def validation_error(exc: BaseException, where: str = "argument validation") -> str:

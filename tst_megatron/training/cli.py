@@ -12,9 +12,8 @@ import sys
 import typing
 from typing import Optional, Sequence
 
-import torch
-
 from tst_megatron.errors import ConfigError
+from tst_megatron.runtime.distributed import export_torchrun_env, one_process_env
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
@@ -30,6 +29,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     from megatron.core.enums import ModelType
     from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+    from tst_megatron.data.gpt_datasets import use_prebuilt_dataset_helpers
     from tst_megatron.training.datasets import TSTDatasets
     from tst_megatron.training.forward import TSTForwardStep
     from tst_megatron.training.model import model_provider
@@ -54,7 +54,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     if _nothing_left_to_train(checked.args):
         return
     os.environ.update(alone)
-    _use_prebuilt_dataset_helpers()
+    use_prebuilt_dataset_helpers()
     if checked.device == "cpu":
         from tst_megatron.runtime import cpu
 
@@ -98,84 +98,6 @@ def _nothing_left_to_train(args) -> bool:
             flush=True,
         )
     return True
-
-
-def export_torchrun_env(env: Optional[dict] = None, *, gpus: Optional[int] = None) -> dict:
-    """Export a ``srun`` task's rank, world and rendezvous
-    (:func:`tst_megatron.runtime.distributed.resolve_process`) under torchrun's names (``RANK``,
-    ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``), which Megatron-LM reads.
-    Nothing is set when ``RANK`` is or outside an ``srun`` step. ``LOCAL_RANK`` is
-    ``SLURM_LOCALID`` modulo the visible GPUs (``--gpus-per-task=1``: the task's own GPU 0).
-
-    Args:
-        env: the environment to update (default ``os.environ``).
-        gpus: the CUDA devices this task sees (default ``torch.cuda.device_count()``; 0 on a
-            CPU, where ``LOCAL_RANK`` is ``SLURM_LOCALID``).
-
-    Returns:
-        The variables set (empty when none).
-
-    Raises:
-        ConfigError: a malformed Slurm node list or a rank outside the world.
-    """
-    from tst_megatron.runtime.distributed import resolve_process
-    from tst_megatron.runtime.slurm import in_srun_step
-
-    env = os.environ if env is None else env
-    if "RANK" in env or not in_srun_step(env):
-        return {}
-    gpus = torch.cuda.device_count() if gpus is None else gpus
-    try:
-        process = resolve_process(env, device="cpu")  # the device is not read here
-    except ValueError as exc:  # a malformed node list
-        raise ConfigError(str(exc)) from None
-    exported = {
-        "RANK": str(process.rank),
-        "WORLD_SIZE": str(process.world_size),
-        "LOCAL_RANK": str(process.local_rank % gpus if gpus else process.local_rank),
-        "MASTER_ADDR": process.master_addr,
-        "MASTER_PORT": str(process.master_port),
-    }
-    env.update(exported)
-    return exported
-
-
-def one_process_env(env: typing.Mapping[str, str]) -> dict:
-    """The variables that make a process started by neither torchrun nor ``srun`` a world of
-    one (rank 0 of 1 on ``MASTER_ADDR``, default 127.0.0.1, at ``MASTER_PORT``, default a free
-    port); Megatron-LM alone stops with "MASTER_ADDR expected, but not set". Empty when ``RANK``
-    is set.
-
-    Raises:
-        ConfigError: ``WORLD_SIZE`` > 1 without ``RANK`` (the checks validated that world, but
-            this process would train alone).
-    """
-    if "RANK" in env:
-        return {}
-    world = env.get("WORLD_SIZE", "1")
-    if world.strip() not in ("", "1"):
-        raise ConfigError(
-            f"WORLD_SIZE={world} is set but RANK is not: start the {world} processes with "
-            "torchrun (or srun), which gives each its rank, or unset WORLD_SIZE for one process"
-        )
-    from tst_megatron.runtime.distributed import free_port
-
-    port = env.get("MASTER_PORT") or str(free_port())
-    master = env.get("MASTER_ADDR", "127.0.0.1")
-    return dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR=master, MASTER_PORT=port)
-
-
-def _use_prebuilt_dataset_helpers() -> None:
-    """Make ``megatron.core.datasets.utils.compile_helpers`` a no-op when the compiled helper
-    imports: the megatron-core 0.19.2 wheel ships it without the Makefile that
-    ``initialize_megatron``'s ``make`` needs, so the run would exit."""
-    try:
-        from megatron.core.datasets import helpers_cpp  # noqa: F401
-    except ImportError:
-        return  # a source checkout: let Megatron-LM compile it
-    import megatron.core.datasets.utils as dataset_utils
-
-    dataset_utils.compile_helpers = lambda: None
 
 
 def fork_checkpoint_results_queue() -> None:

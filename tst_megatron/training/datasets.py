@@ -20,7 +20,7 @@ class PhasedTrainDataset(torch.utils.data.Dataset):
     ``[T]`` in phase 2.
 
     Args:
-        stream: the project's :class:`~tst_megatron.training.stream.TrainStream`.
+        stream: the project's :class:`~tst_megatron.data.stream.TrainStream`.
         switch: samples consumed before the switch (:func:`switch_sample`).
         total: samples of the whole run (:func:`consumed_samples` of ``--train-iters``).
     """
@@ -49,8 +49,7 @@ class TSTDatasets:
     def __call__(self, num_samples: Sequence[Optional[int]], vp_stage: Optional[int] = None):
         from megatron.training import get_args, get_tokenizer
 
-        from tst_megatron.runtime import resolve_process
-        from tst_megatron.training.data import (
+        from tst_megatron.data.gpt_datasets import (
             build_datasets,
             check_data_files,
             check_mock_data,
@@ -59,8 +58,9 @@ class TSTDatasets:
             dataset_pad_id,
             training_windows,
         )
-        from tst_megatron.training.index_cache import cache_dir_of
-        from tst_megatron.training.stream import open_stream
+        from tst_megatron.data.index_cache import cache_dir_of
+        from tst_megatron.data.stream import open_stream
+        from tst_megatron.runtime import resolve_process
 
         args, tokenizer = get_args(), get_tokenizer()
         tst = tst_config(args)

@@ -13,24 +13,6 @@ import torch
 
 from tst_megatron.superposition.schedule import TSTConfig
 
-#: Flags appended to a CPU run's command line: Megatron-LM's defaults assume CUDA kernels (TE,
-#: fusions, NCCL). ``--disable-jit-fuser`` keeps ``torch.compile`` out of the training steps.
-CPU_FLAGS = (
-    "--transformer-impl",
-    "local",
-    "--distributed-backend",
-    "gloo",
-    "--no-persist-layer-norm",
-    "--no-gradient-accumulation-fusion",
-    "--no-rope-fusion",
-    "--no-bias-swiglu-fusion",
-    "--no-bias-gelu-fusion",
-    "--no-bias-dropout-fusion",
-    "--no-masked-softmax-fusion",
-    "--disable-jit-fuser",
-    "--use-cpu-initialization",
-)
-
 
 def _tst_group_factory():
     """Megatron-LM's ``ArgumentGroupFactory`` for :class:`TSTConfig`, flags and destinations

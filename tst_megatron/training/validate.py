@@ -15,13 +15,14 @@ from typing import Optional, Sequence
 from unittest import mock
 
 from tst_megatron.errors import ConfigError
+from tst_megatron.runtime.cpu_settings import CPU_FLAGS
 from tst_megatron.training.checks import (
     argv_problems,
     launch_notes,
     launch_problems,
     validation_error,
 )
-from tst_megatron.training.flags import CPU_FLAGS, add_tst_args, pick_device
+from tst_megatron.training.flags import add_tst_args, pick_device
 
 
 @dataclasses.dataclass
@@ -67,6 +68,9 @@ def _load_checkpoint_args(args) -> None:
     assert args.load is not None or args.pretrained_checkpoint is not None, (
         "--use-checkpoint-args requires --load or --pretrained-checkpoint argument"
     )
+    assert args.non_persistent_ckpt_type != "local", (
+        "--use-checkpoint-args is not supported with --non_persistent_ckpt_type=local"
+    )
     load_args_from_checkpoint(args, load_arg="pretrained_checkpoint")
     load_args_from_checkpoint(args)
 
@@ -79,10 +83,10 @@ def check(argv: Sequence[str], *, dry_run: bool = False) -> Checked:
     ``core_transformer_config_from_args``, then :func:`launch_problems`. A CPU run appends
     :data:`CPU_FLAGS` and, in a launch, enables :func:`tst_megatron.runtime.cpu.enable` first.
     A dry run mutes Megatron-LM's prints and answers for the cluster's GPU and TE
-    (:mod:`tst_megatron.training.assumed`). Starts no process, builds no model, reads no data
+    (:mod:`tst_megatron.runtime.assumed`). Starts no process, builds no model, reads no data
     (a resume reads the checkpoint's common state).
     """
-    from tst_megatron.training import assumed
+    from tst_megatron.runtime import assumed
 
     user_argv, notes = list(argv), []
     device = pick_device(user_argv, cuda=True if dry_run else None)

@@ -133,7 +133,7 @@ def cache_files(directory: str, description: dict, parts: int) -> dict:
 def cache_problem(files: dict, description: dict) -> Optional[str]:
     """Why the cache ``files`` cannot be used (missing, truncated or corrupt file, other
     description), or None. Reads headers only."""
-    from tst_megatron.training.index_cache import npy_problem
+    from tst_megatron.data.index_cache import npy_problem
 
     for name, path in files.items():
         if not os.path.isfile(path):
@@ -284,7 +284,7 @@ def open_stream(dataset, *, bag_size: int, phase1_samples: int, seed: int, cache
     """
     import torch.distributed as dist
 
-    from tst_megatron.training.index_cache import is_cache_builder
+    from tst_megatron.data.index_cache import is_cache_builder
 
     settings = dict(bag_size=bag_size, phase1_samples=phase1_samples, seed=seed)
     if cache_dir is None or not (dist.is_available() and dist.is_initialized()):

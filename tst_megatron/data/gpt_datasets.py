@@ -13,8 +13,8 @@ from megatron.core.datasets.gpt_dataset import GPTDataset, MockGPTDataset, MockG
 from megatron.core.datasets.utils import get_blend_from_list
 
 from tst_megatron.data.files import open_data_file, token_ranges
+from tst_megatron.data.index_cache import CachedGPTDatasetConfig, build_splits
 from tst_megatron.errors import ConfigError
-from tst_megatron.training.index_cache import CachedGPTDatasetConfig, build_splits
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,6 +87,23 @@ def dataset_pad_id(tokenizer) -> Optional[int]:
     if pad is None or pad in special or pad < 0:
         return None
     return int(pad)
+
+
+def data_file_problems(args) -> list[str]:
+    """In a launch: each dataset prefix of ``--data-path`` (or ``--data-args-path``) has a
+    ``.bin`` and ``.idx`` that agree (:func:`open_data_file`: header
+    and sizes, O(1) reads), one line per bad prefix. The token ids are scanned later, with the
+    tokenizer (:func:`check_data_files`)."""
+    data = data_settings(args)
+    if data.mock_data:
+        return []
+    problems = []
+    for prefix in data_prefixes(data.data_path):
+        try:
+            open_data_file(prefix)
+        except ConfigError as exc:
+            problems.append(str(exc))
+    return problems
 
 
 def check_data_files(
@@ -230,3 +247,16 @@ def training_windows(data, *, phase1_samples: int, phase2_samples: int, per_samp
     (each stream may end in a partial block)."""
     streams = 1 if data.mock_data else len(data_prefixes(data.data_path))
     return phase1_samples * per_sample + phase2_samples + per_sample * streams
+
+
+def use_prebuilt_dataset_helpers() -> None:
+    """Make ``megatron.core.datasets.utils.compile_helpers`` a no-op when the compiled helper
+    imports: the megatron-core 0.19.2 wheel ships it without the Makefile that
+    ``initialize_megatron``'s ``make`` needs, so the run would exit. Call before ``pretrain()``."""
+    try:
+        from megatron.core.datasets import helpers_cpp  # noqa: F401
+    except ImportError:
+        return  # a source checkout: let Megatron-LM compile it
+    import megatron.core.datasets.utils as dataset_utils
+
+    dataset_utils.compile_helpers = lambda: None
