@@ -43,7 +43,7 @@ def _build(prefix, cache, local_rank):
     train, valid, _ = build_datasets(data, tok, seq_length=16, samples=(60, 8, 0), seed=1)
     files = sorted(os.listdir(cache))
     # TST's sample orders: written once per cache directory, mapped by every rank
-    from tst_megatron.training import stream as stream_module
+    from tst_megatron.data import stream as stream_module
 
     writes, write = [], stream_module.write_cache
     stream_module.write_cache = lambda *a: (writes.append(1), write(*a))
@@ -104,7 +104,7 @@ def _child(rank, world, *, prefix, bad_prefix, root):
         *("--max-position-embeddings", "16", "--num-layers", "2", "--hidden-size", "32"),
         *("--num-attention-heads", "4", "--micro-batch-size", "2", "--train-iters", "4"),
         *("--tst-bag-size", "2", "--tst-phase1-iters", "2", "--lr", "1e-3"),
-        *("--eval-interval", "2"),
+        *("--eval-interval", "2", "--split", "80,10,10"),
     ]
     err, code = io.StringIO(), None
     with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
@@ -166,7 +166,7 @@ def _failing_child(rank, world, *, prefix, root, fail):
     from tests.unit.test_data_boundary import null_tokenizer
     from tst_megatron.data.gpt_datasets import DataSettings, build_datasets
     from tst_megatron.errors import ConfigError
-    from tst_megatron.training import stream as stream_module
+    from tst_megatron.data import stream as stream_module
 
     os.environ["LOCAL_RANK"] = str(rank)
     cache = os.path.join(root, fail)

@@ -326,6 +326,13 @@ def test_settings_megatron_lm_accepts_but_cannot_run_are_one_error_line(
         (["--data-args-path", "/"], "--data-args-path /: no readable file"),  # a directory
         (["--data-args-path", "EMPTY", "--split", "98,2,0"], "is empty"),
         (["--data-args-path", __file__], "--data-args-path needs --split"),
+        (["--sft"], "--sft is not supported by this launcher: TST trains on"),
+        (["--fim-data"], "--fim-data is not supported"),
+        (["--object-storage-cache-path", "c"], "--object-storage-cache-path is not supported"),
+        (["--dataloader-inter-document-masking"], "--dataloader-inter-document-masking is not"),
+        (["--per-dataset-sequences-path", "s.json"], "--per-dataset-sequences-path is not"),
+        (["--dataloader-fast-cache-load"], "--dataloader-fast-cache-load is not supported"),
+        (["--dataloader-defer-npy-index-mmap"], "--dataloader-defer-npy-index-mmap is not"),
     ],
 )
 def test_data_flags_the_launcher_cannot_honour_are_refused_not_run_on_mock_data(

@@ -57,8 +57,17 @@ def _documents(tok, texts):
     return [list(tok.tokenize(text)) + [tok.eod] for text in texts]
 
 
+def _pad_id(tok, prefix, cache, **settings):
+    """:func:`dataset_pad_id` of the training dataset built on ``prefix`` with ``tok``."""
+    data = DataSettings(data_path=prefix, split="100,0,0", data_cache_path=str(cache), **settings)
+    train, _, _ = build_datasets(data, tok, seq_length=8, samples=(4, 0, 0), seed=1)
+    return dataset_pad_id(train)
+
+
 def test_pad_id_is_the_one_megatron_core_uses(hf, tmp_path):
-    """dataset_pad_id against megatron-core's own choice (the built dataset's pad id)."""
+    """The pad id read from megatron-core's built dataset, for each kind of tokenizer, against
+    the ids worked out by hand here; ``--allow-ambiguous-pad-tokens`` keeps a pad that is also
+    EOS (megatron-core then masks it)."""
     from tst_megatron.data.tokenizer import train_tokenizer
 
     sp = train_tokenizer(CORPUS * 20, str(tmp_path / "sp"), vocab_size=300)
@@ -70,11 +79,35 @@ def test_pad_id_is_the_one_megatron_core_uses(hf, tmp_path):
     prefix = write_dataset(tmp_path / "ids", [[1, 2, 3, 4, 5, 6, 7, 8, 9] * 4] * 8)
     expected = {"word": hf[1], "eos": None, "none": None, "special": 300, "sentencepiece": 3}
     for name, tok in tokenizers.items():
-        data = DataSettings(data_path=prefix, split="100,0,0", data_cache_path=str(tmp_path / name))
-        train, _, _ = build_datasets(data, tok, seq_length=8, samples=(4, 0, 0), seed=1)
-        used = train._pad_token_id  # megatron-core's: -1 or None when there is none
-        assert dataset_pad_id(tok) == (None if used is None or used < 0 else used), name
-        assert dataset_pad_id(tok) == expected.get(name), name
+        assert _pad_id(tok, prefix, tmp_path / name) == expected.get(name), name
+    eos = tokenizers["eos"].eod
+    ambiguous = _pad_id(tokenizers["eos"], prefix, tmp_path / "a", allow_ambiguous_pad_tokens=True)
+    assert ambiguous == eos  # without the flag: None (above)
+
+
+def test_megatron_lm_s_data_flags_reach_megatron_core_s_dataset_config():
+    """``--allow-ambiguous-pad-tokens``, ``--mid-level-dataset-surplus`` and
+    ``--num-dataset-builder-threads`` parsed by Megatron-LM reach the ``GPTDatasetConfig``
+    the launcher builds (defaults: Megatron-LM's)."""
+    import argparse
+
+    from megatron.training.arguments import add_megatron_arguments
+
+    from tst_megatron.data.gpt_datasets import _dataset_config, data_settings
+
+    parser = add_megatron_arguments(argparse.ArgumentParser())
+    flags = ["--data-path", "x", "--split", "1,0,0"]
+    given = ["--allow-ambiguous-pad-tokens", "--mid-level-dataset-surplus", "0.5"]
+    given += ["--num-dataset-builder-threads", "3"]
+    for argv, expected in ((flags, (False, 0.005, 1)), (flags + given, (True, 0.5, 3))):
+        args = parser.parse_args(argv)
+        config = _dataset_config(data_settings(args), null_tokenizer(64), 8, 1, (["x"], None))
+        got = (
+            config.allow_ambiguous_pad_tokens,
+            config.mid_level_dataset_surplus,
+            config.num_dataset_builder_threads,
+        )
+        assert got == expected
 
 
 def test_data_holding_the_pad_id_is_refused_in_one_line(hf, tmp_path):
@@ -83,18 +116,19 @@ def test_data_holding_the_pad_id_is_refused_in_one_line(hf, tmp_path):
     docs = _documents(tok, ["the quick brown fox jumps", "a lazy dog", "fox, fox and the dog"])
     n = sum(doc.count(fox) for doc in docs)  # 4
     prefix = write_dataset(tmp_path / "fox", docs)
+    assert _pad_id(tok, prefix, tmp_path / "c") == fox
     with pytest.raises(ConfigError) as info:
-        check_data_files(prefix, tok.vocab_size, pad_id=dataset_pad_id(tok))
+        check_data_files(prefix, tok.vocab_size, pad_id=fox)
     message = str(info.value)
     assert message.count("\n") == 0
     assert f"fox.bin holds {n} tokens of id {fox}, the pad id of --tokenizer-model" in message
     # without " fox" the same tokenizer is fine
     clean = write_dataset(tmp_path / "clean", _documents(tok, ["the lazy dog", "def main(argv)"]))
-    check_data_files(clean, tok.vocab_size, pad_id=dataset_pad_id(tok))
+    check_data_files(clean, tok.vocab_size, pad_id=fox)
     # a pad that is EOS (megatron-core then uses none) or a dedicated token: the data passes
     for name in ("eos", "special", "none"):
         other = _tokenizer(hf, name)
-        check_data_files(prefix, other.vocab_size, pad_id=dataset_pad_id(other))
+        check_data_files(prefix, other.vocab_size, pad_id=_pad_id(other, prefix, tmp_path / name))
 
 
 def test_pad_id_count_is_remembered_in_the_stamp(hf, tmp_path, monkeypatch):

@@ -7,6 +7,7 @@ token ids are checked once where data enters (:func:`check_data_files`,
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Optional
 
 from megatron.core.datasets.gpt_dataset import GPTDataset, MockGPTDataset, MockGPTLowLevelDataset
@@ -31,6 +32,9 @@ class DataSettings:
     eod_mask_loss: bool = False
     create_attention_mask_in_dataloader: bool = True
     mmap_bin_files: bool = True
+    allow_ambiguous_pad_tokens: bool = False
+    mid_level_dataset_surplus: float = 0.005
+    num_dataset_builder_threads: int = 1
 
 
 def data_settings(args) -> DataSettings:
@@ -55,7 +59,51 @@ def data_settings(args) -> DataSettings:
         eod_mask_loss=args.eod_mask_loss,
         create_attention_mask_in_dataloader=args.create_attention_mask_in_dataloader,
         mmap_bin_files=getattr(args, "mmap_bin_files", True),
+        allow_ambiguous_pad_tokens=getattr(args, "allow_ambiguous_pad_tokens", False),
+        mid_level_dataset_surplus=getattr(args, "mid_level_dataset_surplus", 0.005),
+        num_dataset_builder_threads=getattr(args, "num_dataset_builder_threads", 1),
     )
+
+
+#: Megatron-LM data flags this launcher does not honour, with why (refused, never ignored).
+REFUSED_DATA_FLAGS = {
+    "train_data_path": "use --data-path (or --data-args-path) with --split, or --mock-data",
+    "valid_data_path": "use --data-path (or --data-args-path) with --split, or --mock-data",
+    "test_data_path": "use --data-path (or --data-args-path) with --split, or --mock-data",
+    "per_split_data_args_path": "use --data-path (or --data-args-path) with --split",
+    "sft": "TST trains on megatron-core's GPTDataset (pretraining), not SFT conversations",
+    "fim_data": "TST trains on megatron-core's GPTDataset; its FIM samples are not supported",
+    "object_storage_cache_path": "the launcher checks and reads local .bin/.idx files only",
+    "dataloader_inter_document_masking": "the forward step passes no document boundaries",
+    "per_dataset_sequences_path": "the launcher reads every .idx at start-up (its checks)",
+    "dataloader_fast_cache_load": "the launcher builds and loads the index caches itself",
+    "dataloader_defer_npy_index_mmap": "the launcher builds and loads the index caches itself",
+}
+
+
+def data_problems(args) -> list[str]:
+    """Data flags Megatron-LM accepts that this launcher does not honour
+    (:data:`REFUSED_DATA_FLAGS`; per-split paths would have trained on mock data), and a
+    ``--data-args-path`` that is unreadable, empty or without ``--split`` (``validate_args``
+    defaults the split only for ``--data-path``), one line each. Reads that file."""
+    problems = [
+        f"--{flag.replace('_', '-')} is not supported by this launcher: {why}"
+        for flag, why in REFUSED_DATA_FLAGS.items()
+        if getattr(args, flag, None)
+    ]
+    path = getattr(args, "data_args_path", None)
+    if path and not (os.path.isfile(path) and os.access(path, os.R_OK)):
+        problems.append(f"--data-args-path {path}: no readable file there")
+    elif path:
+        with open(path) as f:
+            if not f.read().split():
+                problems.append(
+                    f"--data-args-path {path} is empty: it should hold what --data-path would "
+                    "(prefixes, optionally with weights)"
+                )
+        if not args.split:
+            problems.append("--data-args-path needs --split (e.g. --split 969,30,1)")
+    return problems
 
 
 def data_prefixes(data_path: str) -> list[str]:
@@ -63,30 +111,15 @@ def data_prefixes(data_path: str) -> list[str]:
     return get_blend_from_list(data_path.split())[0]
 
 
-def dataset_pad_id(tokenizer) -> Optional[int]:
-    """The id megatron-core's ``GPTDataset`` treats as padding with ``tokenizer`` (zeroed and
-    left out of the loss), or None when no data id can match it.
-
-    megatron-core 0.19 (``MegatronDataset.__init__``) takes ``tokenizer.pad``, or -1 when it
-    is missing or also another special token (``special_tokens_dict``, else EOS and EOD).
-    """
-    try:
-        pad = tokenizer.pad
-    except Exception:  # as megatron-core: a tokenizer without a pad id
-        return None
-    try:
-        special = [v for k, v in tokenizer.special_tokens_dict.items() if k != "pad_token"]
-    except (AttributeError, IndexError, ValueError):
-        special = []
-    if not special:
-        for name in ("eos", "eod"):
-            try:
-                special.append(getattr(tokenizer, name))
-            except (AttributeError, NotImplementedError):
-                pass
-    if pad is None or pad in special or pad < 0:
-        return None
-    return int(pad)
+def dataset_pad_id(dataset) -> Optional[int]:
+    """The id megatron-core's built ``dataset`` (a ``GPTDataset`` or a blend of them) treats
+    as padding, zeroed and left out of the loss: ``MegatronDataset._pad_token_id``, the
+    tokenizer's pad unless it has none or (without ``--allow-ambiguous-pad-tokens``) it is
+    also another special token. None when there is none (megatron-core's -1)."""
+    while hasattr(dataset, "datasets"):  # a BlendedDataset: all its parts share the tokenizer
+        dataset = dataset.datasets[0]
+    pad = getattr(dataset, "_pad_token_id", None)
+    return None if pad is None or pad < 0 else int(pad)
 
 
 def data_file_problems(args) -> list[str]:
@@ -121,7 +154,8 @@ def check_data_files(
         data_path: ``--data-path``.
         vocab_size: ids of the tokenizer (or ``--vocab-size``).
         cache_path: ``--data-cache-path`` (where stamps go).
-        pad_id: :func:`dataset_pad_id` of the run's tokenizer; None: no pad id to refuse.
+        pad_id: :func:`dataset_pad_id` of the run's training dataset; None: none to refuse
+            (or ``--allow-ambiguous-pad-tokens``: the user asked for its masking).
 
     Raises:
         ConfigError: the first missing, truncated, malformed or empty file; else one line per
@@ -179,6 +213,9 @@ def _dataset_config(data, tokenizer, seq_length, seed, blend) -> CachedGPTDatase
         create_attention_mask=data.reset_attention_mask
         and data.create_attention_mask_in_dataloader,
         mmap_bin_files=data.mmap_bin_files,
+        allow_ambiguous_pad_tokens=data.allow_ambiguous_pad_tokens,
+        mid_level_dataset_surplus=data.mid_level_dataset_surplus,
+        num_dataset_builder_threads=data.num_dataset_builder_threads,
     )
 
 

@@ -93,38 +93,6 @@ def _tst_setting_problems(args) -> list[str]:
     return problems
 
 
-def data_problems(args) -> list[str]:
-    """Data flags Megatron-LM accepts that this launcher cannot honour: per-split paths (the
-    datasets provider reads one blend with ``--split``; the run would train on mock data), and
-    a ``--data-args-path`` that is unreadable, empty or without ``--split`` (``validate_args``
-    defaults the split only for ``--data-path``). Reads the ``--data-args-path`` file."""
-    problems = []
-    for flag in (
-        "train_data_path",
-        "valid_data_path",
-        "test_data_path",
-        "per_split_data_args_path",
-    ):
-        if getattr(args, flag, None):
-            problems.append(
-                f"--{flag.replace('_', '-')} is not supported by this launcher yet; use "
-                "--data-path (or --data-args-path) with --split, or --mock-data"
-            )
-    path = getattr(args, "data_args_path", None)
-    if path and not (os.path.isfile(path) and os.access(path, os.R_OK)):
-        problems.append(f"--data-args-path {path}: no readable file there")
-    elif path:
-        with open(path) as f:
-            if not f.read().split():
-                problems.append(
-                    f"--data-args-path {path} is empty: it should hold what --data-path would "
-                    "(prefixes, optionally with weights)"
-                )
-        if not args.split:
-            problems.append("--data-args-path needs --split (e.g. --split 969,30,1)")
-    return problems
-
-
 def argv_problems(argv: Sequence[str]) -> list[str]:
     """Flags refused in the command line as given, before Megatron-LM parses it:
     ``--yaml-cfg`` (its YAML config replaces the whole parsed namespace, ``--tst-*`` included)."""
@@ -312,6 +280,8 @@ def launch_problems(
     Raises:
         AssertionError, ValueError: Megatron-LM's batch-size calculator refused the schedule.
     """
+    from tst_megatron.data.gpt_datasets import data_file_problems, data_problems
+
     problems = schedule_problems(args) + parallel_problems(args, config)
     problems += model_problems(args) + late_megatron_problems(args) + data_problems(args)
     problems += tokenizer_problems(args, launch=launch)
@@ -332,8 +302,6 @@ def launch_problems(
     elif launch and not torch.cuda.is_available():
         problems.append("--device cuda: no GPU is visible here (use --device cpu for a CPU run)")
     if launch and not problems:
-        from tst_megatron.data.gpt_datasets import data_file_problems
-
         problems += data_file_problems(args)
     return problems or resume_checks(args)
 

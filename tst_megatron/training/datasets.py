@@ -68,13 +68,6 @@ class TSTDatasets:
         data = data_settings(args)
         if data.mock_data:
             check_mock_data(tokenizer, tokenizer.vocab_size)
-        else:
-            check_data_files(
-                data.data_path,
-                tokenizer.vocab_size,
-                cache_path=data.data_cache_path,
-                pad_id=dataset_pad_id(tokenizer),
-            )
         per_sample = tst.windows_per_sample()
         windows = training_windows(
             data, phase1_samples=switch, phase2_samples=total - switch, per_sample=per_sample
@@ -89,6 +82,11 @@ class TSTDatasets:
             samples=(windows, 1 if valid_n is None else valid_n, test_n or 0),
             seed=args.seed,
         )
+        if not data.mock_data:  # megatron-core's pad id; the user may opt in to its masking
+            pad = None if data.allow_ambiguous_pad_tokens else dataset_pad_id(train)
+            check_data_files(
+                data.data_path, tokenizer.vocab_size, cache_path=data.data_cache_path, pad_id=pad
+            )
         prefixes = None if data.mock_data else data_prefixes(data.data_path)
         stream = open_stream(
             train,
