@@ -92,6 +92,30 @@ def _keys_child(rank, world):
     return result
 
 
+def _qk_norms_child(rank, world):
+    from tst_megatron.training.model import gpt_block_spec
+
+    _init()
+    found = {}
+    for experts in (None, 4):
+        for l2 in (False, True):
+            spec = gpt_block_spec(_config(experts=experts, qk_layernorm=True, qk_l2_norm=l2))
+            attention = [layer.submodules.self_attention.submodules for layer in spec.layer_specs]
+            found[experts, l2] = [
+                (a.q_layernorm.__name__, a.k_layernorm.__name__) for a in attention
+            ]
+    return found
+
+
+def test_qk_l2_norm_reaches_the_local_layer_spec():
+    """``--qk-l2-norm`` gives every decoder layer of the local spec megatron-core's
+    ``L2Norm`` for queries and keys (dense and MoE); without it, ``--qk-layernorm``'s norm."""
+    (found,) = run_distributed(_qk_norms_child, 1)
+    for experts in (None, 4):
+        assert found[experts, True] == [("L2Norm", "L2Norm")] * 2
+        assert found[experts, False] == [("SequenceParallelNorm", "SequenceParallelNorm")] * 2
+
+
 def test_state_dict_keys_equal_baseline_gpt_model():
     (result,) = run_distributed(_keys_child, 1)
     for experts in (None, 4):

@@ -263,6 +263,21 @@ def test_the_parameter_count_is_megatron_lm_s_and_follows_the_flags():
         (["--eval-interval", None], "auto", "1", "--eval-interval is required"),
         (["--bf16"], "cpu", "1", "--bf16 needs CUDA"),
         (["--log-memory-to-tensorboard"], "cpu", "1", "--log-memory-to-tensorboard reads CUDA"),
+        (["--record-memory-history"], "cpu", "1", "--record-memory-history records CUDA's"),
+        # features of pretrain_gpt.py's forward step the launcher's does not have
+        (
+            ["--num-experts", "4", "--expert-model-parallel-size", "2", "--bf16"]
+            + ["--moe-token-dispatcher-type", "alltoall", "--overlap-moe-expert-parallel-comm"],
+            "auto",
+            "2",
+            "--overlap-moe-expert-parallel-comm is not supported by this launcher",
+        ),
+        (
+            ["--hybrid-context-parallel", "--calculate-per-token-loss"],
+            "auto",
+            "1",
+            "--hybrid-context-parallel is not supported by this launcher",
+        ),
         (
             ["--pipeline-model-parallel-size", "2"],
             "cpu",
@@ -327,6 +342,7 @@ def test_settings_megatron_lm_accepts_but_cannot_run_are_one_error_line(
         (["--data-args-path", "EMPTY", "--split", "98,2,0"], "is empty"),
         (["--data-args-path", __file__], "--data-args-path needs --split"),
         (["--sft"], "--sft is not supported by this launcher: TST trains on"),
+        (["--multiple-validation-sets"], "--multiple-validation-sets is not supported"),
         (["--fim-data"], "--fim-data is not supported"),
         (["--object-storage-cache-path", "c"], "--object-storage-cache-path is not supported"),
         (["--dataloader-inter-document-masking"], "--dataloader-inter-document-masking is not"),

@@ -169,3 +169,69 @@ def test_phase1_step_loss_and_gradient_are_the_papers_mce():
     for table in tables:
         expected = torch.where(valid, 1.9 / every.numel(), 0.0).double()
         torch.testing.assert_close(table.grad, expected, rtol=1e-6, atol=1e-12)
+
+
+@pytest.mark.parametrize("bad, what", [(float("nan"), "NaN"), (float("inf"), "Inf")])
+def test_a_non_finite_scored_loss_stops_the_step_as_in_pretrain_gpt(bad, what, monkeypatch):
+    """``--check-for-nan-in-loss-and-grad`` (Megatron-LM's default): a NaN or Inf loss sum
+    stops the step through megatron-core's rerun state machine, in both phases, with
+    ``pretrain_gpt.py``'s message; ``--no-check-for-nan-in-loss-and-grad`` lets it through."""
+    from types import SimpleNamespace
+
+    # the state machine names the CUDA device in its message (a CPU run redirects this)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+
+    from tst_megatron.training.forward import loss_checks, make_phase1_step
+
+    b, T, S = 2, 3, 2
+    table = torch.rand(b, T, S, dtype=torch.float64)
+    table[1, 1, 0] = bad  # a scored slot
+    x = torch.randint(0, 50, (b, S * T + 1), generator=torch.Generator().manual_seed(0))
+    bags = {"tokens": x[:, :-1], "labels": x[:, 1:], "loss_mask": torch.ones(b, S * T)}
+    per_token = torch.rand(b, T, dtype=torch.float64)
+    per_token[0, 1] = bad
+    tokens = {
+        "tokens": torch.zeros(b, T, dtype=torch.long),
+        "labels": torch.zeros(b, T, dtype=torch.long),
+        "loss_mask": torch.ones(b, T),
+        "position_ids": torch.arange(T).expand(b, T),
+    }
+    for on in (True, False):
+        args = SimpleNamespace(check_for_nan_in_loss_and_grad=on, check_for_spiky_loss=False)
+        check = loss_checks(args)
+        runs = [
+            make_phase1_step(bag_size=S, weighting="uniform", check=check)(
+                iter([bags]), _PerSlotModel(table)
+            ),
+            make_phase2_step(check=check)(iter([tokens]), lambda *a, **k: per_token),
+        ]
+        for output, loss_func in runs:
+            if on:
+                with pytest.raises(RuntimeError, match=f"found {what} in local forward loss"):
+                    loss_func(output)
+            else:
+                assert not torch.isfinite(loss_func(output)[0])
+
+
+def test_check_for_spiky_loss_warns_at_a_loss_ten_times_the_largest_seen(monkeypatch, caplog):
+    """``--check-for-spiky-loss``: after megatron-core's 100 samples of a key's loss, a loss
+    more than 10 times the largest is logged as "Spiky loss" (not fatal); off, nothing is."""
+    import logging
+    from types import SimpleNamespace
+
+    from tst_megatron.training.forward import loss_checks
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    for on in (False, True):
+        args = SimpleNamespace(check_for_nan_in_loss_and_grad=True, check_for_spiky_loss=on)
+        check = loss_checks(args)
+        key = f"spiky test {on}"  # the state machine keeps each key's largest value
+        with caplog.at_level(logging.WARNING, logger="megatron.core.rerun_state_machine"):
+            for value in [1.0 + 0.01 * i for i in range(100)] + [5.0, 50.0]:
+                check(torch.tensor(value), key)
+        spiky = [r.getMessage() for r in caplog.records if "Spiky loss" in r.getMessage()]
+        if on:
+            assert len(spiky) == 1 and "Unexpected result 50.0" in spiky[0], spiky
+        else:
+            assert spiky == []
+        caplog.clear()

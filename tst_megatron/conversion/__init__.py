@@ -11,7 +11,7 @@
   ``--load``) reads into any layout.
 
 Both build the 1-process model the way the launcher does
-(:func:`~tst_megatron.training.build_model_from_args` on the Megatron-LM
+(:func:`~tst_megatron.training.model.build_model_from_args` on the Megatron-LM
 ``args``). The name and layout mapping is data (:mod:`.rules`); :mod:`.hf` and
 :mod:`.megatron` hold the file handling of each side. CLI: ``tools/convert_checkpoint.py``.
 """

@@ -4,7 +4,7 @@ dict of a 1-process megatron-core model.
 A checkpoint of Megatron-LM's own loop (``megatron.training.pretrain()``, e.g. the launcher
 ``examples/pretrain_gpt_tst.py``) saved with any TP/PP/VPP/EP/expert-TP layout and either
 layer spec (Transformer Engine or local) is read by building its model with every parallel
-size 1 (the launcher's :func:`~tst_megatron.training.build_model_from_args` on
+size 1 (the launcher's :func:`~tst_megatron.training.model.build_model_from_args` on
 the checkpoint's own ``args``, :func:`.mlm.one_process_args`) and letting
 ``dist_checkpointing`` reshard into it; an imported model is written the same way, as
 Megatron-LM's weights-only ``release`` checkpoint, which Megatron-LM's ``load_checkpoint``
@@ -89,7 +89,7 @@ def single_process() -> Iterator[None]:
 
 def build_model(ns):
     """The whole model of checkpoint ``args`` ``ns`` in this 1-process world (eval mode, CPU):
-    :func:`~tst_megatron.training.build_model_from_args` on
+    :func:`~tst_megatron.training.model.build_model_from_args` on
     :func:`.mlm.one_process_args`. Call inside :func:`single_process`."""
     from tst_megatron.training.model import build_model_from_args
 

@@ -15,7 +15,7 @@ whole ``argparse.Namespace`` as ``args`` in its common state
   one CPU process, and its ``TransformerConfig`` by Megatron-LM's own
   ``core_transformer_config_from_args`` (the shapes the Hugging Face side needs are read
   from it); the model itself is built by the launcher's
-  :func:`~tst_megatron.training.build_model_from_args`.
+  :func:`~tst_megatron.training.model.build_model_from_args`.
 - :func:`megatron_lm_namespace`: model flags -> the ``Namespace`` Megatron-LM's parser and
   ``validate_args`` produce, which an imported ``release`` checkpoint stores so that
   Megatron-LM's ``load_checkpoint`` (``--load``, ``--use-checkpoint-args``) reads it.

@@ -71,6 +71,7 @@ REFUSED_DATA_FLAGS = {
     "valid_data_path": "use --data-path (or --data-args-path) with --split, or --mock-data",
     "test_data_path": "use --data-path (or --data-args-path) with --split, or --mock-data",
     "per_split_data_args_path": "use --data-path (or --data-args-path) with --split",
+    "multiple_validation_sets": "its validation sets come from per-split paths (above)",
     "sft": "TST trains on megatron-core's GPTDataset (pretraining), not SFT conversations",
     "fim_data": "TST trains on megatron-core's GPTDataset; its FIM samples are not supported",
     "object_storage_cache_path": "the launcher checks and reads local .bin/.idx files only",

@@ -481,3 +481,15 @@ def enable(*, training: bool = False) -> None:
 def is_enabled() -> bool:
     """Whether :func:`enable` has run in this process."""
     return _enabled
+
+
+def fork_checkpoint_results_queue() -> None:
+    """Make megatron-core's torch_dist write-results queue now by ``fork``, as Megatron-LM's
+    persistent checkpoint worker does (``megatron.training.async_utils``), for a CPU run: at the
+    first save its default ``spawn`` re-imports torch and megatron-core (about 8 s on 2 cores).
+    Idempotent."""
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import (
+        get_write_results_queue,
+    )
+
+    get_write_results_queue(mp_mode="fork")

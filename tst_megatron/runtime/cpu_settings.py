@@ -30,8 +30,8 @@ CPU_FLAGS = (
 
 def cpu_problems(args) -> list[str]:
     """Settings a CPU run cannot do, megatron-core 0.19 needing CUDA for them, one line each:
-    ``--bf16``/``--fp16``, ``--log-memory-to-tensorboard``, ``--profile`` (CUDA's profiler),
-    PP > 1 with tied embeddings or ``--mtp-num-layers``."""
+    ``--bf16``/``--fp16``, ``--log-memory-to-tensorboard``, ``--record-memory-history``,
+    ``--profile`` (CUDA's profiler), PP > 1 with tied embeddings or ``--mtp-num-layers``."""
     problems = []
     if args.profile and not args.use_pytorch_profiler:
         problems.append(
@@ -44,6 +44,8 @@ def cpu_problems(args) -> list[str]:
                 f"{flag} needs CUDA (megatron-core's mixed-precision optimizer accepts only CUDA "
                 "parameters); a CPU run trains in float32: drop it"
             )
+    if getattr(args, "record_memory_history", False):
+        problems.append("--record-memory-history records CUDA's allocator; drop it for a CPU run")
     if getattr(args, "log_memory_to_tensorboard", False):
         problems.append(
             "--log-memory-to-tensorboard reads CUDA memory statistics; drop it for a CPU run"

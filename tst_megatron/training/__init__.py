@@ -12,7 +12,3 @@ per job:
 - :mod:`.datasets`: the datasets provider (the data themselves: :mod:`tst_megatron.data`);
 - :mod:`.forward`: the forward step of both phases; :mod:`.switch`: the switch at ``N1``.
 """
-
-from tst_megatron.training.model import build_model_from_args, gpt_block_spec
-
-__all__ = ["build_model_from_args", "gpt_block_spec"]

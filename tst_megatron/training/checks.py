@@ -93,6 +93,15 @@ def _tst_setting_problems(args) -> list[str]:
     return problems
 
 
+#: Megatron-LM flags for features of ``pretrain_gpt.py``'s forward step that this launcher's
+#: does not have (each would stop the first step with a traceback), with why.
+STEP_FEATURES = {
+    "overlap_moe_expert_parallel_comm": "the forward step builds no schedule plan for "
+    "megatron-core's combined 1F1B",
+    "hybrid_context_parallel": "it needs SFT batches with document boundaries (cu_seqlens)",
+}
+
+
 def argv_problems(argv: Sequence[str]) -> list[str]:
     """Flags refused in the command line as given, before Megatron-LM parses it:
     ``--yaml-cfg`` (its YAML config replaces the whole parsed namespace, ``--tst-*`` included)."""
@@ -285,6 +294,11 @@ def launch_problems(
     problems = schedule_problems(args) + parallel_problems(args, config)
     problems += model_problems(args) + late_megatron_problems(args) + data_problems(args)
     problems += tokenizer_problems(args, launch=launch)
+    problems += [
+        f"--{flag.replace('_', '-')} is not supported by this launcher: {why}"
+        for flag, why in STEP_FEATURES.items()
+        if getattr(args, flag, False)
+    ]
     problems += installed_problems(args) if launch else []
     problems += tst_problems(args, config=config)
 

@@ -59,7 +59,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         from tst_megatron.runtime import cpu
 
         cpu.enable(training=True)  # again: modules imported since
-        fork_checkpoint_results_queue()
+        cpu.fork_checkpoint_results_queue()
     cfg = pretrain_cfg_container_from_args(checked.args)
     provider, hook = model_provider, None
     n1 = schedule(checked.args).n1
@@ -98,18 +98,6 @@ def _nothing_left_to_train(args) -> bool:
             flush=True,
         )
     return True
-
-
-def fork_checkpoint_results_queue() -> None:
-    """Make megatron-core's torch_dist write-results queue now by ``fork``, as Megatron-LM's
-    persistent checkpoint worker does (``megatron.training.async_utils``), for a CPU run: at the
-    first save its default ``spawn`` re-imports torch and megatron-core (about 8 s on 2 cores).
-    Idempotent."""
-    from megatron.core.dist_checkpointing.strategies.filesystem_async import (
-        get_write_results_queue,
-    )
-
-    get_write_results_queue(mp_mode="fork")
 
 
 def _exit_on(exc: ConfigError) -> typing.NoReturn:

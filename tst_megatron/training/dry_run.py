@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Optional, Sequence
+from typing import Sequence
 
 from tst_megatron.training.flags import tst_config
 from tst_megatron.training.plan import _batch_calculator, schedule, switch_sample
@@ -37,7 +37,16 @@ def parameter_lines(args) -> list[str]:
     )
 
     counted = copy.copy(args)
-    counted.padded_vocab_size = padded_vocab_size(args) or 0
+    counted.padded_vocab_size = 0  # a tokenizer file's vocabulary: a dry run reads none
+    if args.tokenizer_type == "NullTokenizer" and args.vocab_size:  # given by --vocab-size
+        from megatron.training.vocab_utils import calculate_padded_vocab_size
+
+        counted.padded_vocab_size = calculate_padded_vocab_size(
+            args.vocab_size,
+            args.make_vocab_size_divisible_by,
+            args.tensor_model_parallel_size,
+            logging_enabled=False,
+        )
     text = io.StringIO()
     try:
         with contextlib.redirect_stdout(text):
@@ -57,23 +66,6 @@ def parameter_lines(args) -> list[str]:
         f"{memory / NUM_BYTES_IN_MEGABYTE:,.0f} MB"
     )
     return lines
-
-
-def padded_vocab_size(args) -> Optional[int]:
-    """``V`` as Megatron-LM pads it (``vocab_utils.calculate_padded_vocab_size``: a multiple of
-    ``--make-vocab-size-divisible-by x TP``), when the launch line gives it without a
-    tokenizer file (``--tokenizer-type NullTokenizer --vocab-size V``); None otherwise (a
-    dry run reads no tokenizer)."""
-    if args.tokenizer_type != "NullTokenizer" or not args.vocab_size:
-        return None
-    from megatron.training.vocab_utils import calculate_padded_vocab_size
-
-    return calculate_padded_vocab_size(
-        args.vocab_size,
-        args.make_vocab_size_divisible_by,
-        args.tensor_model_parallel_size,
-        logging_enabled=False,
-    )
 
 
 # --- the dry run ---------------------------------------------------------------------------

@@ -1,8 +1,9 @@
 """Forward-step functions for megatron-core's pipeline schedules, one per phase.
 
 Megatron's contract: ``forward_step(data_iterator, model) -> (output, loss_func)``;
-``loss_func(output) -> (loss_sum, num_tokens, report)`` with an integer ``num_tokens`` and
-``config.calculate_per_token_loss = True``, so gradients are scaled by the global count.
+``loss_func(output) -> (loss_sum, num_tokens, report)`` with an integer ``num_tokens``, which
+megatron-core divides out per micro-batch, or with ``--calculate-per-token-loss`` over the step.
+The loss sum passes ``pretrain_gpt.py``'s checks (:func:`loss_checks`).
 
 The unit of ``num_tokens`` is a *scored position*: a token whose loss mask is 1 in phase 2,
 a latent position with at least one scored slot in phase 1, where the loss is
@@ -17,7 +18,7 @@ a gradient. Nothing here reads a device value on the host.
 from __future__ import annotations
 
 import functools
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -61,19 +62,45 @@ def _cp_split(batch: dict, cp_group: Optional[dist.ProcessGroup]) -> dict:
     return get_batch_on_this_cp_rank(dict(batch), is_hybrid_cp=False, cp_group=cp_group)
 
 
+def loss_checks(args) -> Callable[[torch.Tensor, str], None]:
+    """``check(loss_sum, key)``: Megatron-LM ``pretrain_gpt.py``'s ``loss_func`` checks, by
+    megatron-core's rerun state machine: NaN and Inf (fatal: ``RuntimeError`` with reruns
+    disabled) with ``--check-for-nan-in-loss-and-grad``, and a loss 10 times the largest seen
+    (per ``key``) with ``--check-for-spiky-loss``."""
+    from megatron.core.rerun_state_machine import get_rerun_state_machine
+
+    machine = get_rerun_state_machine()
+
+    def check(loss: torch.Tensor, key: str) -> None:
+        if args.check_for_nan_in_loss_and_grad:
+            for reject, what in ((torch.isnan, "NaN"), (torch.isinf, "Inf")):
+                message = f"found {what} in local forward loss calculation"
+                machine.validate_result(loss, reject, message=message, tolerance=0.0, fatal=True)
+        if args.check_for_spiky_loss:
+            large = functools.partial(machine.is_unexpectedly_large, threshold=10, context=key)
+            machine.validate_result(loss, large, message="Spiky loss", tolerance=0.0, fatal=False)
+
+    return check
+
+
+def _unchecked(loss: torch.Tensor, key: str) -> None:
+    pass
+
+
 def make_phase1_step(
     *,
     bag_size: int,
     weighting: str,
     cp_group: Optional[dist.ProcessGroup] = None,
     mode: str = "full",
+    check: Callable[[torch.Tensor, str], None] = _unchecked,
 ):
     """Forward step of the superposition phase in ``mode`` (``superposition.bags.TST_MODES``):
     samples of ``S*T`` tokens (``full``, ``input``) or ``T`` tokens (``output``), inputs from
     ``phase1_inputs`` (``[b, T, S]`` bags or ``[b, T, 1]``) embedded by ``bag_embedding`` on
     the first stage, targets ``[b, T, k]`` from ``phase1_targets`` scored by the model's loss
     seam on the last, MCE weights from ``phase1_weights``. ``cp_group`` splits the latent
-    sequence (whole bags)."""
+    sequence (whole bags); ``check`` sees each loss sum (:func:`loss_checks`)."""
 
     def forward_step(data_iterator, model):
         # Every stage reads the micro-batch (cheap); only the first embeds, only the last scores.
@@ -91,6 +118,7 @@ def make_phase1_step(
             positions = (local["mask"] > 0).any(dim=-1).sum().to(torch.int)
             mce = torch.where(weight_sum > 0, loss_sum / weight_sum.clamp_min(1e-12), 0.0)
             loss = mce * positions  # = MCE_mb * scored positions (see the module docstring)
+            check(loss, PHASE1_LOSS)
             return loss, positions, _report(loss, positions, PHASE1_LOSS)
 
         return per_slot, loss_func
@@ -98,8 +126,13 @@ def make_phase1_step(
     return forward_step
 
 
-def make_phase2_step(*, cp_group: Optional[dist.ProcessGroup] = None):
-    """Forward step of ordinary next-token training (and of validation in both phases).
+def make_phase2_step(
+    *,
+    cp_group: Optional[dist.ProcessGroup] = None,
+    check: Callable[[torch.Tensor, str], None] = _unchecked,
+):
+    """Forward step of ordinary next-token training (and of validation in both phases);
+    ``check`` sees each loss sum (:func:`loss_checks`).
 
     The model gets ``labels=`` and ``loss_mask=`` as in Megatron-LM's ``pretrain_gpt.py``:
     megatron-core's multi-token prediction (``process_mtp_loss``) masks and counts its
@@ -121,6 +154,7 @@ def make_phase2_step(*, cp_group: Optional[dist.ProcessGroup] = None):
             scored = loss_mask > 0
             loss = torch.where(scored, output.float(), 0.0).sum()
             num_tokens = scored.sum().to(torch.int)
+            check(loss, "lm loss")
             return loss, num_tokens, _report(loss, num_tokens)
 
         return per_token, loss_func
@@ -185,12 +219,17 @@ class TSTForwardStep:
 
         tst = tst_config(args)
         cp = mpu.get_context_parallel_group() if args.context_parallel_size > 1 else None
+        check = loss_checks(args)
         phase1 = make_phase1_step(
-            bag_size=tst.bag_size, weighting=tst.bag_weighting, mode=tst.mode, cp_group=cp
+            bag_size=tst.bag_size,
+            weighting=tst.bag_weighting,
+            mode=tst.mode,
+            cp_group=cp,
+            check=check,
         )
         plan = schedule(args)
         self._raw = _RawTokens(args, plan) if is_last_rank() else None
-        return plan, phase1, make_phase2_step(cp_group=cp)
+        return plan, phase1, make_phase2_step(cp_group=cp, check=check)
 
     def __call__(self, data_iterator, model):
         from megatron.training import get_args

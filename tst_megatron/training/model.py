@@ -107,6 +107,7 @@ def gpt_block_spec(config: TransformerConfig, *, vp_stage: Optional[int] = None)
         config,
         use_transformer_engine=False,
         normalization=config.normalization,
+        qk_l2_norm=config.qk_l2_norm,
         vp_stage=vp_stage,
     )
     return TransformerBlockSubmodules(
@@ -171,6 +172,8 @@ def tag_expert_grad_reduction(model, config: TransformerConfig) -> None:
 
 # --- Megatron-LM's model provider ------------------------------------------------------
 
+_recording: list = []  # not empty once model_provider has started the memory history
+
 
 def model_provider(
     pre_process: bool = True,
@@ -180,9 +183,15 @@ def model_provider(
     pg_collection=None,
 ):
     """Megatron-LM model provider: :func:`build_model_from_args` on Megatron-LM's global
-    ``args`` (``megatron.training.get_args()``)."""
+    ``args`` (``megatron.training.get_args()``). The first call starts CUDA's allocator
+    history with ``--record-memory-history``, as ``pretrain_gpt.py``'s provider does
+    (Megatron-LM's ``start_memory_history_recording``, which reads those flags of ``args``)."""
     from megatron.training import get_args
+    from megatron.training.utils import start_memory_history_recording
 
+    if not _recording:  # once per process
+        start_memory_history_recording(get_args())
+        _recording.append(True)
     return build_model_from_args(
         get_args(),
         pre_process=pre_process,
