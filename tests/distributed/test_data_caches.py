@@ -164,9 +164,9 @@ def test_index_caches_shared_and_node_local(tmp_path):
 def _failing_child(rank, world, *, prefix, root, fail):
     """Each rank opens the TST stream of a shared cache directory; one rank fails."""
     from tests.unit.test_data_boundary import null_tokenizer
+    from tst_megatron.data import stream as stream_module
     from tst_megatron.data.gpt_datasets import DataSettings, build_datasets
     from tst_megatron.errors import ConfigError
-    from tst_megatron.data import stream as stream_module
 
     os.environ["LOCAL_RANK"] = str(rank)
     cache = os.path.join(root, fail)
