@@ -1,23 +1,25 @@
 """No device-to-host read per micro-batch from the TST step of the launcher.
 
 One phase-1 and one phase-2 training step of Megatron-LM's loop (``pretrain()`` through
-:func:`tst_megatron.training.main`: an MoE model, 3 micro-batches) run under a
+:func:`tst_megatron.training.cli.main`: an MoE model, 3 micro-batches) run under a
 ``TorchFunctionMode`` that records every host read of a tensor value (``.item()``,
 ``.tolist()``, ``bool()``, ``int()``, ``float()``, ``.numpy()``, and the data-dependent
 shapes ``nonzero``/``masked_select``/boolean indexing) with its call stack. On a GPU each of
 these waits for the stream. The mode is on for the whole of Megatron-LM's ``train_step`` of
 iterations 1 (phase 1) and 3 (phase 2): the schedule, the launcher's forward step
-(:class:`~tst_megatron.training.TSTForwardStep`) and its loss function, the
+(:class:`~tst_megatron.training.forward.TSTForwardStep`) and its loss function, the
 backward and the optimizer.
 
 Allowed, because they are not the TST step's:
-- reads in the data pipeline (megatron-core's datasets, the project's ``data.py``): host
+- reads in the data pipeline (megatron-core's datasets, ``data/gpt_datasets.py``): host
   tensors, before the forward step moves the batch to the device;
 - reads outside megatron-core's pipeline schedule: once per step (the optimizer's grad
   norm and inf check, ``train_step``'s loss reductions);
 - inside the schedule, megatron-core's own: the MoE token dispatcher's split sizes, the
   RNG tracker's comparison of host RNG states, ``finalize_model_grads``'s token count,
-  the boolean-mask fill in its cross-entropy (phase 2, as in any baseline run).
+  the boolean-mask fill in its cross-entropy (phase 2, as in any baseline run), and its rerun
+  state machine's checks of the gradients and (``pretrain_gpt.py``'s, in the loss function)
+  of the loss.
 Not allowed: any read made by the TST step itself (``superposition/``,
 ``training/forward.py``, ``training/gpt.py``, ``training/switch.py`` as the innermost
 project or megatron-core frame) or any other read inside the schedule.
@@ -72,8 +74,9 @@ MEGATRON_OWN = (
     "megatron/core/tensor_parallel/random.py",
     "megatron/core/distributed/finalize_model_grads.py",
     "megatron/core/tensor_parallel/cross_entropy.py",  # the baseline's CE (boolean-mask fill)
-    # Megatron-LM's NaN/Inf check of the gradients (--check-for-nan-in-loss-and-grad, on by
-    # default), once per step in finalize_model_grads: megatron-core's rerun state machine.
+    # Megatron-LM's NaN/Inf checks (--check-for-nan-in-loss-and-grad, on by default) of the
+    # gradients, once per step in finalize_model_grads, and of each micro-batch's loss, as
+    # pretrain_gpt.py's loss_func does: megatron-core's rerun state machine.
     "megatron/core/rerun_state_machine.py",
 )
 

@@ -272,6 +272,7 @@ def test_the_parameter_count_is_megatron_lm_s_and_follows_the_flags():
             "2",
             "--overlap-moe-expert-parallel-comm is not supported by this launcher",
         ),
+        (["--inprocess-restart"], "auto", "1", "--inprocess-restart is not supported by"),
         (
             ["--hybrid-context-parallel", "--calculate-per-token-loss"],
             "auto",

@@ -171,15 +171,25 @@ def test_phase1_step_loss_and_gradient_are_the_papers_mce():
         torch.testing.assert_close(table.grad, expected, rtol=1e-6, atol=1e-12)
 
 
+@pytest.fixture
+def rerun_state_machine(monkeypatch):
+    """megatron-core's rerun state machine as ``get_rerun_state_machine`` makes it (reruns
+    disabled), destroyed after the test; it names the CUDA device in its messages (a CPU run
+    redirects that)."""
+    from megatron.core.rerun_state_machine import destroy_rerun_state_machine
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    destroy_rerun_state_machine()
+    yield
+    destroy_rerun_state_machine()
+
+
 @pytest.mark.parametrize("bad, what", [(float("nan"), "NaN"), (float("inf"), "Inf")])
-def test_a_non_finite_scored_loss_stops_the_step_as_in_pretrain_gpt(bad, what, monkeypatch):
-    """``--check-for-nan-in-loss-and-grad`` (Megatron-LM's default): a NaN or Inf loss sum
-    stops the step through megatron-core's rerun state machine, in both phases, with
+def test_a_non_finite_scored_loss_stops_the_step_as_in_pretrain_gpt(bad, what, rerun_state_machine):
+    """``--check-for-nan-in-loss-and-grad`` (on by default): with reruns disabled a NaN or Inf
+    loss sum stops the step through megatron-core's rerun state machine, in both phases, with
     ``pretrain_gpt.py``'s message; ``--no-check-for-nan-in-loss-and-grad`` lets it through."""
     from types import SimpleNamespace
-
-    # the state machine names the CUDA device in its message (a CPU run redirects this)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
 
     from tst_megatron.training.forward import loss_checks, make_phase1_step
 
@@ -213,7 +223,9 @@ def test_a_non_finite_scored_loss_stops_the_step_as_in_pretrain_gpt(bad, what, m
                 assert not torch.isfinite(loss_func(output)[0])
 
 
-def test_check_for_spiky_loss_warns_at_a_loss_ten_times_the_largest_seen(monkeypatch, caplog):
+def test_check_for_spiky_loss_warns_at_a_loss_ten_times_the_largest_seen(
+    rerun_state_machine, caplog
+):
     """``--check-for-spiky-loss``: after megatron-core's 100 samples of a key's loss, a loss
     more than 10 times the largest is logged as "Spiky loss" (not fatal); off, nothing is."""
     import logging
@@ -221,7 +233,6 @@ def test_check_for_spiky_loss_warns_at_a_loss_ten_times_the_largest_seen(monkeyp
 
     from tst_megatron.training.forward import loss_checks
 
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     for on in (False, True):
         args = SimpleNamespace(check_for_nan_in_loss_and_grad=True, check_for_spiky_loss=on)
         check = loss_checks(args)

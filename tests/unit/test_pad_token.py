@@ -129,6 +129,13 @@ def test_data_holding_the_pad_id_is_refused_in_one_line(hf, tmp_path):
     for name in ("eos", "special", "none"):
         other = _tokenizer(hf, name)
         check_data_files(prefix, other.vocab_size, pad_id=_pad_id(other, prefix, tmp_path / name))
+    # --allow-ambiguous-pad-tokens makes EOS the pad id, which every document holds: refused,
+    # naming the flag; the "word" pad is refused with or without it
+    eos = _tokenizer(hf, "eos")
+    pad = _pad_id(eos, prefix, tmp_path / "flag", allow_ambiguous_pad_tokens=True)
+    with pytest.raises(ConfigError, match="or drop --allow-ambiguous-pad-tokens"):
+        check_data_files(prefix, eos.vocab_size, pad_id=pad, pad_flag=True)
+    assert _pad_id(tok, prefix, tmp_path / "flag2", allow_ambiguous_pad_tokens=True) == fox
 
 
 def test_pad_id_count_is_remembered_in_the_stamp(hf, tmp_path, monkeypatch):

@@ -137,15 +137,3 @@ def test_fp8_width_of_all_moe_layers_ignores_the_dense_width():
     # one dense layer in two: it is
     errors = _check(FP8 + moe + ["--ffn-hidden-size", "1000", "--moe-layer-freq", "2"])
     assert len(errors) == 1 and "the FFN width per TP rank (1000)" in errors[0], errors
-
-
-def test_fp8_shapes_are_checked_when_the_launcher_parses_too():
-    """``tst_problems`` without a config (the launcher's ``parse``) builds Megatron-LM's
-    ``TransformerConfig`` itself and finds the same problem as the dry run."""
-    from tst_megatron.training.checks import tst_problems
-    from tst_megatron.training.validate import check
-
-    checked = check(BASE + FP8 + ["--hidden-size", "200"], dry_run=True)
-    args, problems = checked.args, checked.problems
-    assert len(problems) == 3, problems  # hidden size, attention and qkv widths
-    assert tst_problems(args) == problems

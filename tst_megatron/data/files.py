@@ -11,6 +11,7 @@ import hashlib
 import json
 import os
 import struct
+import threading
 from typing import Iterator, Mapping, Optional
 
 import numpy as np
@@ -25,7 +26,8 @@ def atomic_path(path: str) -> Iterator[str]:
     delete it otherwise."""
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
-    tmp = os.path.join(directory, f".{os.path.basename(path)}.tmp{os.getpid()}")
+    unique = f"{os.getpid()}-{threading.get_ident()}"  # megatron-core may build in threads
+    tmp = os.path.join(directory, f".{os.path.basename(path)}.tmp{unique}")
     try:
         yield tmp
         os.replace(tmp, path)

@@ -146,6 +146,7 @@ def check_data_files(
     *,
     cache_path: Optional[str] = None,
     pad_id: Optional[int] = None,
+    pad_flag: bool = False,
 ) -> None:
     """Checks that every dataset prefix of ``--data-path`` has a consistent ``.bin`` and
     ``.idx`` holding only token ids in ``[0, vocab_size)``, none equal to ``pad_id`` (which
@@ -155,8 +156,9 @@ def check_data_files(
         data_path: ``--data-path``.
         vocab_size: ids of the tokenizer (or ``--vocab-size``).
         cache_path: ``--data-cache-path`` (where stamps go).
-        pad_id: :func:`dataset_pad_id` of the run's training dataset; None: none to refuse
-            (or ``--allow-ambiguous-pad-tokens``: the user asked for its masking).
+        pad_id: :func:`dataset_pad_id` of the run's training dataset; None: none to refuse.
+        pad_flag: ``--allow-ambiguous-pad-tokens`` is set (it can make EOS/EOD the pad id);
+            the error line then names it.
 
     Raises:
         ConfigError: the first missing, truncated, malformed or empty file; else one line per
@@ -179,6 +181,7 @@ def check_data_files(
                 f"{pad_id}, the pad id of --tokenizer-model; megatron-core's GPTDataset would "
                 "replace each by 0 and drop it from the loss: use a tokenizer whose pad token "
                 "never occurs in the data (no pad_token, or a dedicated special token)"
+                + (", or drop --allow-ambiguous-pad-tokens" if pad_flag else "")
             )
     if problems:
         raise ConfigError("\n".join(problems))

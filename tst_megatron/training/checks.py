@@ -39,25 +39,14 @@ from tst_megatron.training.plan import (
 def tst_problems(args, *, config=None) -> list[str]:
     """What TST cannot run (:func:`_tst_setting_problems`), then with ``--fp8-format`` the GEMM
     shapes Transformer Engine would refuse in the first step
-    (:func:`~tst_megatron.runtime.fp8.fp8_shape_problems`).
-
-    Args:
-        args: Megatron-LM's arguments after ``validate_args``.
-        config: the model's ``TransformerConfig``; None: built here (with ``--fp8-format``) by
-            Megatron-LM's ``core_transformer_config_from_args``.
+    (:func:`~tst_megatron.runtime.fp8.fp8_shape_problems` of ``config``, the model's
+    ``TransformerConfig``, which FP8 needs). ``args``: Megatron-LM's, after ``validate_args``.
     """
     problems = _tst_setting_problems(args)
     if not getattr(args, "fp8", None):
         return problems
     from tst_megatron.runtime.fp8 import fp8_shape_problems
 
-    if config is None:
-        from megatron.training.argument_utils import core_transformer_config_from_args
-
-        try:
-            config = core_transformer_config_from_args(args)
-        except (AssertionError, ValueError) as exc:
-            return problems + [validation_error(exc, "TransformerConfig")]
     return problems + fp8_shape_problems(
         config, seq_length=args.seq_length, micro_batch_size=args.micro_batch_size
     )
@@ -93,12 +82,14 @@ def _tst_setting_problems(args) -> list[str]:
     return problems
 
 
-#: Megatron-LM flags for features of ``pretrain_gpt.py``'s forward step that this launcher's
-#: does not have (each would stop the first step with a traceback), with why.
-STEP_FEATURES = {
+#: Megatron-LM flags for features of ``pretrain_gpt.py`` that this launcher does not have
+#: (ignored, or a traceback at the first step), with why.
+NOT_WIRED = {
     "overlap_moe_expert_parallel_comm": "the forward step builds no schedule plan for "
     "megatron-core's combined 1F1B",
     "hybrid_context_parallel": "it needs SFT batches with document boundaries (cu_seqlens)",
+    "inprocess_restart": "it does not wrap pretrain() for in-process restart; a restarted "
+    "job resumes exactly from --load",
 }
 
 
@@ -296,7 +287,7 @@ def launch_problems(
     problems += tokenizer_problems(args, launch=launch)
     problems += [
         f"--{flag.replace('_', '-')} is not supported by this launcher: {why}"
-        for flag, why in STEP_FEATURES.items()
+        for flag, why in NOT_WIRED.items()
         if getattr(args, flag, False)
     ]
     problems += installed_problems(args) if launch else []

@@ -82,10 +82,13 @@ class TSTDatasets:
             samples=(windows, 1 if valid_n is None else valid_n, test_n or 0),
             seed=args.seed,
         )
-        if not data.mock_data:  # megatron-core's pad id; the user may opt in to its masking
-            pad = None if data.allow_ambiguous_pad_tokens else dataset_pad_id(train)
+        if not data.mock_data:  # the pad id of megatron-core's built datasets
             check_data_files(
-                data.data_path, tokenizer.vocab_size, cache_path=data.data_cache_path, pad_id=pad
+                data.data_path,
+                tokenizer.vocab_size,
+                cache_path=data.data_cache_path,
+                pad_id=dataset_pad_id(train),
+                pad_flag=data.allow_ambiguous_pad_tokens,
             )
         prefixes = None if data.mock_data else data_prefixes(data.data_path)
         stream = open_stream(

@@ -12,7 +12,9 @@ uniform weights), and megatron-core's MoE aux and z losses, scaled per routed po
 weigh the same in both phases. Masked positions and slots are excluded by selection
 (``torch.where``), never by multiplication, so an ``inf``/``nan`` there reaches neither the
 loss nor, through the model's loss seam (:class:`~tst_megatron.training.gpt.TSTGPTModel`),
-a gradient. Nothing here reads a device value on the host.
+a gradient. Nothing here reads a device value on the host, except ``pretrain_gpt.py``'s loss
+checks (:func:`loss_checks`: megatron-core's rerun state machine reads the loss, as in a
+baseline run).
 """
 
 from __future__ import annotations
@@ -64,14 +66,14 @@ def _cp_split(batch: dict, cp_group: Optional[dist.ProcessGroup]) -> dict:
 
 def loss_checks(args) -> Callable[[torch.Tensor, str], None]:
     """``check(loss_sum, key)``: Megatron-LM ``pretrain_gpt.py``'s ``loss_func`` checks, by
-    megatron-core's rerun state machine: NaN and Inf (fatal: ``RuntimeError`` with reruns
-    disabled) with ``--check-for-nan-in-loss-and-grad``, and a loss 10 times the largest seen
-    (per ``key``) with ``--check-for-spiky-loss``."""
+    megatron-core's rerun state machine (``--rerun-mode``): NaN and Inf with
+    ``--check-for-nan-in-loss-and-grad`` (fatal; with reruns disabled a ``RuntimeError``, under
+    Megatron-LM's default ``validate_results`` the iteration is rerun first), and a loss 10
+    times the largest seen (per ``key``) with ``--check-for-spiky-loss``."""
     from megatron.core.rerun_state_machine import get_rerun_state_machine
 
-    machine = get_rerun_state_machine()
-
     def check(loss: torch.Tensor, key: str) -> None:
+        machine = get_rerun_state_machine()  # as stock: the current one (restarts replace it)
         if args.check_for_nan_in_loss_and_grad:
             for reject, what in ((torch.isnan, "NaN"), (torch.isinf, "Inf")):
                 message = f"found {what} in local forward loss calculation"
