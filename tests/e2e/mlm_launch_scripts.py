@@ -156,10 +156,9 @@ GPT3_175B_AS_PUBLISHED = {
         "--save", CKPT, "--load", CKPT, "--eval-iters", "10", "--tensorboard-dir", TB,
     ] + TST,
 }  # fmt: skip
-# The script passes no --tokenizer-type, and Megatron-LM 0.19 has no default: its
-# build_tokenizer (set_global_variables, right after validate_args) stops a real run with
-# "tokenizer_type None is not supported" (the dry run does not build the tokenizer and passes
-# it). GPT3_175B adds the type its --vocab-file/--merge-file are for.
+# The script passes no --tokenizer-type: pretrain_gpt.py's default (its args_defaults, which
+# the launcher gives validate_args too) is GPT2BPETokenizer, the type its --vocab-file and
+# --merge-file are for. GPT3_175B names it anyway.
 GPT3_175B = dict(
     GPT3_175B_AS_PUBLISHED,
     argv=_without(GPT3_175B_AS_PUBLISHED["argv"], "--global-batch-size")

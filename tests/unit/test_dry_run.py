@@ -432,3 +432,16 @@ def test_a_moe_layer_pattern_of_another_length_is_one_error_line():
     ok = dry(moe + ["--moe-layer-freq", "([1,0])"])
     assert ok.returncode == 0, ok.stderr
     assert "MoE 1 of 2 layers" in ok.stdout
+
+
+def test_the_tokenizer_type_defaults_to_pretrain_gpt_s():
+    """Without ``--tokenizer-type`` the launch validates as Megatron-LM's ``pretrain_gpt.py``
+    does (its ``args_defaults``): ``GPT2BPETokenizer``, for ``--vocab-file``/``--merge-file``."""
+    from tst_megatron.training.validate import check
+
+    argv = [w for w in SMALL if w not in ("--tokenizer-type", "NullTokenizer")]
+    argv += ["--vocab-file", "vocab.json", "--merge-file", "merges.txt"]
+    checked = check(argv, dry_run=True)
+    assert checked.problems == [] and checked.args.tokenizer_type == "GPT2BPETokenizer"
+    given = check(SMALL, dry_run=True)  # a given type is kept
+    assert given.problems == [] and given.args.tokenizer_type == "NullTokenizer"

@@ -60,7 +60,6 @@ def test_llama2_tokenizer_is_the_sentencepiece_model(tmp_path):
         ("Llama2Tokenizer", {"tokenizer_model": None}, "--tokenizer-model None is not a file"),
         ("SentencePieceTokenizer", {"tokenizer_model": "no/such"}, "--tokenizer-model no/such"),
         ("GPT2BPETokenizer", {"vocab_file": None}, "--vocab-file None is not a file"),
-        (None, {}, "--tokenizer-type is required"),
     ],
 )
 def test_missing_tokenizer_settings_are_named(kind, files, message):

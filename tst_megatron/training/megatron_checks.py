@@ -10,13 +10,12 @@ import os
 
 
 def tokenizer_problems(args, *, launch: bool) -> list[str]:
-    """The tokenizer settings Megatron-LM's ``set_global_variables`` stops on: no
-    ``--tokenizer-type``, a type without its ``--vocab-size`` / ``--tokenizer-model``, and in a
+    """The tokenizer settings Megatron-LM's ``set_global_variables`` stops on: a type without
+    its ``--vocab-size`` / ``--tokenizer-model`` (``--tokenizer-type`` defaults to
+    ``GPT2BPETokenizer``, as in ``pretrain_gpt.py``), and in a
     ``launch`` (not a dry run, which may run where the cluster's files are not) a tokenizer
     file that does not exist (a Hugging Face ``--tokenizer-model`` may be a hub name)."""
     kind = args.tokenizer_type
-    if kind is None:
-        return ["--tokenizer-type is required (Megatron-LM 0.19 has no default)"]
     if kind == "NullTokenizer" and not (args.vocab_size and args.vocab_size >= 2):
         return [f"--tokenizer-type NullTokenizer needs --vocab-size >= 2 (got {args.vocab_size})"]
     if kind == "HuggingFaceTokenizer" and not args.tokenizer_model:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 from typing import Optional
 
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
@@ -247,8 +248,9 @@ def build_model_from_args(
         spec = gpt_block_spec(cfg.transformer, vp_stage=vp_stage)
     elif spec is None:
         spec = default_layer_spec(cfg, vp_stage)
-    elif not isinstance(spec, ModuleSpec) and callable(spec):
-        spec = spec(cfg, vp_stage=vp_stage)
+    elif not isinstance(spec, ModuleSpec) and callable(spec):  # as GPTModelBuilder calls it
+        takes_stage = "vp_stage" in inspect.signature(spec).parameters
+        spec = spec(cfg, vp_stage=vp_stage) if takes_stage else spec(cfg)
     if cfg.attention_backend == AttnBackend.local and hasattr(spec, "submodules"):
         spec.submodules.self_attention.submodules.core_attention = DotProductAttention
     model = TSTGPTModel(

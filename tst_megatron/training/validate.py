@@ -37,6 +37,10 @@ class Checked:
     notes: list
 
 
+#: The ``args_defaults`` Megatron-LM's ``pretrain_gpt.py`` gives its argument validation.
+PRETRAIN_GPT_DEFAULTS = {"tokenizer_type": "GPT2BPETokenizer"}
+
+
 class _ParserError(Exception):
     """Megatron-LM's argument parser rejected the command line (argparse's message)."""
 
@@ -79,7 +83,8 @@ def check(argv: Sequence[str], *, dry_run: bool = False) -> Checked:
     """Every check of a launch line for this process's ``WORLD_SIZE``, before any work.
 
     In order, stopping at the first stage that refuses: :func:`argv_problems`, Megatron-LM's
-    ``parse_args``, ``--use-checkpoint-args``, ``validate_args``,
+    ``parse_args``, ``--use-checkpoint-args``, ``validate_args`` (with
+    :data:`PRETRAIN_GPT_DEFAULTS`),
     ``core_transformer_config_from_args``, then :func:`launch_problems`. A CPU run appends
     :data:`CPU_FLAGS` and, in a launch, enables :func:`tst_megatron.runtime.cpu.enable` first.
     A dry run mutes Megatron-LM's prints and answers for the cluster's GPU and TE
@@ -119,7 +124,7 @@ def check(argv: Sequence[str], *, dry_run: bool = False) -> Checked:
         try:
             if args.use_checkpoint_args:
                 _load_checkpoint_args(args)
-            validate_args(args)
+            validate_args(args, PRETRAIN_GPT_DEFAULTS)
         except Exception as exc:  # AssertionError, ValueError, RuntimeError, ZeroDivisionError;
             # validate_args stops at its first failed check, so the other checks wait
             return Checked(None, device, [validation_error(exc)], notes)
