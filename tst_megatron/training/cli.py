@@ -1,7 +1,8 @@
 """The launcher (``examples/pretrain_gpt_tst.py``): Megatron-LM's ``pretrain_gpt.py`` with
 Token Superposition Training, run by Megatron-LM's own ``pretrain()`` (the torchrun/Slurm
-environment: :mod:`tst_megatron.runtime.distributed`). Every check runs first (:func:`tst_megatron.training.validate.check`); a problem ends the
-job before any process group, model or data exists. A CPU run (``--device cpu``) enables
+environment: :mod:`tst_megatron.runtime.distributed`). Every check runs first
+(:func:`tst_megatron.training.validate.check`); a problem ends the job before any process
+group, model or data exists. A CPU run (``--device cpu``) enables
 :func:`tst_megatron.runtime.cpu.enable`.
 """
 
