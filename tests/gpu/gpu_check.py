@@ -272,6 +272,35 @@ def check_fp8_resume(rows: list, log: str, uninterrupted: dict) -> None:
     )
 
 
+def check_memory_history(rows: list, log: str) -> None:
+    """``--record-memory-history``: the snapshot Megatron-LM writes at its log lines holds the
+    CUDA allocator's history (the launcher's model provider starts it, as ``pretrain_gpt.py``'s
+    does); without the flag the snapshot has none."""
+    import pickle
+
+    what = "--record-memory-history: Megatron-LM's memory snapshot holds the allocator history"
+    events = {}
+    with tempfile.TemporaryDirectory() as d:
+        for on in (True, False):
+            path = os.path.join(d, f"snapshot-{on}.pickle")
+            flags = ["--memory-snapshot-path", path] + (["--record-memory-history"] if on else [])
+            _train(argv_of("local bf16") + flags, log)
+            if os.path.exists(path):
+                with open(path, "rb") as f:
+                    traces = pickle.load(f).get("device_traces", [])
+                events[on] = sum(len(trace) for trace in traces)
+            else:
+                events[on] = None  # no snapshot written
+    ok = bool(events[True]) and not events[False]
+    rows.append(
+        (
+            what,
+            f"allocator events: {events[True]} with, {events[False]} without",
+            "pass" if ok else "FAIL",
+        )
+    )
+
+
 def check_mce_vs_fused_ce(rows: list) -> None:
     """Phase-1 MCE kernel at k=1 against megatron-core's fused vocab-parallel CE on CUDA."""
     import torch
@@ -403,6 +432,7 @@ def main() -> int:
     start, rows, sections = time.time(), [], []
     results = check_training(rows, args.log)
     check_fp8_resume(rows, args.log, results)
+    check_memory_history(rows, args.log)
     check_mce_vs_fused_ce(rows)
     check_step_cost(rows, sections, args.log)
     text = report(rows, sections, time.time() - start, machine())
