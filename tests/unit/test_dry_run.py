@@ -445,3 +445,17 @@ def test_the_tokenizer_type_defaults_to_pretrain_gpt_s():
     assert checked.problems == [] and checked.args.tokenizer_type == "GPT2BPETokenizer"
     given = check(SMALL, dry_run=True)  # a given type is kept
     assert given.problems == [] and given.args.tokenizer_type == "NullTokenizer"
+
+
+def test_phase_1_flags_without_a_bag_size_and_a_phase_1_filling_the_run_are_noted():
+    """Valid but likely mistaken settings print a ``note:`` (the run is checked as usual)."""
+    assert SMALL[-2:] == ["--tst-bag-size", "2"]
+    plain = SMALL[:-2]
+    r = dry(plain + ["--tst-phase1-iters", "4"])
+    assert r.returncode == 0, r.stderr
+    assert "note: --tst-phase1-iters without --tst-bag-size > 1: no phase 1" in r.stdout
+    r = dry(SMALL + ["--tst-phase1-fraction", "1"])
+    assert r.returncode == 0, r.stderr
+    assert "note: phase 1 fills all 10 iterations: this run trains no next-token" in r.stdout
+    quiet = dry(SMALL)
+    assert "phase1" not in quiet.stdout and "phase 1 fills" not in quiet.stdout

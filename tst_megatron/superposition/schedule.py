@@ -71,6 +71,26 @@ class TSTConfig:
             )
         return problems
 
+    def notes(self, train_iters: int) -> list[str]:
+        """What the user should know of these (valid) settings, one line each: phase-1 flags
+        without a bag size (no phase 1), or a phase 1 that fills all ``train_iters``."""
+        given = [
+            flag
+            for flag, value in (
+                ("--tst-phase1-iters", self.phase1_iters),
+                ("--tst-phase1-fraction", self.phase1_fraction),
+            )
+            if value is not None
+        ]
+        if self.bag_size == 1 and given:
+            return [f"{' and '.join(given)} without --tst-bag-size > 1: no phase 1 (plain run)"]
+        if self.bag_size > 1 and self.phase1_steps(train_iters) >= train_iters > 0:
+            return [
+                f"phase 1 fills all {train_iters} iterations: this run trains no next-token "
+                "step (continue it with a larger --train-iters and the same --tst-phase1-iters)"
+            ]
+        return []
+
     def windows_per_sample(self) -> int:
         """``T``-token windows in one phase-1 sample: ``S`` (``full``, ``input``), 1 (``output``)."""
         return self.bag_size if mode_reads_bags(self.mode) else 1

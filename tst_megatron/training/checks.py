@@ -227,13 +227,13 @@ def architecture_problems(args, saved) -> list[str]:
 
 
 def launch_notes(args) -> list[str]:
-    """What the user should know before the run starts, one line each: that megatron-core
-    0.19's ``global_aux_loss`` counts tokens over DP and micro-batches (layout-dependent), and
-    that a fused Adam is not made to start MTP afresh at the switch
-    (:class:`~tst_megatron.training.switch.FreshAdamForMTP`)."""
+    """What the user should know before the run starts, one line each: the TST settings'
+    (``TSTConfig.notes``), that megatron-core 0.19's ``global_aux_loss`` counts tokens over DP
+    and micro-batches (layout-dependent), and that a fused Adam is not made to start MTP afresh
+    at the switch (:class:`~tst_megatron.training.switch.FreshAdamForMTP`)."""
     kinds = args.moe_router_load_balancing_type
     kinds = [kinds] if isinstance(kinds, str) else list(kinds or [])
-    notes = []
+    notes = tst_config(args).notes(train_iters(args))
     if args.num_experts and "global_aux_loss" in kinds:
         notes.append(
             "--moe-router-load-balancing-type global_aux_loss: megatron-core counts the tokens "
