@@ -392,3 +392,18 @@ def test_a_tracker_file_without_an_iteration_is_one_line(tmp_path):
     assert "latest_checkpointed_iteration.txt holds 'garbage', not an iteration" in line
     (tmp_path / "latest_checkpointed_iteration.txt").write_text("release")
     assert resume_checks(args) == []  # a release checkpoint: nothing to resume
+
+
+def test_the_help_of_each_refused_megatron_lm_flag_says_so():
+    """``--help`` marks each Megatron-LM flag the launcher refuses, with why; others not."""
+    from megatron.training.arguments import add_megatron_arguments
+
+    parser = add_tst_args(add_megatron_arguments(argparse.ArgumentParser()))
+    helps = {a.option_strings[0]: a.help or "" for a in parser._actions if a.option_strings}
+    for flag in ("--sft", "--fim-data", "--inprocess-restart", "--train-data-path"):
+        assert "Refused by this launcher: " in helps[flag], flag
+    assert "Refused by this launcher: TST trains on megatron-core's GPTDataset" in helps["--sft"]
+    marked = [flag for flag, text in helps.items() if "Refused by this launcher" in text]
+    assert "--lr" not in marked and "--tst-bag-size" not in marked
+    assert len(marked) == 15, marked  # 12 data flags, 3 pretrain_gpt.py features
+    assert "Refused by this launcher" in parser.format_help()

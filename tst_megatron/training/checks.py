@@ -16,7 +16,7 @@ import torch
 
 from tst_megatron.errors import ConfigError
 from tst_megatron.runtime.cpu_settings import cpu_flag_problems, cpu_problems
-from tst_megatron.training.flags import tst_config
+from tst_megatron.training.flags import NOT_WIRED, tst_config
 from tst_megatron.training.megatron_checks import (
     installed_problems,
     late_megatron_problems,
@@ -80,17 +80,6 @@ def _tst_setting_problems(args) -> list[str]:
             "phase of a sample is read from its position in the 'single' sampler's order"
         )
     return problems
-
-
-#: Megatron-LM flags for features of ``pretrain_gpt.py`` that this launcher does not have
-#: (ignored, or a traceback at the first step), with why.
-NOT_WIRED = {
-    "overlap_moe_expert_parallel_comm": "the forward step builds no schedule plan for "
-    "megatron-core's combined 1F1B",
-    "hybrid_context_parallel": "it needs SFT batches with document boundaries (cu_seqlens)",
-    "inprocess_restart": "it does not wrap pretrain() for in-process restart; a restarted "
-    "job resumes exactly from --load",
-}
 
 
 def argv_problems(argv: Sequence[str]) -> list[str]:

@@ -13,6 +13,17 @@ import torch
 
 from tst_megatron.superposition.schedule import TSTConfig
 
+#: Megatron-LM flags for features of ``pretrain_gpt.py`` that this launcher does not have
+#: (ignored, or a traceback at the first step), with why: refused before work
+#: (:func:`tst_megatron.training.checks.launch_problems`) and marked in ``--help``.
+NOT_WIRED = {
+    "overlap_moe_expert_parallel_comm": "the forward step builds no schedule plan for "
+    "megatron-core's combined 1F1B",
+    "hybrid_context_parallel": "it needs SFT batches with document boundaries (cu_seqlens)",
+    "inprocess_restart": "it does not wrap pretrain() for in-process restart; a restarted "
+    "job resumes exactly from --load",
+}
+
 
 def _tst_group_factory():
     """Megatron-LM's ``ArgumentGroupFactory`` for :class:`TSTConfig`, flags and destinations
@@ -53,16 +64,24 @@ def add_tst_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="Where to run: cuda; cpu (gloo, the local layer spec, float32; the launcher adds "
         "the flags a CPU run needs); or auto, cuda when a GPU is visible. Default: auto.",
     )
-    _escape_broken_help(parser)
+    _fix_help(parser)
     return parser
 
 
-def _escape_broken_help(parser: argparse.ArgumentParser) -> None:
-    """Double the ``%`` of each help text argparse cannot expand: Megatron-LM 0.19.2's
-    ``--moe-paged-stash-buffer-size-factor-cuda`` help (``10%)``) makes ``--help`` raise
-    ``ValueError: unsupported format character``."""
+def _fix_help(parser: argparse.ArgumentParser) -> None:
+    """Megatron-LM's help texts as ``--help`` shows them: each flag the launcher refuses says
+    so (:data:`NOT_WIRED`, ``REFUSED_DATA_FLAGS``), and each ``%`` argparse cannot expand is
+    doubled (Megatron-LM 0.19.2's ``--moe-paged-stash-buffer-size-factor-cuda`` help,
+    ``10%)``, makes ``--help`` raise ``ValueError: unsupported format character``)."""
+    from tst_megatron.data.gpt_datasets import REFUSED_DATA_FLAGS
+
+    refused = {**REFUSED_DATA_FLAGS, **NOT_WIRED}
     formatter = parser._get_formatter()
     for action in parser._actions:
+        if action.help and action.dest in refused:
+            action.help = (
+                f"{action.help.rstrip('. ')}. Refused by this launcher: {refused[action.dest]}."
+            )
         if action.help:
             try:
                 formatter._expand_help(action)

@@ -85,17 +85,13 @@ def loss_checks(args) -> Callable[[torch.Tensor, str], None]:
     return check
 
 
-def _unchecked(loss: torch.Tensor, key: str) -> None:
-    pass
-
-
 def make_phase1_step(
     *,
     bag_size: int,
     weighting: str,
     cp_group: Optional[dist.ProcessGroup] = None,
     mode: str = "full",
-    check: Callable[[torch.Tensor, str], None] = _unchecked,
+    check: Callable[[torch.Tensor, str], None] = lambda loss, key: None,
 ):
     """Forward step of the superposition phase in ``mode`` (``superposition.bags.TST_MODES``):
     samples of ``S*T`` tokens (``full``, ``input``) or ``T`` tokens (``output``), inputs from
@@ -131,7 +127,7 @@ def make_phase1_step(
 def make_phase2_step(
     *,
     cp_group: Optional[dist.ProcessGroup] = None,
-    check: Callable[[torch.Tensor, str], None] = _unchecked,
+    check: Callable[[torch.Tensor, str], None] = lambda loss, key: None,
 ):
     """Forward step of ordinary next-token training (and of validation in both phases);
     ``check`` sees each loss sum (:func:`loss_checks`).
