@@ -65,7 +65,8 @@ def data_settings(args) -> DataSettings:
     )
 
 
-#: Megatron-LM data flags this launcher does not honour, with why (refused, never ignored).
+#: Megatron-LM data flags this launcher does not honour, with why (refused, never ignored;
+#: per-split paths would have trained on mock data).
 REFUSED_DATA_FLAGS = {
     "train_data_path": "use --data-path (or --data-args-path) with --split, or --mock-data",
     "valid_data_path": "use --data-path (or --data-args-path) with --split, or --mock-data",
@@ -83,15 +84,11 @@ REFUSED_DATA_FLAGS = {
 
 
 def data_problems(args) -> list[str]:
-    """Data flags Megatron-LM accepts that this launcher does not honour
-    (:data:`REFUSED_DATA_FLAGS`; per-split paths would have trained on mock data), and a
-    ``--data-args-path`` that is unreadable, empty or without ``--split`` (``validate_args``
-    defaults the split only for ``--data-path``), one line each. Reads that file."""
-    problems = [
-        f"--{flag.replace('_', '-')} is not supported by this launcher: {why}"
-        for flag, why in REFUSED_DATA_FLAGS.items()
-        if getattr(args, flag, None)
-    ]
+    """A ``--data-args-path`` that is unreadable, empty or without ``--split``
+    (``validate_args`` defaults the split only for ``--data-path``), one line each. Reads that
+    file. (:data:`REFUSED_DATA_FLAGS` are refused with the launcher's other refused flags,
+    :func:`tst_megatron.training.flags.refused_flags`.)"""
+    problems = []
     path = getattr(args, "data_args_path", None)
     if path and not (os.path.isfile(path) and os.access(path, os.R_OK)):
         problems.append(f"--data-args-path {path}: no readable file there")

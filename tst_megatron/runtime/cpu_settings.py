@@ -1,13 +1,16 @@
-"""What a CPU run (``--device cpu``) of the launcher appends to a Megatron-LM command line
-(:data:`CPU_FLAGS`) and the settings it refuses, megatron-core 0.19 needing CUDA for them
-(:func:`cpu_problems`, :func:`cpu_flag_problems`); the redirections of megatron-core's CUDA
+"""Whether a launch runs on the CPU (:func:`pick_device`, from ``--device``), what a CPU run
+(``--device cpu``) of the launcher appends to a Megatron-LM command line (:data:`CPU_FLAGS`)
+and the settings it refuses, megatron-core 0.19 needing CUDA for them (:func:`cpu_problems`,
+:func:`cpu_flag_problems`); the redirections of megatron-core's CUDA
 assumptions are :mod:`tst_megatron.runtime.cpu`'s.
 """
 
 from __future__ import annotations
 
 import argparse
-from typing import Sequence
+from typing import Optional, Sequence
+
+import torch
 
 #: Flags appended to a CPU run's command line: Megatron-LM's defaults assume CUDA kernels (TE,
 #: fusions, NCCL). ``--disable-jit-fuser`` keeps ``torch.compile`` out of the training steps.
@@ -66,10 +69,7 @@ def cpu_problems(args) -> list[str]:
 def cpu_flag_problems(argv: Sequence[str]) -> list[str]:
     """The user's own ``--transformer-impl`` / ``--distributed-backend`` in ``argv`` (the
     command line as given) that a CPU run's ``CPU_FLAGS`` (``local`` / ``gloo``) would override."""
-    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-    pre.add_argument("--transformer-impl")
-    pre.add_argument("--distributed-backend")
-    given = pre.parse_known_args(list(argv))[0]
+    given = flag_values(argv, "--transformer-impl", "--distributed-backend")
     problems = []
     if given.transformer_impl not in (None, "local"):
         problems.append(
@@ -82,3 +82,22 @@ def cpu_flag_problems(argv: Sequence[str]) -> list[str]:
             "gloo (drop the flag or run with --device cuda)"
         )
     return problems
+
+
+def pick_device(argv: Sequence[str], *, cuda: Optional[bool] = None) -> str:
+    """``"cuda"`` or ``"cpu"`` from ``--device`` in ``argv``; ``auto`` is ``"cuda"`` when
+    ``cuda`` (default ``torch.cuda.is_available()``). An invalid value is returned as given,
+    for the full parser to refuse."""
+    device = flag_values(argv, "--device").device
+    if device in (None, "auto"):
+        return "cuda" if (torch.cuda.is_available() if cuda is None else cuda) else "cpu"
+    return device
+
+
+def flag_values(argv: Sequence[str], *flags: str) -> argparse.Namespace:
+    """The values of ``flags`` in ``argv`` as given (None: absent), before Megatron-LM parses
+    it; other words are ignored."""
+    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    for flag in flags:
+        pre.add_argument(flag)
+    return pre.parse_known_args(list(argv))[0]

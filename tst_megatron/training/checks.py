@@ -16,7 +16,7 @@ import torch
 
 from tst_megatron.errors import ConfigError
 from tst_megatron.runtime.cpu_settings import cpu_flag_problems, cpu_problems
-from tst_megatron.training.flags import NOT_WIRED, tst_config
+from tst_megatron.training.flags import refused_flags, tst_config
 from tst_megatron.training.megatron_checks import (
     installed_problems,
     late_megatron_problems,
@@ -276,7 +276,7 @@ def launch_problems(
     problems += tokenizer_problems(args, launch=launch)
     problems += [
         f"--{flag.replace('_', '-')} is not supported by this launcher: {why}"
-        for flag, why in NOT_WIRED.items()
+        for flag, why in refused_flags().items()
         if getattr(args, flag, False)
     ]
     problems += installed_problems(args) if launch else []

@@ -1,5 +1,5 @@
-"""The launcher's own flags (``--tst-*``, ``--dry-run``, ``--device``) and those a CPU run
-appends."""
+"""The launcher's own flags (``--tst-*``, ``--dry-run``, ``--device``) and the Megatron-LM
+flags it refuses (:func:`refused_flags`)."""
 
 from __future__ import annotations
 
@@ -7,9 +7,6 @@ import argparse
 import copy
 import dataclasses
 import typing
-from typing import Optional, Sequence
-
-import torch
 
 from tst_megatron.superposition.schedule import TSTConfig
 
@@ -23,6 +20,14 @@ NOT_WIRED = {
     "inprocess_restart": "it does not wrap pretrain() for in-process restart; a restarted "
     "job resumes exactly from --load",
 }
+
+
+def refused_flags() -> dict:
+    """``{argparse dest: why}`` of every Megatron-LM flag the launcher refuses: :data:`NOT_WIRED`
+    and the data flags (``tst_megatron.data.gpt_datasets.REFUSED_DATA_FLAGS``)."""
+    from tst_megatron.data.gpt_datasets import REFUSED_DATA_FLAGS
+
+    return {**REFUSED_DATA_FLAGS, **NOT_WIRED}
 
 
 def _tst_group_factory():
@@ -70,12 +75,10 @@ def add_tst_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 def _fix_help(parser: argparse.ArgumentParser) -> None:
     """Megatron-LM's help texts as ``--help`` shows them: each flag the launcher refuses says
-    so (:data:`NOT_WIRED`, ``REFUSED_DATA_FLAGS``), and each ``%`` argparse cannot expand is
+    so (:func:`refused_flags`), and each ``%`` argparse cannot expand is
     doubled (Megatron-LM 0.19.2's ``--moe-paged-stash-buffer-size-factor-cuda`` help,
     ``10%)``, makes ``--help`` raise ``ValueError: unsupported format character``)."""
-    from tst_megatron.data.gpt_datasets import REFUSED_DATA_FLAGS
-
-    refused = {**REFUSED_DATA_FLAGS, **NOT_WIRED}
+    refused = refused_flags()
     formatter = parser._get_formatter()
     for action in parser._actions:
         if action.help and action.dest in refused:
@@ -94,22 +97,3 @@ def tst_config(args) -> TSTConfig:
     return TSTConfig(
         **{f.name: getattr(args, f"tst_{f.name}") for f in dataclasses.fields(TSTConfig)}
     )
-
-
-def pick_device(argv: Sequence[str], *, cuda: Optional[bool] = None) -> str:
-    """``"cuda"`` or ``"cpu"`` from ``--device`` in ``argv``; ``auto`` is ``"cuda"`` when
-    ``cuda`` (default ``torch.cuda.is_available()``). An invalid value is returned as given,
-    for the full parser to refuse."""
-    device = flag_values(argv, "--device").device
-    if device in (None, "auto"):
-        return "cuda" if (torch.cuda.is_available() if cuda is None else cuda) else "cpu"
-    return device
-
-
-def flag_values(argv: Sequence[str], *flags: str) -> argparse.Namespace:
-    """The values of ``flags`` in ``argv`` as given (None: absent), before Megatron-LM parses
-    it; other words are ignored."""
-    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-    for flag in flags:
-        pre.add_argument(flag)
-    return pre.parse_known_args(list(argv))[0]

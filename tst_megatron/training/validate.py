@@ -15,14 +15,14 @@ from typing import Optional, Sequence
 from unittest import mock
 
 from tst_megatron.errors import ConfigError
-from tst_megatron.runtime.cpu_settings import CPU_FLAGS
+from tst_megatron.runtime.cpu_settings import CPU_FLAGS, pick_device
 from tst_megatron.training.checks import (
     argv_problems,
     launch_notes,
     launch_problems,
     validation_error,
 )
-from tst_megatron.training.flags import add_tst_args, pick_device
+from tst_megatron.training.flags import add_tst_args
 
 
 @dataclasses.dataclass
