@@ -81,6 +81,7 @@ def ensure_data(  # noqa: C901
     sources: tuple = ("python-stdlib",),
     max_bytes=None,
     name: str = "stdlib",
+    unique: bool = False,
 ) -> str:
     """Corpus -> tokenizer -> .bin/.idx with the project's tools, reusing what exists."""
     corpus, tok = os.path.join(data_dir, name + ".jsonl"), os.path.join(data_dir, "tokenizer")
@@ -91,7 +92,8 @@ def ensure_data(  # noqa: C901
             ["tools/build_corpus.py", "--output", corpus]
             + [a for source in sources for a in ("--source", source)]
             + (["--max-documents", str(max_documents)] if max_documents else [])
-            + (["--max-bytes", str(max_bytes)] if max_bytes else []),
+            + (["--max-bytes", str(max_bytes)] if max_bytes else [])
+            + (["--unique"] if unique else []),
         ),
         (
             tok + ".model",
@@ -1511,6 +1513,14 @@ def parse(argv=None):
         default=None,
         help="--horizons corpus cap (default 40 MB; 120 MB with --model moe)",
     )
+    p.add_argument(
+        "--corpus",
+        choices=("code", "prose"),
+        default="code",
+        help="--horizons corpus: code (python-stdlib + python-site-packages) or prose "
+        "(system-docs, repeated documents dropped: /usr/share/doc's READMEs, changelogs, "
+        "licences)",
+    )
     p.add_argument("--data-path", default=None, help="an existing .bin/.idx prefix (GPU recipes)")
     p.add_argument("--tokenizer-model", default=None, help="its tokenizer (with --data-path)")
     p.add_argument("--tokenizer-type", default="SentencePieceTokenizer")
@@ -1578,6 +1588,7 @@ def parse(argv=None):
     kind = ("smoke" if args.smoke else "full") + ("-horizons" if args.horizons else "")
     kind = kind.replace("full-", "") if moe_horizons else kind
     kind = ("moe-" if moe_horizons else "") + kind
+    kind += "-prose" if args.corpus == "prose" else ""
     args.data_dir = args.data_dir or os.path.join(ROOT, "runs", "bench", f"data-{kind}")
     args.work_dir = args.work_dir or os.path.join(ROOT, "runs", "bench", args.preset or kind)
     return args
@@ -1588,6 +1599,17 @@ def prepare_data(args) -> str:
     if args.data_path:
         args.corpus_label = args.data_path
         return args.data_path
+    if args.horizons and not args.smoke and args.corpus == "prose":
+        args.corpus_label = "system-docs prose (repeats dropped)"
+        return ensure_data(
+            args.data_dir,
+            args.vocab_size,
+            None,
+            sources=("system-docs",),
+            max_bytes=args.corpus_max_bytes,
+            name="prose",
+            unique=True,
+        )
     if args.horizons and not args.smoke:
         sources = ("python-stdlib", "python-site-packages")
         args.corpus_label = (

@@ -4,6 +4,7 @@ python tools/build_corpus.py --source python-stdlib --output data/stdlib.jsonl
 python tools/build_corpus.py --source path/to/texts/ --output data/mine.jsonl
 python tools/build_corpus.py --source python-stdlib --source python-site-packages \
     --max-bytes 40000000 --output data/code.jsonl   # more text, for longer runs
+python tools/build_corpus.py --source system-docs --unique --output data/prose.jsonl  # prose
 
 Named sources (documented in tst_megatron/data/corpus.py): python-stdlib (12.6 MB on
 Python 3.11), python-site-packages (the installed packages' .py files, ~180 MB in this
@@ -30,16 +31,29 @@ def main() -> int:
     p.add_argument(
         "--max-bytes", type=int, default=None, help="stop once the text reaches this many bytes"
     )
+    p.add_argument(
+        "--unique",
+        action="store_true",
+        help="drop a document whose text repeats an earlier one (e.g. system-docs' licence texts)",
+    )
     args = p.parse_args()
     sources = args.source or ["python-stdlib"]
     try:
         stats = build_corpus(
-            sources, args.output, max_documents=args.max_documents, max_bytes=args.max_bytes
+            sources,
+            args.output,
+            max_documents=args.max_documents,
+            max_bytes=args.max_bytes,
+            unique=args.unique,
         )
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    print(f"wrote {stats['documents']} documents ({stats['bytes'] / 1e6:.1f} MB) to {args.output}")
+    dropped = f", {stats['duplicates']} repeats dropped" if args.unique else ""
+    print(
+        f"wrote {stats['documents']} documents ({stats['bytes'] / 1e6:.1f} MB{dropped}) "
+        f"to {args.output}"
+    )
     return 0
 
 

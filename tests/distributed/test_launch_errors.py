@@ -6,7 +6,7 @@ The classes: Megatron-LM's parser (a misspelled flag), its ``validate_args``, th
 ``TransformerConfig`` (heads not divisible by TP; MoE biases at expert TP 2), the rules
 megatron-core enforces only inside the first step (sequence parallelism with a length TP does
 not divide; the interleaved pipeline's micro-batch counts), a feature that needs Transformer
-Engine, a TST setting and a CPU limit.
+Engine, a TST setting, a CPU limit and a HybridModel flag given to the GPT launcher.
 """
 
 from __future__ import annotations
@@ -51,6 +51,10 @@ CASES = {
     "model rule": (["--num-experts", "2", "--moe-router-topk", "4"], "--moe-router-topk 4 is more"),
     "TST setting": (["--reset-position-ids"], "--reset-position-ids is not supported"),
     "CPU limit": (["--bf16"], "--bf16 needs CUDA"),
+    "HybridModel flag": (
+        ["--hybrid-layer-pattern", "M*M*", "--mamba-num-heads", "4"],
+        "--hybrid-layer-pattern, --mamba-num-heads: a HybridModel flag",
+    ),
 }
 
 

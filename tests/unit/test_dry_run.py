@@ -296,6 +296,12 @@ def test_the_parameter_count_is_megatron_lm_s_and_follows_the_flags():
         (["--transformer-impl", "transformer_engine"], "cpu", "1", "--transformer-impl trans"),
         (["--distributed-backend", "nccl"], "cpu", "1", "--distributed-backend nccl needs CUDA"),
         (["--yaml-cfg", "c.yaml"], "auto", "1", "--yaml-cfg is not supported"),
+        # pretrain_hybrid.py's flags: a GPTModel would ignore them (with --num-layers 2 and this
+        # pattern, Megatron-LM's validate_args alone makes the model 4 dense layers)
+        (["--hybrid-layer-pattern", "M*M*"], "auto", "1", "--hybrid-layer-pattern: a HybridMod"),
+        (["--hybrid-override-pattern=*-*-"], "auto", "1", "--hybrid-override-pattern: a Hybri"),
+        (["--mamba-num-heads", "4"], "cpu", "1", "--mamba-num-heads: a HybridModel flag"),
+        (["--is-hybrid-model"], "auto", "1", "--is-hybrid-model: a HybridModel flag"),
         # each seen as a traceback in a real 1-process CPU launch (megatron-core 0.19.2)
         (["--num-workers", "-1"], "cpu", "1", "--num-workers must be 0 or more (got -1)"),
         (

@@ -27,6 +27,7 @@ longer training horizons get more real text offline, e.g. ``python-stdlib`` then
 from __future__ import annotations
 
 import gzip
+import hashlib
 import json
 import os
 import sysconfig
@@ -184,6 +185,7 @@ def build_corpus(
     *,
     max_documents: Optional[int] = None,
     max_bytes: Optional[int] = None,
+    unique: bool = False,
 ) -> dict:
     """Write the non-empty documents of ``source`` to the JSONL file ``output``.
 
@@ -193,8 +195,12 @@ def build_corpus(
         max_documents: stop after this many documents (None: no limit).
         max_bytes: stop after the document that brings the UTF-8 text to at least this many
             bytes (None: no limit).
+        unique: keep only the first of documents with the same text (SHA-256 of the UTF-8
+            bytes), e.g. the licence texts that many Debian packages ship as ``copyright``:
+            a repeated document would put training text into the validation split.
 
-    Returns ``{"documents": n, "bytes": total UTF-8 bytes of text}``.
+    Returns ``{"documents": n, "bytes": total UTF-8 bytes of text, "duplicates": documents
+    dropped as repeats}``.
 
     Raises:
         ValueError: unknown source, or no non-empty document (nothing is written).
@@ -203,12 +209,19 @@ def build_corpus(
     for name in sources:  # fail on a bad name before reading the earlier sources
         if name not in SOURCES and not os.path.exists(name):
             documents(name)
-    count = size = 0
+    count = size = repeats = 0
+    seen: set = set()
     with atomic_path(output) as tmp, open(tmp, "w", encoding="utf-8") as out:
         label = "+".join(os.path.basename(s.rstrip("/")) or s for s in sources)
         for text in progress(_all_documents(sources), desc=f"corpus {label}", unit=" docs"):
             if not text.strip():
                 continue
+            if unique:
+                digest = hashlib.sha256(text.encode("utf-8")).digest()
+                if digest in seen:
+                    repeats += 1
+                    continue
+                seen.add(digest)
             out.write(json.dumps({"text": text}, ensure_ascii=False) + "\n")
             count += 1
             size += len(text.encode("utf-8"))
@@ -219,4 +232,4 @@ def build_corpus(
         out.flush()
         if count == 0:
             raise ValueError(f"corpus source {source!r} has no non-empty document")
-    return {"documents": count, "bytes": size}
+    return {"documents": count, "bytes": size, "duplicates": repeats}

@@ -82,15 +82,39 @@ def _tst_setting_problems(args) -> list[str]:
     return problems
 
 
+#: Megatron-LM's flags of ``pretrain_hybrid.py``'s ``HybridModel`` (layer pattern, Mamba mixer):
+#: this launcher builds a ``GPTModel``, which reads none of them. Exact flags, and a prefix.
+HYBRID_FLAGS = (
+    "--hybrid-layer-pattern",
+    "--hybrid-override-pattern",
+    "--mtp-hybrid-override-pattern",
+    "--is-hybrid-model",
+    "--disable-mamba-mem-eff-path",
+)
+HYBRID_FLAG_PREFIX = "--mamba-"
+
+
 def argv_problems(argv: Sequence[str]) -> list[str]:
-    """Flags refused in the command line as given, before Megatron-LM parses it:
-    ``--yaml-cfg`` (its YAML config replaces the whole parsed namespace, ``--tst-*`` included)."""
-    if any(word == "--yaml-cfg" or word.startswith("--yaml-cfg=") for word in argv):
-        return [
+    """Flags refused in the command line as given, before Megatron-LM parses it, one line each:
+    ``--yaml-cfg`` (its YAML config replaces the whole parsed namespace, ``--tst-*`` included),
+    and the ``HybridModel`` flags (:data:`HYBRID_FLAGS`, ``--mamba-*``), which a ``GPTModel``
+    would silently ignore (Megatron-LM's parser accepts them for every model; its
+    ``validate_args`` even resets ``--num-layers`` from a pattern)."""
+    problems = []
+    flags = [word.split("=", 1)[0] for word in argv if word.startswith("--")]
+    if "--yaml-cfg" in flags:
+        problems.append(
             "--yaml-cfg is not supported by this launcher: Megatron-LM's experimental YAML "
             "config replaces the whole command line, --tst-* flags included; pass the flags"
-        ]
-    return []
+        )
+    hybrid = [f for f in flags if f in HYBRID_FLAGS or f.startswith(HYBRID_FLAG_PREFIX)]
+    if hybrid:
+        problems.append(
+            f"{', '.join(dict.fromkeys(hybrid))}: a HybridModel flag (pretrain_hybrid.py's); "
+            "this launcher builds pretrain_gpt.py's GPTModel, which would ignore it; drop it "
+            "(HybridModel runs are not supported by this launcher)"
+        )
+    return problems
 
 
 def parallel_problems(args, config) -> list[str]:
