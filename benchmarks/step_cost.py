@@ -2,7 +2,7 @@
 micro-batch, through the launcher (Megatron-LM's ``pretrain()`` with TST).
 
 For each bag size (S = 4 and 8 by default) one child process runs
-:func:`tst_megatron.training.main` on mock data: a TST run (``--tst-bag-size S``,
+:func:`tst_megatron.training.cli.main` on mock data: a TST run (``--tst-bag-size S``,
 phase 1 for the first half of the iterations, phase 2 after) and a baseline run
 (``--tst-bag-size 1``), in the order TST, baseline (and with ``--repeats 2`` baseline, TST
 again: drift cancels). It reports side by side, per arm, the medians of:
@@ -170,8 +170,8 @@ def _timed_forward_step_class():
 
         memory_at: set = set()
 
-        def __init__(self):
-            super().__init__()
+        def __init__(self, plan):
+            super().__init__(plan)
             self.times, self.peaks = {}, {}
             self._open, self._start, self._mode = None, 0.0, None
 
@@ -223,8 +223,8 @@ def run_launcher(argv: list[str], memory_at: set) -> tuple[dict, dict]:
     timed.memory_at = set(memory_at)
     steps = []
 
-    def make():
-        steps.append(timed())
+    def make(plan):
+        steps.append(timed(plan))
         return steps[-1]
 
     with mock.patch.object(forward, "TSTForwardStep", make):  # cli.main imports it at call

@@ -1,7 +1,7 @@
 """Hugging Face conversion of checkpoints written by Megatron-LM's own loop.
 
 Tiny models are trained through the TST switch by the launcher on
-``megatron.training.pretrain()`` (:func:`tst_megatron.training.main`) on 2 gloo
+``megatron.training.pretrain()`` (:func:`tst_megatron.training.cli.main`) on 2 gloo
 processes (a Llama-style dense model with TP=2 + SP, a Mixtral-style MoE with EP=2, a
 Qwen3-MoE with dense and MoE layers, untied, with PP=2 and virtual stages), so the
 checkpoints are Megatron-LM's own (its ``args`` namespace, tracker file, optimizer state).

@@ -1,7 +1,7 @@
 """Error lines are never lost: a launcher stops every rank as soon as one exits
 with an error, so no rank may exit before the ``error:`` line is out. Rank 0 prints the
 problems once; a problem found on some ranks only is printed by each of them, tagged.
-Through the launcher (:func:`tst_megatron.training.main`), in-process and under
+Through the launcher (:func:`tst_megatron.training.cli.main`), in-process and under
 torchrun with ``examples/pretrain_gpt_tst.py``."""
 
 import contextlib

@@ -1,6 +1,6 @@
 """TST inside Megatron-LM's own loop (``megatron.training.pretrain()``) on 2 gloo processes.
 
-Each test spawns processes with the harness and runs :func:`tst_megatron.training.main`
+Each test spawns processes with the harness and runs :func:`tst_megatron.training.cli.main`
 in-process, reading the losses Megatron-LM prints (``training_log``: last rank; the TST phase
 lines: rank 0).
 """

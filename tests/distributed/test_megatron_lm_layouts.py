@@ -1,5 +1,5 @@
 """Every parallel layout trains through the switch on the numbers of one process, inside
-Megatron-LM's own loop (:mod:`tst_megatron.training.megatron_lm`), and resumes exactly.
+Megatron-LM's own loop (:mod:`tst_megatron.training`), and resumes exactly.
 
 One 1-process run per model (dense, MoE) is the reference; each 2-process layout loads its
 iteration-1 checkpoint (Megatron-LM's initialisation depends on the layout: seeds per

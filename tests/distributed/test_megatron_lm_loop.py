@@ -1,5 +1,5 @@
 """What the hand-written trainer's tests checked, on Megatron-LM's own loop
-(:mod:`tst_megatron.training.megatron_lm`, ``megatron.training.pretrain()``) on 2 gloo
+(:mod:`tst_megatron.training`, ``megatron.training.pretrain()``) on 2 gloo
 processes: the TensorBoard scalars against steps and samples (Megatron-LM's and the
 launcher's, values read back), an EP=2 resume that equals the uninterrupted run across the
 switch, a resume onto another expert layout (Megatron-LM refuses the optimizer state,

@@ -1,4 +1,4 @@
-"""MoE inside Megatron-LM's own loop (:mod:`tst_megatron.training.megatron_lm`): expert
+"""MoE inside Megatron-LM's own loop (:mod:`tst_megatron.training`): expert
 gradients in every expert layout, biases, and the load-balancing losses' gradients.
 
 **Expert layouts.** An expert's gradient is the sum over the ranks that run it on some

@@ -50,7 +50,7 @@ def _step_child(rank, world):
     from tst_megatron.training.model import model_provider
     from tst_megatron.training.validate import parse
 
-    parse(ARGS)
+    plan = parse(ARGS).plan
     mpu.initialize_model_parallel()
     tensor_parallel.model_parallel_cuda_manual_seed(7)
     model = model_provider()
@@ -67,7 +67,7 @@ def _step_child(rank, world):
         "loss_mask": torch.ones(B, T),
         "position_ids": torch.arange(T).expand(B, T),
     }
-    step = TSTForwardStep()
+    step = TSTForwardStep(plan)
 
     def run(batch, iteration, training):
         args.curr_iteration = iteration

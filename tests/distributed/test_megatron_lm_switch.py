@@ -1,4 +1,4 @@
-"""The switch inside Megatron-LM's own loop (:mod:`tst_megatron.training.megatron_lm`) on 2 gloo
+"""The switch inside Megatron-LM's own loop (:mod:`tst_megatron.training`) on 2 gloo
 processes: a checkpoint, a validation and a log line at iteration ``N1`` with intervals that
 do not divide it, the user's intervals after it, a resume from the switch checkpoint, the
 phase-1 loss as its own series, and the raw tokens read.

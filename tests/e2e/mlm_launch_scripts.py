@@ -461,7 +461,7 @@ MEMORY = ["--log-memory-to-tensorboard"]
 #: Grouped GEMM and permute fusion are Transformer Engine (or grouped_gemm) kernels.
 TE_MOE = ["--moe-grouped-gemm", "--moe-permute-fusion"]
 #: --transformer-impl transformer_engine: a CPU run uses the local spec, and the launcher
-#: refuses another --transformer-impl rather than override it (``cpu_flag_problems``).
+#: refuses another --transformer-impl rather than override it (``checks.hardware.cpu_flag_problems``).
 TE_IMPL = ["--transformer-impl"]
 #: --apply-layernorm-1p (zero-centred gamma): the CPU run's norm (the local spec with the
 #: project's norms, tst_megatron.runtime.norm) refuses it without Transformer Engine or Apex.

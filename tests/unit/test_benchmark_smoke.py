@@ -76,7 +76,6 @@ def test_raw_tokens_count_what_each_phase_reads():
 def test_tst_vs_baseline_launch_lines_pass_the_launchers_checks(mode, monkeypatch):
     from tst_vs_baseline import lr_flags, model_flags, parse, tst_flags
 
-    from tst_megatron.training.plan import schedule
     from tst_megatron.training.validate import check
 
     args = parse(mode)
@@ -95,7 +94,7 @@ def test_tst_vs_baseline_launch_lines_pass_the_launchers_checks(mode, monkeypatc
         assert checked.lr_decay_style == "WSD" and checked.lr_wsd_decay_iters == iters // 10
         # Megatron-LM 0.19's --full-validation stops at its first evaluation (one split)
         assert not checked.full_validation
-        assert schedule(checked).n1 == (0 if arm == "baseline" else round(0.3 * iters))
+        assert result.plan.n1 == (0 if arm == "baseline" else round(0.3 * iters))
 
 
 @pytest.mark.slow

@@ -388,7 +388,7 @@ def test_a_cuda_run_without_te_apex_or_grouped_gemm_is_told_which_flag_avoids_ea
     where Transformer Engine or Apex is missing (the lent H200 has neither): one line each,
     naming the flag; the CPU flags (local spec, no fusion) avoid them all."""
     from tst_megatron.runtime.cpu_settings import CPU_FLAGS
-    from tst_megatron.training.megatron_checks import without_te_problems
+    from tst_megatron.training.checks.hardware import without_te_problems
     from tst_megatron.training.validate import _parse
 
     args = _parse(SMALL + ["--moe-grouped-gemm", "--transformer-impl", "local"])
@@ -408,21 +408,21 @@ def test_mtp_with_a_fused_adam_is_noted_and_with_torch_adamw_is_not():
     """A fused Adam (Transformer Engine's or Apex's) is not made to start the MTP parameters
     afresh at the switch: the launch says so; torch's AdamW (this machine) is, and nothing is
     said. No note without MTP or without a phase 1."""
-    from tst_megatron.training import checks
-    from tst_megatron.training.validate import _parse
+    from tst_megatron.training.checks import hardware
+    from tst_megatron.training.validate import check
 
     mtp = SMALL + MTP
 
     def notes(argv, fused):
-        with mock.patch.object(checks, "_group_step_adam", return_value=fused):
-            return [n for n in checks.launch_notes(_parse(argv)) if "--mtp-num-layers" in n]
+        with mock.patch.object(hardware, "_group_step_adam", return_value=fused):
+            return [n for n in check(argv, dry_run=True).notes if "--mtp-num-layers" in n]
 
     assert len(notes(mtp, fused=True)) == 1
     assert "without Adam's bias correction" in notes(mtp, fused=True)[0]
     assert notes(mtp, fused=False) == []
     assert notes(SMALL, fused=True) == []
     assert notes(mtp + ["--tst-phase1-iters", "0"], fused=True) == []
-    assert checks._group_step_adam() is False  # no TE, no Apex here: torch's AdamW
+    assert hardware._group_step_adam() is False  # no TE, no Apex here: torch's AdamW
 
 
 def test_a_moe_layer_pattern_of_another_length_is_one_error_line():

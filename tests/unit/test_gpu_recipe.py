@@ -14,7 +14,7 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 from recipes import RECIPES, estimate  # noqa: E402
 from tst_vs_baseline import lr_flags, parse, tst_flags  # noqa: E402
 
-from tst_megatron.training.plan import schedule  # noqa: E402
+from tst_megatron.training.plan import run_plan  # noqa: E402
 from tst_megatron.training.validate import check  # noqa: E402
 
 
@@ -45,7 +45,8 @@ def test_recipe_passes_the_launchers_checks_for_cuda(name, monkeypatch):
         assert args.data_parallel_size == recipe.nodes * recipe.gpus_per_node
         assert args.lr_wsd_decay_iters == recipe.train_iters // 10  # WSD: the last 10 %
         assert args.tst_bag_size == (1 if arm == "baseline" else 6)
-        n1 = schedule(args).n1
+        n1 = checked.plan.n1
+        assert run_plan(args) == checked.plan
         assert n1 == (0 if arm == "baseline" else round(0.3 * recipe.train_iters))
 
 

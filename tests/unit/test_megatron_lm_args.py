@@ -1,5 +1,5 @@
 """The launcher's ``--tst-*`` flags and TST checks on top of Megatron-LM's arguments
-(:mod:`tst_megatron.training.megatron_lm`)."""
+(:mod:`tst_megatron.training`)."""
 
 from __future__ import annotations
 
@@ -9,16 +9,38 @@ import dataclasses
 import pytest
 
 from tst_megatron.superposition.schedule import TSTConfig
-from tst_megatron.training.checks import tst_problems
+from tst_megatron.training import checks, switch
+from tst_megatron.training.checks import resume
 from tst_megatron.training.flags import add_tst_args, tst_config
-from tst_megatron.training.plan import (
-    consumed_samples,
-    resume_problems,
-    schedule,
-    switch_sample,
-    train_iters,
-)
-from tst_megatron.training.switch import switch_overrides, switch_validation_samples
+from tst_megatron.training.plan import consumed_samples, run_plan, train_iters
+
+
+# The functions under test read the run plan (built once per launch); these build it from
+# ``args`` as the launch's check does.
+def schedule(args):
+    return run_plan(args).schedule
+
+
+def switch_sample(args):
+    return run_plan(args).switch_sample
+
+
+def tst_problems(args):
+    return checks.tst.tst_problems(args, run_plan(args))
+
+
+def switch_overrides(args, n1):
+    plan = run_plan(args)
+    assert plan.n1 == n1
+    return switch.switch_overrides(args, plan)
+
+
+def switch_validation_samples(args):
+    return switch.switch_validation_samples(args, run_plan(args))
+
+
+def resume_problems(args, saved, iteration):
+    return resume.resume_problems(run_plan(args), saved, iteration)
 
 
 def _parse(argv):
@@ -305,7 +327,7 @@ def test_a_resume_that_would_change_the_tst_run_is_refused():
 
 
 def test_a_resume_with_another_model_is_refused_unless_the_checkpoint_args_are_used():
-    from tst_megatron.training.checks import architecture_problems
+    from tst_megatron.training.checks.resume import architecture_problems
 
     saved = argparse.Namespace(
         num_layers=2, hidden_size=32, ffn_hidden_size=128, num_experts=None, swiglu=False,
@@ -384,14 +406,14 @@ def megatron_lm_with(argv, flag, value):
 
 def test_a_tracker_file_without_an_iteration_is_one_line(tmp_path):
     """Megatron-LM's own reader prints a line and exits with status 0 on it (0.19.2)."""
-    from tst_megatron.training.checks import resume_checks
+    from tst_megatron.training.checks.resume import resume_checks
 
     (tmp_path / "latest_checkpointed_iteration.txt").write_text("garbage\n")
     args = argparse.Namespace(load=str(tmp_path), finetune=False, ckpt_step=None)
-    (line,) = resume_checks(args)
+    (line,) = resume_checks(args, None)
     assert "latest_checkpointed_iteration.txt holds 'garbage', not an iteration" in line
     (tmp_path / "latest_checkpointed_iteration.txt").write_text("release")
-    assert resume_checks(args) == []  # a release checkpoint: nothing to resume
+    assert resume_checks(args, None) == []  # a release checkpoint: nothing to resume
 
 
 def test_the_help_of_each_refused_megatron_lm_flag_says_so():

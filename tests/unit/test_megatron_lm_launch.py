@@ -81,7 +81,7 @@ def test_wsd_without_its_decay_length_is_refused_before_the_model_is_built():
     """Megatron-LM asserts on it in ``OptimizerParamScheduler`` after building the model."""
     import types
 
-    from tst_megatron.training.megatron_checks import late_megatron_problems
+    from tst_megatron.training.checks.megatron import late_megatron_problems
 
     def args(**kw):
         base = dict(
@@ -113,7 +113,7 @@ def test_what_megatron_lm_s_scheduler_or_loader_needs_is_refused_before_the_mode
     model is built), --finetune with nothing to load (it would silently start from scratch)."""
     import types
 
-    from tst_megatron.training.megatron_checks import late_megatron_problems
+    from tst_megatron.training.checks.megatron import late_megatron_problems
 
     base = dict(
         lr_decay_style="cosine", train_iters=100, train_samples=None, lr=1e-3,

@@ -10,7 +10,7 @@ import argparse
 import pytest
 
 from tests.unit.test_data_boundary import megatron_tokenizer
-from tst_megatron.training.megatron_checks import tokenizer_problems
+from tst_megatron.training.checks.data import tokenizer_problems
 
 TEXT = "def main(argv):\n    return sum(int(a) for a in argv)  # tokenizers, tokens\n"
 CORPUS = [TEXT * 3, "import os\nprint(os.getcwd())\n" * 5, "the quick brown fox " * 20]
@@ -80,7 +80,7 @@ def test_wandb_without_the_package_is_refused_in_a_launch_only():
     import importlib.util
 
     from tests.unit.test_dry_run import SMALL, dry
-    from tst_megatron.training.megatron_checks import installed_problems
+    from tst_megatron.training.checks.hardware import installed_problems
 
     args = argparse.Namespace(
         tokenizer_type="NullTokenizer", vocab_size=128, wandb_project="p", wandb_exp_name="e"

@@ -7,7 +7,6 @@ token ids are checked once where data enters (:func:`check_data_files`,
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import Optional
 
 from megatron.core.datasets.gpt_dataset import GPTDataset, MockGPTDataset, MockGPTLowLevelDataset
@@ -65,45 +64,6 @@ def data_settings(args) -> DataSettings:
     )
 
 
-#: Megatron-LM data flags this launcher does not honour, with why (refused, never ignored;
-#: per-split paths would have trained on mock data).
-REFUSED_DATA_FLAGS = {
-    "train_data_path": "use --data-path (or --data-args-path) with --split, or --mock-data",
-    "valid_data_path": "use --data-path (or --data-args-path) with --split, or --mock-data",
-    "test_data_path": "use --data-path (or --data-args-path) with --split, or --mock-data",
-    "per_split_data_args_path": "use --data-path (or --data-args-path) with --split",
-    "multiple_validation_sets": "its validation sets come from per-split paths (above)",
-    "sft": "TST trains on megatron-core's GPTDataset (pretraining), not SFT conversations",
-    "fim_data": "TST trains on megatron-core's GPTDataset; its FIM samples are not supported",
-    "object_storage_cache_path": "the launcher checks and reads local .bin/.idx files only",
-    "dataloader_inter_document_masking": "the forward step passes no document boundaries",
-    "per_dataset_sequences_path": "the launcher reads every .idx at start-up (its checks)",
-    "dataloader_fast_cache_load": "the launcher builds and loads the index caches itself",
-    "dataloader_defer_npy_index_mmap": "the launcher builds and loads the index caches itself",
-}
-
-
-def data_problems(args) -> list[str]:
-    """A ``--data-args-path`` that is unreadable, empty or without ``--split``
-    (``validate_args`` defaults the split only for ``--data-path``), one line each. Reads that
-    file. (:data:`REFUSED_DATA_FLAGS` are refused with the launcher's other refused flags,
-    :func:`tst_megatron.training.flags.refused_flags`.)"""
-    problems = []
-    path = getattr(args, "data_args_path", None)
-    if path and not (os.path.isfile(path) and os.access(path, os.R_OK)):
-        problems.append(f"--data-args-path {path}: no readable file there")
-    elif path:
-        with open(path) as f:
-            if not f.read().split():
-                problems.append(
-                    f"--data-args-path {path} is empty: it should hold what --data-path would "
-                    "(prefixes, optionally with weights)"
-                )
-        if not args.split:
-            problems.append("--data-args-path needs --split (e.g. --split 969,30,1)")
-    return problems
-
-
 def data_prefixes(data_path: str) -> list[str]:
     """The dataset prefixes of ``--data-path`` (``"A"``, ``"A B"`` or ``"0.7 A 0.3 B"``)."""
     return get_blend_from_list(data_path.split())[0]
@@ -118,23 +78,6 @@ def dataset_pad_id(dataset) -> Optional[int]:
         dataset = dataset.datasets[0]
     pad = getattr(dataset, "_pad_token_id", None)
     return None if pad is None or pad < 0 else int(pad)
-
-
-def data_file_problems(args) -> list[str]:
-    """In a launch: each dataset prefix of ``--data-path`` (or ``--data-args-path``) has a
-    ``.bin`` and ``.idx`` that agree (:func:`open_data_file`: header
-    and sizes, O(1) reads), one line per bad prefix. The token ids are scanned later, with the
-    tokenizer (:func:`check_data_files`)."""
-    data = data_settings(args)
-    if data.mock_data:
-        return []
-    problems = []
-    for prefix in data_prefixes(data.data_path):
-        try:
-            open_data_file(prefix)
-        except ConfigError as exc:
-            problems.append(str(exc))
-    return problems
 
 
 def check_data_files(

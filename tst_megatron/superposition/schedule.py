@@ -49,7 +49,7 @@ class TSTConfig:
     def validate(self, train_iters: int) -> list[str]:
         """The problems of these settings, one line each naming the flag (empty: none).
         Reads only; the choice of ``bag_weighting`` is checked from its ``Literal`` type by
-        the caller (:func:`tst_megatron.training.checks.tst_problems`)."""
+        the caller (:func:`tst_megatron.training.checks.tst.tst_problems`)."""
         problems = []
         if (
             isinstance(self.bag_size, bool)

@@ -4,9 +4,10 @@ per job:
 - :mod:`.cli`: the launcher's ``main`` (checks, then ``pretrain()``);
 - :mod:`.flags`: ``--tst-*`` (from :class:`~tst_megatron.superposition.schedule.TSTConfig`),
   ``--dry-run``, ``--device``;
-- :mod:`.plan`: train iterations, consumed samples, ``N1``, the switch sample, resume checks;
-- :mod:`.validate`: the one check path of the launch and the dry run; :mod:`.checks` and
-  :mod:`.megatron_checks`: the rules on top of Megatron-LM's validation;
+- :mod:`.plan`: the run plan (train iterations, consumed samples, ``N1``, the switch sample),
+  built once per launch;
+- :mod:`.validate`: the one check path of the launch and the dry run; :mod:`.checks`: the
+  rules on top of Megatron-LM's validation, one module per subject, run from one list;
 - :mod:`.dry_run`: ``--dry-run``'s report (layout, parameter counts, TST plan);
 - :mod:`.model`: the model provider and local layer specs; :mod:`.gpt`: ``TSTGPTModel``;
 - :mod:`.datasets`: the datasets provider (the data themselves: :mod:`tst_megatron.data`);

@@ -19,8 +19,9 @@ from tst_megatron.runtime.distributed import export_torchrun_env, one_process_en
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
     """Check ``argv`` (default ``sys.argv[1:]``), then run Megatron-LM's ``pretrain()`` with
-    TST's model provider, datasets provider and forward step (and, with MTP, the optimizer
-    hook :class:`~tst_megatron.training.switch.FreshAdamForMTP`).
+    TST's model provider, datasets provider and forward step, which share the run plan the
+    checks built (and, with MTP, the optimizer hook
+    :class:`~tst_megatron.training.switch.FreshAdamForMTP`).
 
     Raises:
         SystemExit: 2 on every rank after one ``error:`` line per problem from rank 0 (any
@@ -34,7 +35,6 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     from tst_megatron.training.datasets import TSTDatasets
     from tst_megatron.training.forward import TSTForwardStep
     from tst_megatron.training.model import model_provider
-    from tst_megatron.training.plan import schedule
     from tst_megatron.training.switch import FreshAdamForMTP
     from tst_megatron.training.validate import parse
 
@@ -52,7 +52,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     from megatron.training.argument_utils import pretrain_cfg_container_from_args
     from megatron.training.training import pretrain
 
-    if _nothing_left_to_train(checked.args):
+    plan = checked.plan
+    if _nothing_left_to_train(checked.args, plan.n):
         return
     os.environ.update(alone)
     use_prebuilt_dataset_helpers()
@@ -63,17 +64,16 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         cpu.fork_checkpoint_results_queue()
     cfg = pretrain_cfg_container_from_args(checked.args)
     provider, hook = model_provider, None
-    n1 = schedule(checked.args).n1
-    if getattr(checked.args, "mtp_num_layers", None) and n1 > 0:
-        fresh = FreshAdamForMTP(n1)
+    if getattr(checked.args, "mtp_num_layers", None) and plan.n1 > 0:
+        fresh = FreshAdamForMTP(plan.n1)
         provider = fresh.watch(model_provider)
         hook = register_optimizer_step_pre_hook(fresh)
     try:
         pretrain(
             cfg,
-            TSTDatasets(),
+            TSTDatasets(plan),
             ModelType.encoder_or_decoder,
-            TSTForwardStep(),
+            TSTForwardStep(plan),
             model_provider=provider,
         )
     except ConfigError as exc:  # found inside: the datasets provider's data checks
@@ -83,19 +83,19 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             hook.remove()
 
 
-def _nothing_left_to_train(args) -> bool:
+def _nothing_left_to_train(args, n: int) -> bool:
     """True (after a ``note:`` on rank 0) when the checkpoint to resume is already at
-    ``--train-iters`` and not ``--skip-train``: Megatron-LM 0.19.2's sampler would stop with
-    "no samples left to consume"."""
-    from tst_megatron.training.plan import checkpoint_to_resume, train_iters
+    iteration ``n`` (the run's last) and not ``--skip-train``: Megatron-LM 0.19.2's sampler
+    would stop with "no samples left to consume"."""
+    from tst_megatron.training.checks.resume import checkpoint_to_resume
 
     found = None if args.skip_train else checkpoint_to_resume(args)
-    if found is None or found[0] < train_iters(args):
+    if found is None or found[0] < n:
         return False
     if os.environ.get("RANK", "0") == "0":
         print(
             f"note: the checkpoint in --load {args.load} is at iteration {found[0]} of "
-            f"--train-iters {train_iters(args)}: nothing left to train",
+            f"--train-iters {n}: nothing left to train",
             flush=True,
         )
     return True

@@ -8,8 +8,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from tst_megatron.training.flags import tst_config
-from tst_megatron.training.plan import consumed_samples, switch_sample, train_iters
+from tst_megatron.training.plan import RunPlan
 from tst_megatron.training.switch import switch_validation_samples
 
 
@@ -21,8 +20,8 @@ class PhasedTrainDataset(torch.utils.data.Dataset):
 
     Args:
         stream: the project's :class:`~tst_megatron.data.stream.TrainStream`.
-        switch: samples consumed before the switch (:func:`switch_sample`).
-        total: samples of the whole run (:func:`consumed_samples` of ``--train-iters``).
+        switch: samples consumed before the switch (``RunPlan.switch_sample``).
+        total: samples of the whole run (``RunPlan.total_samples``).
     """
 
     def __init__(self, stream, *, switch: int, total: int):
@@ -38,13 +37,17 @@ class PhasedTrainDataset(torch.utils.data.Dataset):
 
 
 class TSTDatasets:
-    """Megatron-LM datasets provider ``(num_samples) -> (train, valid, test)``.
+    """Megatron-LM datasets provider ``(num_samples) -> (train, valid, test)`` of the run
+    ``plan`` (:class:`~tst_megatron.training.plan.RunPlan`).
 
     ``is_distributed = True``: every rank reads its batch, since phase-1 micro-batches are
     ``S`` times longer than the buffers of Megatron-LM's ``get_batch_on_this_tp_rank``.
     """
 
     is_distributed = True
+
+    def __init__(self, plan: RunPlan):
+        self.plan = plan
 
     def __call__(self, num_samples: Sequence[Optional[int]], vp_stage: Optional[int] = None):
         from megatron.training import get_args, get_tokenizer
@@ -63,8 +66,8 @@ class TSTDatasets:
         from tst_megatron.runtime import resolve_process
 
         args, tokenizer = get_args(), get_tokenizer()
-        tst = tst_config(args)
-        switch, total = switch_sample(args), consumed_samples(args, train_iters(args))
+        plan = self.plan
+        tst, switch, total = plan.tst, plan.switch_sample, plan.total_samples
         data = data_settings(args)
         if data.mock_data:
             check_mock_data(tokenizer, tokenizer.vocab_size)
@@ -74,7 +77,7 @@ class TSTDatasets:
         )
         _, valid_n, test_n = num_samples
         if valid_n is not None:  # the extra round at the switch (switch_overrides)
-            valid_n += switch_validation_samples(args)
+            valid_n += switch_validation_samples(args, plan)
         train, valid, test = build_datasets(
             data,
             tokenizer,

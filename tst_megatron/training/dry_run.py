@@ -12,9 +12,6 @@ import os
 import sys
 from typing import Sequence
 
-from tst_megatron.training.flags import tst_config
-from tst_megatron.training.plan import _batch_calculator, schedule, switch_sample
-
 
 def parameter_lines(args) -> list[str]:
     """Megatron-LM's own parameter counts (in billions) and the weight-and-optimizer memory of
@@ -71,12 +68,12 @@ def parameter_lines(args) -> list[str]:
 # --- the dry run ---------------------------------------------------------------------------
 
 
-def _batch_lines(args, dp: int) -> list[str]:
-    """The batch, or the batch-size schedule step by step (Megatron-LM's calculator)."""
+def _batch_lines(args, plan, dp: int) -> list[str]:
+    """The batch, or the batch-size schedule step by step as far as the run reaches it
+    (``plan.global_batches``, from Megatron-LM's calculator)."""
 
     per_micro = args.micro_batch_size * dp
-    calculator = _batch_calculator(args)
-    if calculator is None:
+    if not getattr(args, "step_batch_size_schedule", None):
         line = (
             f"batch: global batch {args.global_batch_size} = micro-batch "
             f"{args.micro_batch_size} x DP {dp} x {args.global_batch_size // per_micro} "
@@ -87,7 +84,7 @@ def _batch_lines(args, dp: int) -> list[str]:
         return [line]
     steps = ", ".join(
         f"from sample {threshold:,}: {batch} ({batch // per_micro} micro-batches)"
-        for threshold, batch in calculator.schedule
+        for threshold, batch in plan.global_batches
     )
     return [
         f"batch: --step-batch-size-schedule, micro-batch {args.micro_batch_size} x DP {dp}; "
@@ -95,12 +92,11 @@ def _batch_lines(args, dp: int) -> list[str]:
     ]
 
 
-def describe(args) -> list[str]:
+def describe(args, plan) -> list[str]:
     """The run as lines of text (layout, batch, model, parameters, TST plan) from validated
-    Megatron-LM arguments with the launcher's ``--tst-*`` flags.
-
-    The arguments have passed :func:`~tst_megatron.training.validate.check` (the batch-size
-    schedule calculator included).
+    Megatron-LM arguments with the launcher's ``--tst-*`` flags and their ``plan`` (a
+    :class:`~tst_megatron.training.plan.RunPlan`), both from
+    :func:`~tst_megatron.training.validate.check`.
     """
     tp, pp, cp = (
         args.tensor_model_parallel_size,
@@ -115,7 +111,7 @@ def describe(args) -> list[str]:
         f"EP {ep}, ETP {etp}, expert DP {args.world_size // (ep * etp * pp)}; "
         f"sequence parallel {'on' if args.sequence_parallel else 'off'}"
     ]
-    lines += _batch_lines(args, dp)
+    lines += _batch_lines(args, plan, dp)
     if args.num_experts:
         from megatron.core.models.gpt.experimental_attention_variant_module_specs import (
             get_moe_layer_pattern,
@@ -152,20 +148,20 @@ def describe(args) -> list[str]:
         f"{args.transformer_impl}, {args.params_dtype}"
     )
     lines += parameter_lines(args)
-    tst, plan = tst_config(args), schedule(args)
-    n1, n = plan.n1, plan.train_iters
+    tst, n1, n = plan.tst, plan.n1, plan.n
     given = f" (from --train-samples {args.train_samples:,})" if args.train_samples else ""
     if n1 == 0:
         lines.append(
             f"TST: no phase 1 (bag size {tst.bag_size}): next-token training for {n:,} "
-            f"iterations{given}, samples of {plan.phase2.data_seq_length} + 1 tokens"
+            f"iterations{given}, samples of {plan.schedule.phase2.data_seq_length} + 1 tokens"
         )
         return lines
+    phase1, phase2 = plan.schedule.phase1, plan.schedule.phase2
     lines.append(
         f"TST: bag size {tst.bag_size}, mode {tst.mode}, weighting {tst.bag_weighting}; "
-        f"N1 = {n1:,} of {n:,} iterations{given}; switch at sample {switch_sample(args):,}; "
-        f"phase 1: samples of {plan.phase1.data_seq_length} + 1 tokens, {plan.phase1.model_seq_length} "
-        f"positions; phase 2: samples of {plan.phase2.data_seq_length} + 1 tokens"
+        f"N1 = {n1:,} of {n:,} iterations{given}; switch at sample {plan.switch_sample:,}; "
+        f"phase 1: samples of {phase1.data_seq_length} + 1 tokens, {phase1.model_seq_length} "
+        f"positions; phase 2: samples of {phase2.data_seq_length} + 1 tokens"
     )
     return lines
 
@@ -187,7 +183,7 @@ def dry_run(argv: Sequence[str], *, out=None, err=None) -> int:
     problems, notes = list(checked.problems), checked.notes
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if not problems:
-        lines = describe(checked.args)
+        lines = describe(checked.args, checked.plan)
     if not rank0:
         return 2 if problems else 0
     if problems:

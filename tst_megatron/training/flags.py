@@ -12,7 +12,7 @@ from tst_megatron.superposition.schedule import TSTConfig
 
 #: Megatron-LM flags for features of ``pretrain_gpt.py`` that this launcher does not have
 #: (ignored, or a traceback at the first step), with why: refused before work
-#: (:func:`tst_megatron.training.checks.launch_problems`) and marked in ``--help``.
+#: (:func:`tst_megatron.training.checks.megatron.refused_flag_problems`) and marked in ``--help``.
 NOT_WIRED = {
     "overlap_moe_expert_parallel_comm": "the forward step builds no schedule plan for "
     "megatron-core's combined 1F1B",
@@ -24,8 +24,8 @@ NOT_WIRED = {
 
 def refused_flags() -> dict:
     """``{argparse dest: why}`` of every Megatron-LM flag the launcher refuses: :data:`NOT_WIRED`
-    and the data flags (``tst_megatron.data.gpt_datasets.REFUSED_DATA_FLAGS``)."""
-    from tst_megatron.data.gpt_datasets import REFUSED_DATA_FLAGS
+    and the data flags (``tst_megatron.training.checks.data.REFUSED_DATA_FLAGS``)."""
+    from tst_megatron.training.checks.data import REFUSED_DATA_FLAGS
 
     return {**REFUSED_DATA_FLAGS, **NOT_WIRED}
 

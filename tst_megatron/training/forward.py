@@ -31,9 +31,7 @@ from tst_megatron.superposition import (
     multi_hot_cross_entropy,
 )
 from tst_megatron.superposition.bags import phase1_inputs, phase1_targets, phase1_weights
-from tst_megatron.superposition.schedule import Schedule
-from tst_megatron.training.flags import tst_config
-from tst_megatron.training.plan import schedule
+from tst_megatron.training.plan import RunPlan
 from tst_megatron.training.switch import divides, switch_overrides
 
 #: The key (log line, TensorBoard tag) of the phase-1 loss; phase 2 and validation report
@@ -204,7 +202,8 @@ class TSTForwardStep:
     (:class:`_RawTokens`).
     """
 
-    def __init__(self):
+    def __init__(self, plan: RunPlan):
+        self.plan = plan
         self._steps = None
         self._announced = -1  # the last phase announced on rank 0
         self._switch = "before"  # "before" -> "set" (intervals at N1) -> "done"
@@ -215,7 +214,7 @@ class TSTForwardStep:
         from megatron.core import mpu
         from megatron.training.utils import is_last_rank
 
-        tst = tst_config(args)
+        plan, tst = self.plan, self.plan.tst
         cp = mpu.get_context_parallel_group() if args.context_parallel_size > 1 else None
         check = loss_checks(args)
         phase1 = make_phase1_step(
@@ -225,9 +224,8 @@ class TSTForwardStep:
             cp_group=cp,
             check=check,
         )
-        plan = schedule(args)
-        self._raw = _RawTokens(args, plan) if is_last_rank() else None
-        return plan, phase1, make_phase2_step(cp_group=cp, check=check)
+        self._raw = _RawTokens(plan) if is_last_rank() else None
+        return phase1, make_phase2_step(cp_group=cp, check=check)
 
     def __call__(self, data_iterator, model):
         from megatron.training import get_args
@@ -235,27 +233,29 @@ class TSTForwardStep:
         args = get_args()
         if self._steps is None:
             self._steps = self._build(args)
-        plan, phase1, phase2 = self._steps
+        plan = self.plan
+        phase1, phase2 = self._steps
         training = model.training
         in_phase1 = training and args.curr_iteration < plan.n1
         if training:
             self._announce(1 if in_phase1 else 2, args.curr_iteration, plan.n1)
-            self._at_switch(args, plan.n1)
+            self._at_switch(args, plan)
             if self._raw is not None:
                 self._raw.step(args)
-        phase = plan.phase1 if in_phase1 else plan.phase2
+        phase = plan.schedule.phase1 if in_phase1 else plan.schedule.phase2
         what = f"phase-{phase.index} step {args.curr_iteration}" if training else "validation"
         batches = _OnDevice(data_iterator, _device(), length=phase.data_seq_length, what=what)
         return (phase1 if in_phase1 else phase2)(batches, model)
 
-    def _at_switch(self, args, n1: int) -> None:
+    def _at_switch(self, args, plan: RunPlan) -> None:
         """At the last phase-1 training step set the intervals of :func:`switch_overrides` to
         ``N1`` (Megatron-LM reads them after the step); at the first phase-2 training step put
         the user's values back. Idempotent over micro-batches, model chunks and stages."""
+        n1 = plan.n1
         if args.curr_iteration < n1 - 1:  # (again) before the switch: a restart in-process
             self._switch, self._saved_intervals = "before", {}
         elif self._switch == "before" and args.curr_iteration == n1 - 1:
-            overrides = switch_overrides(args, n1)
+            overrides = switch_overrides(args, plan)
             self._saved_intervals = {k: getattr(args, k) for k in overrides}
             for key, value in overrides.items():
                 setattr(args, key, value)
@@ -301,10 +301,8 @@ class _RawTokens:
     restored on a resume, split at the switch sample). Megatron-LM's own elapsed time per
     iteration turns it into a rate."""
 
-    def __init__(self, args, plan: Schedule):
-        from tst_megatron.training.plan import switch_sample
-
-        self.plan, self.switch, self.last = plan, switch_sample(args), None
+    def __init__(self, plan: RunPlan):
+        self.plan, self.switch, self.last = plan.schedule, plan.switch_sample, None
 
     def step(self, args) -> None:
         """Called at every training forward; acts once per iteration."""

@@ -9,9 +9,6 @@ import weakref
 
 import torch
 
-from tst_megatron.training.flags import tst_config
-from tst_megatron.training.plan import schedule, train_iters
-
 
 def _eval_iters(args) -> int:
     """``--eval-iters`` summed over the validation sets (Megatron-LM allows a list)."""
@@ -19,9 +16,9 @@ def _eval_iters(args) -> int:
     return sum(iters) if isinstance(iters, (list, tuple)) else iters
 
 
-def _switch_in_run(args, n1: int) -> bool:
-    """The run trains and switches inside it: ``0 < N1 < --train-iters``."""
-    return not getattr(args, "skip_train", False) and 0 < n1 < train_iters(args)
+def _switch_in_run(args, plan) -> bool:
+    """The run trains and switches inside it: ``0 < N1 < N``."""
+    return not getattr(args, "skip_train", False) and 0 < plan.n1 < plan.n
 
 
 def _validates_at(args, iteration: int) -> bool:
@@ -36,18 +33,19 @@ def divides(interval, iteration: int) -> bool:
     return bool(interval) and iteration % interval == 0
 
 
-def switch_overrides(args, n1: int) -> dict:
+def switch_overrides(args, plan) -> dict:
     """The Megatron-LM intervals to set to ``N1`` for iteration ``N1`` only: each of
     ``save_interval`` (with ``--save`` and TST's save-at-switch), ``eval_interval`` (when
-    validating) and ``log_interval`` that does not already divide ``N1``.
+    validating) and ``log_interval`` that does not already divide ``N1``. ``plan``: the run's
+    :class:`~tst_megatron.training.plan.RunPlan`.
 
     Returns:
         ``{args attribute: N1}``; empty when the switch is not inside the run.
     """
-    if not _switch_in_run(args, n1):
+    if not _switch_in_run(args, plan):
         return {}
-    out = {}
-    if tst_config(args).save_at_switch and args.save and not divides(args.save_interval, n1):
+    out, n1 = {}, plan.n1
+    if plan.tst.save_at_switch and args.save and not divides(args.save_interval, n1):
         out["save_interval"] = n1
     valid = getattr(args, "do_valid", False) and _validates_at(args, n1)
     if valid and not divides(args.eval_interval, n1):
@@ -57,14 +55,14 @@ def switch_overrides(args, n1: int) -> dict:
     return out
 
 
-def switch_validation_samples(args) -> int:
+def switch_validation_samples(args, plan) -> int:
     """Validation samples to add to Megatron-LM's ``get_train_valid_test_num_samples`` count:
     one round (``--eval-iters`` global batches) when :func:`switch_overrides` adds a
     validation at ``N1``, else 0."""
     if getattr(args, "full_validation", False):
         return 0  # every round reads the whole set from its start
-    n1 = schedule(args).n1
-    if not _switch_in_run(args, n1) or not _validates_at(args, n1):
+    n1 = plan.n1
+    if not _switch_in_run(args, plan) or not _validates_at(args, n1):
         return 0
     if divides(args.eval_interval, n1):
         return 0

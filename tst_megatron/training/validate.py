@@ -1,7 +1,8 @@
 """The one check path of a launch line, before any work: the real launch
 (:func:`tst_megatron.training.cli.main`) and ``--dry-run`` both call :func:`check`, which runs
 Megatron-LM's parser (an unknown flag is one line, not a usage dump), ``validate_args``, the
-model's ``TransformerConfig``, then :func:`tst_megatron.training.checks.launch_problems`.
+model's ``TransformerConfig``, the run plan, then
+:func:`tst_megatron.training.checks.launch_problems`.
 """
 
 from __future__ import annotations
@@ -17,24 +18,29 @@ from unittest import mock
 from tst_megatron.errors import ConfigError
 from tst_megatron.runtime.cpu_settings import CPU_FLAGS, pick_device
 from tst_megatron.training.checks import (
+    Launch,
     argv_problems,
     launch_notes,
     launch_problems,
     validation_error,
 )
 from tst_megatron.training.flags import add_tst_args
+from tst_megatron.training.plan import RunPlan, run_plan
 
 
 @dataclasses.dataclass
 class Checked:
     """What :func:`check` found: Megatron-LM's validated ``args`` (None when the parser or
     ``validate_args`` refused), ``device`` (``"cpu"`` or ``"cuda"``), ``problems`` (one line
-    each; empty: the launch may start) and ``notes`` for the user (and what a dry run assumed)."""
+    each; empty: the launch may start), ``notes`` for the user (and what a dry run assumed)
+    and the run's ``plan`` (:class:`~tst_megatron.training.plan.RunPlan`, built once here; None
+    where ``args`` is, or the batch-size schedule was refused)."""
 
     args: Optional[argparse.Namespace]
     device: str
     problems: list
     notes: list
+    plan: Optional[RunPlan] = None
 
 
 #: The ``args_defaults`` Megatron-LM's ``pretrain_gpt.py`` gives its argument validation.
@@ -85,7 +91,9 @@ def check(argv: Sequence[str], *, dry_run: bool = False) -> Checked:
     In order, stopping at the first stage that refuses: :func:`argv_problems`, Megatron-LM's
     ``parse_args``, ``--use-checkpoint-args``, ``validate_args`` (with
     :data:`PRETRAIN_GPT_DEFAULTS`),
-    ``core_transformer_config_from_args``, then :func:`launch_problems`. A CPU run appends
+    ``core_transformer_config_from_args``, the run's :class:`RunPlan`, then
+    :func:`launch_problems` (every rule of :data:`tst_megatron.training.checks.RULES`). A CPU
+    run appends
     :data:`CPU_FLAGS` and, in a launch, enables :func:`tst_megatron.runtime.cpu.enable` first.
     A dry run mutes Megatron-LM's prints and answers for the cluster's GPU and TE
     (:mod:`tst_megatron.runtime.assumed`). Starts no process, builds no model, reads no data
@@ -135,12 +143,11 @@ def check(argv: Sequence[str], *, dry_run: bool = False) -> Checked:
         except (AssertionError, ValueError) as exc:
             return Checked(args, device, [validation_error(exc, "TransformerConfig")], notes)
     try:
-        problems = launch_problems(
-            args, user_argv, device=device, config=config, launch=not dry_run
-        )
+        plan = run_plan(args)
     except (AssertionError, ValueError) as exc:  # Megatron-LM's batch-size calculator refused
-        problems = [validation_error(exc, "batch-size schedule")]
-    return Checked(args, device, problems, launch_notes(args) + notes)
+        return Checked(args, device, [validation_error(exc, "batch-size schedule")], notes)
+    launch = Launch(args, tuple(user_argv), device, config, plan, launch=not dry_run)
+    return Checked(args, device, launch_problems(launch), launch_notes(launch) + notes, plan)
 
 
 def parse(argv: Sequence[str]) -> Checked:

@@ -1,0 +1,118 @@
+"""The launcher's rules, one module per subject, on top of Megatron-LM's ``validate_args`` and
+``TransformerConfig`` (which stay Megatron-LM's): :mod:`.layout`, :mod:`.batch`, :mod:`.model`,
+:mod:`.data`, :mod:`.tst`, :mod:`.megatron` (settings Megatron-LM 0.19 accepts but cannot
+run, and the flags this launcher refuses), :mod:`.hardware` (TE, Apex, GPU, CPU) and
+:mod:`.resume`. Each rule is a function of the :class:`Launch` returning one line per problem
+naming the flag (empty: none). :data:`RULES` is the one list that the real launch and the
+dry run both run (:func:`tst_megatron.training.validate.check`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import traceback
+from typing import Any, Optional, Sequence
+
+from tst_megatron.training.checks import (
+    batch,
+    data,
+    hardware,
+    layout,
+    megatron,
+    model,
+    resume,
+    tst,
+)
+from tst_megatron.training.plan import RunPlan
+
+
+@dataclasses.dataclass(frozen=True)
+class Launch:
+    """What the rules read: one launch line, checked.
+
+    Attributes:
+        args: Megatron-LM's arguments after ``validate_args``.
+        argv: the command line as given, before a CPU run's ``CPU_FLAGS`` are appended.
+        device: ``"cpu"`` or ``"cuda"``.
+        config: the model's ``TransformerConfig``.
+        plan: the run's :class:`~tst_megatron.training.plan.RunPlan`.
+        launch: a real launch, which checks this machine (a GPU, installed packages, data
+            files); False: a dry run, which assumes the cluster's.
+    """
+
+    args: argparse.Namespace
+    argv: tuple
+    device: str
+    config: Optional[Any]
+    plan: RunPlan
+    launch: bool = False
+
+
+#: Every rule, in the order its lines are printed.
+RULES = (
+    batch.problems,
+    layout.problems,
+    model.problems,
+    megatron.problems,
+    data.problems,
+    hardware.problems,
+    tst.problems,
+)
+
+#: Rules that run only when :data:`RULES` found nothing: they read files (the data, the
+#: checkpoint to resume), which a wrong line need not reach.
+LAST_RULES = (data.file_problems, resume.problems)
+
+#: What the user should know before the run starts (``note:`` lines).
+NOTES = (tst.notes, model.notes, hardware.notes)
+
+
+def argv_problems(argv: Sequence[str]) -> list[str]:
+    """Flags refused in the command line as given, before Megatron-LM parses it, one line each:
+    ``--yaml-cfg`` (its YAML config replaces the whole parsed namespace, ``--tst-*`` included),
+    and ``pretrain_hybrid.py``'s flags (:func:`.model.hybrid_flag_problems`)."""
+    problems = []
+    flags = [word.split("=", 1)[0] for word in argv if word.startswith("--")]
+    if "--yaml-cfg" in flags:
+        problems.append(
+            "--yaml-cfg is not supported by this launcher: Megatron-LM's experimental YAML "
+            "config replaces the whole command line, --tst-* flags included; pass the flags"
+        )
+    return problems + model.hybrid_flag_problems(flags)
+
+
+def launch_problems(launch: Launch) -> list[str]:
+    """Every rule of :data:`RULES`, then, when none found a problem, :data:`LAST_RULES`."""
+    problems = [line for rule in RULES for line in rule(launch)]
+    if problems:
+        return problems
+    for rule in LAST_RULES:
+        if problems := rule(launch):
+            return problems
+    return []
+
+
+def launch_notes(launch: Launch) -> list[str]:
+    """Every note of :data:`NOTES`, one line each."""
+    return [line for note in NOTES for line in note(launch)]
+
+
+def validation_error(exc: BaseException, where: str = "argument validation") -> str:
+    """One line for an exception raised by Megatron-LM's checks (``where``): its message with
+    whitespace collapsed or, for a bare ``assert``, the failing source line and ``file:line``."""
+    message = " ".join(str(exc).split())
+    if message and isinstance(exc, (AssertionError, ValueError)):
+        return f"Megatron-LM's {where}: {message}"
+    if message:
+        return f"Megatron-LM's {where}: {type(exc).__name__}: {message}"
+    frames = traceback.extract_tb(exc.__traceback__)
+    if not frames:
+        return f"Megatron-LM's {where}: {type(exc).__name__}"
+    frame = frames[-1]
+    place = "/".join(frame.filename.split(os.sep)[-3:])
+    return (
+        f"Megatron-LM's {where}: {type(exc).__name__} at {place}:{frame.lineno}: "
+        f"{(frame.line or '').strip()}"
+    )

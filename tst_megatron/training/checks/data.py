@@ -1,0 +1,107 @@
+"""Data rules: the data and tokenizer flags the launcher cannot honour or Megatron-LM stops
+on after set-up, and (in a launch) the ``.bin``/``.idx`` files themselves."""
+
+from __future__ import annotations
+
+import os
+
+from tst_megatron.data.files import open_data_file
+from tst_megatron.data.gpt_datasets import data_prefixes, data_settings
+from tst_megatron.errors import ConfigError
+
+#: Megatron-LM data flags this launcher does not honour, with why (refused, never ignored;
+#: per-split paths would have trained on mock data).
+REFUSED_DATA_FLAGS = {
+    "train_data_path": "use --data-path (or --data-args-path) with --split, or --mock-data",
+    "valid_data_path": "use --data-path (or --data-args-path) with --split, or --mock-data",
+    "test_data_path": "use --data-path (or --data-args-path) with --split, or --mock-data",
+    "per_split_data_args_path": "use --data-path (or --data-args-path) with --split",
+    "multiple_validation_sets": "its validation sets come from per-split paths (above)",
+    "sft": "TST trains on megatron-core's GPTDataset (pretraining), not SFT conversations",
+    "fim_data": "TST trains on megatron-core's GPTDataset; its FIM samples are not supported",
+    "object_storage_cache_path": "the launcher checks and reads local .bin/.idx files only",
+    "dataloader_inter_document_masking": "the forward step passes no document boundaries",
+    "per_dataset_sequences_path": "the launcher reads every .idx at start-up (its checks)",
+    "dataloader_fast_cache_load": "the launcher builds and loads the index caches itself",
+    "dataloader_defer_npy_index_mmap": "the launcher builds and loads the index caches itself",
+}
+
+
+def data_problems(args) -> list[str]:
+    """A ``--data-args-path`` that is unreadable, empty or without ``--split``
+    (``validate_args`` defaults the split only for ``--data-path``), one line each. Reads that
+    file. (:data:`REFUSED_DATA_FLAGS` are refused with the launcher's other refused flags,
+    :func:`tst_megatron.training.flags.refused_flags`.) A ``--num-workers`` below 0."""
+    problems = []
+    path = getattr(args, "data_args_path", None)
+    if path and not (os.path.isfile(path) and os.access(path, os.R_OK)):
+        problems.append(f"--data-args-path {path}: no readable file there")
+    elif path:
+        with open(path) as f:
+            if not f.read().split():
+                problems.append(
+                    f"--data-args-path {path} is empty: it should hold what --data-path would "
+                    "(prefixes, optionally with weights)"
+                )
+        if not args.split:
+            problems.append("--data-args-path needs --split (e.g. --split 969,30,1)")
+    if args.num_workers < 0:
+        problems.append(f"--num-workers must be 0 or more (got {args.num_workers})")
+    return problems
+
+
+def data_file_problems(args) -> list[str]:
+    """In a launch: each dataset prefix of ``--data-path`` (or ``--data-args-path``) has a
+    ``.bin`` and ``.idx`` that agree (:func:`open_data_file`: header
+    and sizes, O(1) reads), one line per bad prefix. The token ids are scanned later, with the
+    tokenizer (:func:`check_data_files`)."""
+    data = data_settings(args)
+    if data.mock_data:
+        return []
+    problems = []
+    for prefix in data_prefixes(data.data_path):
+        try:
+            open_data_file(prefix)
+        except ConfigError as exc:
+            problems.append(str(exc))
+    return problems
+
+
+def tokenizer_problems(args, *, launch: bool) -> list[str]:
+    """The tokenizer settings Megatron-LM's ``set_global_variables`` stops on: a type without
+    its ``--vocab-size`` / ``--tokenizer-model`` (``--tokenizer-type`` defaults to
+    ``GPT2BPETokenizer``, as in ``pretrain_gpt.py``), and in a
+    ``launch`` (not a dry run, which may run where the cluster's files are not) a tokenizer
+    file that does not exist (a Hugging Face ``--tokenizer-model`` may be a hub name)."""
+    kind = args.tokenizer_type
+    if kind == "NullTokenizer" and not (args.vocab_size and args.vocab_size >= 2):
+        return [f"--tokenizer-type NullTokenizer needs --vocab-size >= 2 (got {args.vocab_size})"]
+    if kind == "HuggingFaceTokenizer" and not args.tokenizer_model:
+        return [
+            "--tokenizer-type HuggingFaceTokenizer needs --tokenizer-model (a directory or hub name)"
+        ]
+    if not launch:
+        return []
+    files = {
+        "SentencePieceTokenizer": ("--tokenizer-model",),
+        "GPTSentencePieceTokenizer": ("--tokenizer-model",),
+        "Llama2Tokenizer": ("--tokenizer-model",),
+        "GPT2BPETokenizer": ("--vocab-file", "--merge-file"),
+    }.get(kind, ())
+    problems = []
+    for flag in files:
+        path = getattr(args, flag[2:].replace("-", "_"), None)
+        if not path or not os.path.isfile(path):
+            problems.append(f"--tokenizer-type {kind}: {flag} {path} is not a file")
+    return problems
+
+
+def problems(launch) -> list[str]:
+    """The data and tokenizer rules of a :class:`~tst_megatron.training.checks.Launch`."""
+    return data_problems(launch.args) + tokenizer_problems(launch.args, launch=launch.launch)
+
+
+def file_problems(launch) -> list[str]:
+    """In a launch (a dry run may run where the cluster's files are not): the data files
+    (:func:`data_file_problems`)."""
+    return data_file_problems(launch.args) if launch.launch else []

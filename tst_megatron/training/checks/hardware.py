@@ -1,0 +1,174 @@
+"""Hardware rules: what a run needs of the machine it runs on. Transformer Engine, Apex,
+``grouped_gemm`` and packages a flag needs; a GPU for ``--device cuda``; and the settings a
+CPU run (``--device cpu``) refuses, megatron-core 0.19 needing CUDA for them."""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Sequence
+
+import torch
+
+from tst_megatron.runtime.cpu_settings import flag_values
+
+
+def installed_problems(args) -> list[str]:
+    """Packages a flag needs that are not installed here (for a launch; a dry run may run
+    where the cluster's packages are not): ``--wandb-project`` without ``wandb``."""
+    if getattr(args, "wandb_project", None) and importlib.util.find_spec("wandb") is None:
+        return ["--wandb-project needs the wandb package here: pip install wandb"]
+    return []
+
+
+def without_te_problems(
+    args, *, te: bool, apex: bool = True, grouped_gemm: bool = True
+) -> list[str]:
+    """Features megatron-core 0.19 cannot run without Transformer Engine (``te`` False: TE
+    is not where the run will be; a CPU run never has it), without Apex's CUDA extensions
+    (``apex`` False), without the ``grouped_gemm`` package (``grouped_gemm`` False), or on
+    its local layer spec: the TE spec (Megatron-LM's default), CP > 1,
+    FP8, grouped GEMM without the ``grouped_gemm`` package, selective recompute of
+    ``layernorm``/``mla_up_proj``, MLA with the local spec, and gradient accumulation fusion
+    (Megatron-LM's default; ``ColumnParallelLinear`` raises without Apex's
+    ``fused_weight_gradient_mlp_cuda``); each line names the flag that avoids it."""
+    problems = []
+    if not te and args.transformer_impl == "transformer_engine":
+        problems.append(
+            "--transformer-impl transformer_engine (Megatron-LM's default) needs Transformer "
+            "Engine, which this run lacks: install it, or add --transformer-impl local"
+        )
+    if not apex and args.gradient_accumulation_fusion:
+        problems.append(
+            "gradient accumulation fusion (Megatron-LM's default) needs Apex's "
+            "fused_weight_gradient_mlp_cuda extension, which this run lacks: add "
+            "--no-gradient-accumulation-fusion"
+        )
+    if args.moe_grouped_gemm and not grouped_gemm and args.transformer_impl == "local":
+        problems.append(
+            "--moe-grouped-gemm on the local spec needs the grouped_gemm package, which this "
+            "run lacks: drop it, or use --transformer-impl transformer_engine"
+        )
+    if not te and args.context_parallel_size > 1:
+        problems.append(
+            "--context-parallel-size > 1 needs Transformer Engine (megatron-core's "
+            "DotProductAttention refuses context parallelism), which this run lacks"
+        )
+    if not te and getattr(args, "fp8", None):
+        problems.append(
+            f"--fp8-format {args.fp8} needs Transformer Engine and CUDA, which this run lacks"
+        )
+    if args.multi_latent_attention and args.transformer_impl == "local":
+        problems.append(
+            "--multi-latent-attention needs --transformer-impl transformer_engine: megatron-core "
+            "0.19's local spec builds MLA's core attention with arguments its "
+            "DotProductAttention does not take (a CPU run has no Transformer Engine)"
+        )
+    modules = set(args.recompute_modules or []) & {"layernorm", "mla_up_proj"}
+    if not te and args.recompute_granularity == "selective" and modules:
+        problems.append(
+            f"--recompute-modules {' '.join(sorted(modules))} needs Transformer Engine (megatron-"
+            "core 0.19's CheckpointWithoutOutput calls its FP8GlobalStateManager), which this "
+            "run lacks: drop those modules"
+        )
+    return problems
+
+
+def cpu_problems(args) -> list[str]:
+    """Settings a CPU run cannot do, megatron-core 0.19 needing CUDA for them, one line each:
+    ``--bf16``/``--fp16``, ``--log-memory-to-tensorboard``, ``--record-memory-history``,
+    ``--profile`` (CUDA's profiler), PP > 1 with tied embeddings or ``--mtp-num-layers``."""
+    problems = []
+    if args.profile and not args.use_pytorch_profiler:
+        problems.append(
+            "--profile starts CUDA's profiler (nsys); drop it for a CPU run (PyTorch's, "
+            "--use-pytorch-profiler, is not checked on a CPU)"
+        )
+    for flag, on in (("--bf16", args.bf16), ("--fp16", args.fp16)):
+        if on:
+            problems.append(
+                f"{flag} needs CUDA (megatron-core's mixed-precision optimizer accepts only CUDA "
+                "parameters); a CPU run trains in float32: drop it"
+            )
+    if getattr(args, "record_memory_history", False):
+        problems.append("--record-memory-history records CUDA's allocator; drop it for a CPU run")
+    if getattr(args, "log_memory_to_tensorboard", False):
+        problems.append(
+            "--log-memory-to-tensorboard reads CUDA memory statistics; drop it for a CPU run"
+        )
+    if args.pipeline_model_parallel_size > 1 and not args.untie_embeddings_and_output_weights:
+        problems.append(
+            "--pipeline-model-parallel-size > 1 on a CPU needs --untie-embeddings-and-output-"
+            "weights (megatron-core's tied-embedding all-reduce calls .cuda())"
+        )
+    if args.pipeline_model_parallel_size > 1 and getattr(args, "mtp_num_layers", None):
+        problems.append(
+            "--mtp-num-layers with --pipeline-model-parallel-size > 1 needs CUDA (megatron-core "
+            "sets up the last stage's copy of the embedding with .cuda()); drop one for a CPU run"
+        )
+    return problems
+
+
+def cpu_flag_problems(argv: Sequence[str]) -> list[str]:
+    """The user's own ``--transformer-impl`` / ``--distributed-backend`` in ``argv`` (the
+    command line as given) that a CPU run's ``CPU_FLAGS`` (``local`` / ``gloo``) would override."""
+    given = flag_values(argv, "--transformer-impl", "--distributed-backend")
+    problems = []
+    if given.transformer_impl not in (None, "local"):
+        problems.append(
+            f"--transformer-impl {given.transformer_impl} needs CUDA; a CPU run uses local "
+            "(drop the flag or run with --device cuda)"
+        )
+    if given.distributed_backend not in (None, "gloo"):
+        problems.append(
+            f"--distributed-backend {given.distributed_backend} needs CUDA; a CPU run uses "
+            "gloo (drop the flag or run with --device cuda)"
+        )
+    return problems
+
+
+def problems(launch) -> list[str]:
+    """The hardware rules of a :class:`~tst_megatron.training.checks.Launch`: in a launch,
+    this machine's packages and GPU; in a dry run, the cluster's (a CUDA run is assumed to
+    have Transformer Engine, Apex and ``grouped_gemm``)."""
+    args, device = launch.args, launch.device
+
+    def here(package: str) -> bool:  # installed where the run will be (a dry run: assumed)
+        return device == "cuda" and (
+            not launch.launch or importlib.util.find_spec(package) is not None
+        )
+
+    found = installed_problems(args) if launch.launch else []
+    found += without_te_problems(
+        args,
+        te=here("transformer_engine"),
+        apex=here("fused_weight_gradient_mlp_cuda"),
+        grouped_gemm=here("grouped_gemm"),
+    )
+    if device == "cpu":
+        found += cpu_problems(args) + cpu_flag_problems(launch.argv)
+    elif launch.launch and not torch.cuda.is_available():
+        found.append("--device cuda: no GPU is visible here (use --device cpu for a CPU run)")
+    return found
+
+
+def notes(launch) -> list[str]:
+    """That a fused Adam (TE's or Apex's) is not made to start the MTP parameters afresh at
+    the switch (:class:`~tst_megatron.training.switch.FreshAdamForMTP`)."""
+    args = launch.args
+    mtp = getattr(args, "mtp_num_layers", None) and launch.plan.n1 > 0
+    if not (mtp and args.optimizer == "adam" and _group_step_adam()):
+        return []
+    return [
+        "--mtp-num-layers: this machine's Adam (Transformer Engine's or Apex's FusedAdam) "
+        "is left as it is at the switch, so the MTP parameters, idle in phase 1, take their "
+        "first updates without Adam's bias correction ((1 - beta1) / sqrt(1 - beta2) times "
+        "a first step); with torch's AdamW they start afresh"
+    ]
+
+
+def _group_step_adam() -> bool:
+    """Whether megatron-core's ``Adam`` is a fused Adam (Transformer Engine's, else Apex's
+    ``FusedAdam``; else it is ``torch.optim.AdamW``)."""
+    from megatron.core.optimizer import Adam
+
+    return Adam is not torch.optim.AdamW

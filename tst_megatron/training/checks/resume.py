@@ -1,0 +1,211 @@
+"""Resume rules: a checkpoint in ``--load`` that this run would not continue (TST's phase
+plan, the model, the learning-rate schedule), read before any work."""
+
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Optional
+
+from tst_megatron.errors import ConfigError
+from tst_megatron.training.plan import run_plan
+
+
+def checkpoint_to_resume(args) -> Optional[tuple[int, dict]]:
+    """``(iteration, common state)`` of the ``torch_dist`` checkpoint Megatron-LM's
+    ``load_checkpoint`` would resume (``--load``, ``--ckpt-step`` or the tracker file), read
+    without process groups via megatron-core's ``load_common_state_dict``. None when nothing
+    would be resumed (or a release or non-``torch_dist`` checkpoint, ``--finetune``).
+
+    Raises:
+        ConfigError: a tracker file that holds no iteration.
+    """
+    if not args.load or getattr(args, "finetune", False):
+        return None
+    from megatron.core import dist_checkpointing
+    from megatron.training.checkpointing import (
+        get_checkpoint_name,
+        get_checkpoint_tracker_filename,
+    )
+
+    iteration = getattr(args, "ckpt_step", None)
+    if iteration is None:
+        tracker = get_checkpoint_tracker_filename(args.load)
+        if not os.path.isfile(tracker):
+            return None
+        # not Megatron-LM's read_metadata: on a malformed file it exits with status 0 (0.19.2)
+        with open(tracker) as f:
+            text = f.read().strip()
+        if text == "release":
+            return None
+        if not text.isdigit():
+            raise ConfigError(
+                f"--load {args.load}: {os.path.basename(tracker)} holds {text!r}, not an "
+                "iteration (give --ckpt-step, or fix or remove the file)"
+            )
+        iteration = int(text)
+    path = get_checkpoint_name(args.load, iteration, return_base_dir=True)
+    if not os.path.isfile(os.path.join(path, "metadata.json")):
+        return None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return iteration, dist_checkpointing.load_common_state_dict(path)
+
+
+def resume_problems(plan, saved, iteration: int) -> list[str]:
+    """Why resuming the checkpoint of ``iteration`` (written with arguments ``saved``) under
+    this run's ``plan`` (a :class:`~tst_megatron.training.plan.RunPlan`) would not continue its
+    TST run, one line per flag (empty: none, or ``saved`` has no ``--tst-*``). ``N1``, the
+    switch sample and the windows per phase-1 sample must match (phase 2's order depends on
+    them); before the switch the phase-1 loss flags too.
+    """
+    if iteration <= 0 or not hasattr(saved, "tst_bag_size"):
+        return []
+    old, new = run_plan(saved), plan
+    if old.n1 == 0 and new.n1 == 0:
+        return []
+    problems = []
+    where = f"the checkpoint of iteration {iteration}"
+    if old.n1 != new.n1:
+        problems.append(
+            f"{where} was written by a run switching at N1 = {old.n1}; this run switches at "
+            f"N1 = {new.n1}: give the checkpoint's --tst-phase1-iters / --tst-phase1-fraction "
+            "and --train-iters (phase 2 reads the windows phase 1 left)"
+        )
+    elif old.switch_sample != new.switch_sample:
+        problems.append(
+            f"{where} switched at sample {old.switch_sample:,}; this run would switch at "
+            f"sample {new.switch_sample:,}: give the checkpoint's --global-batch-size"
+        )
+    old_tst, new_tst = old.tst, new.tst
+    fields = ["bag_size", "mode", "bag_weighting"]
+    if iteration >= new.n1 and old_tst.windows_per_sample() == new_tst.windows_per_sample():
+        fields = []  # phase 1 is over and phase 2 reads the same windows
+    for field in fields:
+        was, now = getattr(old_tst, field), getattr(new_tst, field)
+        if was != now:
+            flag = "--tst-" + field.replace("_", "-")
+            problems.append(
+                f"{where} is part of a TST run with {flag} {was}; this run has {flag} {now}: "
+                f"resume with {flag} {was}"
+            )
+    return problems
+
+
+def _scheduler_plan(args) -> dict:
+    """The values Megatron-LM 0.19.2's ``get_optimizer_param_scheduler`` gives
+    ``OptimizerParamScheduler`` that its ``load_state_dict`` compares, by state-dict key."""
+    if args.train_iters:
+        decay = (args.lr_decay_iters or args.train_iters) * args.global_batch_size
+        wd_steps = args.train_iters * args.global_batch_size
+        warmup = args.lr_warmup_iters * args.global_batch_size
+    else:
+        decay = args.lr_decay_samples or args.train_samples
+        wd_steps, warmup = args.train_samples, args.lr_warmup_samples
+    if args.lr_warmup_fraction is not None:
+        warmup = args.lr_warmup_fraction * decay
+    return {
+        "max_lr": args.lr,
+        "min_lr": args.min_lr,
+        "lr_warmup_steps": warmup,
+        "lr_decay_steps": decay,
+        "lr_decay_style": args.lr_decay_style,
+        "start_wd": args.start_weight_decay,
+        "end_wd": args.end_weight_decay,
+        "wd_incr_steps": wd_steps,
+    }
+
+
+def scheduler_problems(args, saved_scheduler: Optional[dict], iteration: int) -> list[str]:
+    """The schedule values Megatron-LM's ``OptimizerParamScheduler.load_state_dict`` would
+    refuse on resuming the checkpoint of ``iteration``, as one line (empty: none, or
+    ``--override-opt-param-scheduler``, ``--use-checkpoint-opt_param-scheduler``,
+    ``--no-load-optim``)."""
+    if (
+        not saved_scheduler
+        or getattr(args, "override_opt_param_scheduler", False)
+        or getattr(args, "use_checkpoint_opt_param_scheduler", False)
+        or getattr(args, "no_load_optim", False)
+    ):
+        return []
+    differ = [
+        f"{key} {saved_scheduler[key]} -> {value}"
+        for key, value in _scheduler_plan(args).items()
+        if key in saved_scheduler and saved_scheduler[key] != value
+    ]
+    if not differ:
+        return []
+    return [
+        f"the checkpoint of iteration {iteration} has another learning-rate schedule "
+        f"({', '.join(differ)}; from --train-iters, --lr* or --*weight-decay): Megatron-LM "
+        "refuses the change; give the checkpoint's values, or --override-opt-param-scheduler "
+        "to take this run's (a new schedule from this iteration on)"
+    ]
+
+
+def resume_checks(args, plan) -> list[str]:
+    """The problems of resuming the checkpoint in ``--load`` under ``args`` and their ``plan``
+    (empty: none, or nothing to resume): TST's (:func:`resume_problems`), the model's
+    (:func:`architecture_problems`) and the LR schedule's (:func:`scheduler_problems`)."""
+    try:
+        found = checkpoint_to_resume(args)
+    except ConfigError as exc:
+        return [str(exc)]
+    if found is None:
+        return []
+    iteration, common = found
+    saved, problems = common.get("args"), []
+    if saved is not None:
+        problems = resume_problems(plan, saved, iteration) + architecture_problems(args, saved)
+    return problems + scheduler_problems(args, common.get("opt_param_scheduler"), iteration)
+
+
+ARCHITECTURE = (
+    "num_layers",
+    "hidden_size",
+    "ffn_hidden_size",
+    "num_attention_heads",
+    "group_query_attention",
+    "num_query_groups",
+    "kv_channels",
+    "num_experts",
+    "moe_ffn_hidden_size",
+    "moe_shared_expert_intermediate_size",
+    "swiglu",
+    "normalization",
+    "qk_layernorm",
+    "add_bias_linear",
+    "untie_embeddings_and_output_weights",
+    "position_embedding_type",
+    "multi_latent_attention",
+    "mtp_num_layers",
+)
+"""The flags whose change makes a checkpoint another model's. Megatron-LM's
+``check_checkpoint_args`` compares three of them, and only after the model is built."""
+
+
+def architecture_problems(args, saved) -> list[str]:
+    """One line naming each :data:`ARCHITECTURE` flag of ``args`` that differs from the
+    checkpoint's ``saved`` arguments (empty: none, or ``--use-checkpoint-args``)."""
+    if getattr(args, "use_checkpoint_args", False):
+        return []
+    changed = []
+    for name in ARCHITECTURE:
+        if not hasattr(saved, name):
+            continue
+        if name == "num_query_groups" and not getattr(args, "group_query_attention", False):
+            continue
+        was, now = getattr(saved, name), getattr(args, name, None)
+        if was != now:
+            changed.append(f"--{name.replace('_', '-')} {was} (this run: {now})")
+    if not changed:
+        return []
+    return [
+        f"the checkpoint in --load {args.load} is of another model: {', '.join(changed)}; give "
+        "the checkpoint's model flags (or --use-checkpoint-args)"
+    ]
+
+
+def problems(launch) -> list[str]:
+    """The resume rules of a :class:`~tst_megatron.training.checks.Launch`."""
+    return resume_checks(launch.args, launch.plan)

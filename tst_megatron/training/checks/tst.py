@@ -1,0 +1,58 @@
+"""TST rules: the ``--tst-*`` settings, and the Megatron-LM settings phase 1 cannot run with."""
+
+from __future__ import annotations
+
+
+def tst_problems(args, plan, *, config=None) -> list[str]:
+    """What TST cannot run (:func:`tst_setting_problems`), then with ``--fp8-format`` the GEMM
+    shapes Transformer Engine would refuse in the first step
+    (:func:`~tst_megatron.runtime.fp8.fp8_shape_problems` of ``config``, the model's
+    ``TransformerConfig``, which FP8 needs). ``args``: Megatron-LM's, after ``validate_args``;
+    ``plan``: its :class:`~tst_megatron.training.plan.RunPlan`."""
+    problems = tst_setting_problems(args, plan)
+    if not getattr(args, "fp8", None):
+        return problems
+    from tst_megatron.runtime.fp8 import fp8_shape_problems
+
+    return problems + fp8_shape_problems(
+        config, seq_length=args.seq_length, micro_batch_size=args.micro_batch_size
+    )
+
+
+def tst_setting_problems(args, plan) -> list[str]:
+    """The settings TST cannot run, one line each naming the flag."""
+    problems = plan.tst.validate(max(plan.n, 1))
+    if problems or plan.n1 == 0:
+        return problems
+    bags = "(--tst-bag-size > 1)"
+    for flag, on in (
+        ("--reset-position-ids", args.reset_position_ids),
+        ("--reset-attention-mask", args.reset_attention_mask),
+    ):
+        if on:
+            problems.append(
+                f"{flag} is not supported in TST phase 1 {bags}: bags are formed on the packed "
+                "token stream; drop the flag or set --tst-bag-size 1"
+            )
+    if getattr(args, "phase_transition_iterations", None):
+        problems.append(
+            f"--phase-transition-iterations is not supported with TST {bags}: it restarts "
+            "the sampler in each phase; TST switches in-process at N1"
+        )
+    if args.dataloader_type != "single":
+        problems.append(
+            f"--dataloader-type {args.dataloader_type} is not supported with TST {bags}: the "
+            "phase of a sample is read from its position in the 'single' sampler's order"
+        )
+    return problems
+
+
+def problems(launch) -> list[str]:
+    """The TST rules of a :class:`~tst_megatron.training.checks.Launch`."""
+    return tst_problems(launch.args, launch.plan, config=launch.config)
+
+
+def notes(launch) -> list[str]:
+    """The TST settings' notes (``TSTConfig.notes``: phase-1 flags without a bag size, a
+    phase 1 that fills the run)."""
+    return launch.plan.tst.notes(launch.plan.n)
