@@ -2,7 +2,7 @@
 (``examples/pretrain_gpt_tst.py``: Megatron-LM's ``pretrain()`` with TST): the local spec
 in bf16 through the switch, the Transformer Engine spec, FP8, distributed optimizer + alltoall
 dispatcher + grouped GEMM, the MCE against megatron-core's fused cross-entropy, the step-cost
-benchmark on CUDA, and an FP8 save/resume. Each check is a row of a Markdown table written to
+benchmark on CUDA, an FP8 save/resume and a distributed-optimizer save/resume through the switch. Each check is a row of a Markdown table written to
 ``docs/results/gpu_check.md``; without Transformer Engine (the lent H200 has none) the TE and
 FP8 rows say ``skipped: Transformer Engine not installed``.
 
@@ -116,8 +116,12 @@ def validate_all(world_size: int = 1) -> None:
     saved = os.environ.get("WORLD_SIZE")
     os.environ["WORLD_SIZE"] = str(world_size)
     try:
-        for name in [*RUNS, "FP8 save"]:
-            argv = save_argv("/tmp/ckpt") if name == "FP8 save" else argv_of(name)
+        saves = {
+            "FP8 save": save_argv("/tmp/ckpt"),
+            "distopt save": save_argv("/tmp/ckpt", DISTOPT, DISTOPT_RESUME_AT),
+        }
+        for name in [*RUNS, *saves]:
+            argv = saves[name] if name in saves else argv_of(name)
             problems = check(argv, dry_run=True).problems
             if problems:
                 raise ConfigError(f"{name}: " + "\n".join(problems))
@@ -128,17 +132,21 @@ def validate_all(world_size: int = 1) -> None:
             os.environ["WORLD_SIZE"] = saved
 
 
-def save_argv(ckpt: str) -> list:
-    """The FP8 (delayed) run saving a torch_dist checkpoint at :data:`RESUME_AT`."""
-    return argv_of("TE FP8 delayed") + [
-        "--save", ckpt, "--save-interval", str(RESUME_AT), "--ckpt-format", "torch_dist",
+#: The distributed-optimizer run (no TE needed) saved in phase 1 and resumed across the switch.
+DISTOPT, DISTOPT_RESUME_AT = "local distopt alltoall", N1 - 1
+
+
+def save_argv(ckpt: str, name: str = "TE FP8 delayed", at: int = RESUME_AT) -> list:
+    """Run ``name`` (default the FP8 (delayed) run) saving a torch_dist checkpoint at ``at``."""
+    return argv_of(name) + [
+        "--save", ckpt, "--save-interval", str(at), "--ckpt-format", "torch_dist",
     ]  # fmt: skip
 
 
-def resume_argv(ckpt: str) -> list:
-    """The FP8 (delayed) run resumed from :func:`save_argv`'s checkpoint at :data:`RESUME_AT`."""
-    return argv_of("TE FP8 delayed") + [
-        "--load", ckpt, "--ckpt-step", str(RESUME_AT), "--ckpt-format", "torch_dist",
+def resume_argv(ckpt: str, name: str = "TE FP8 delayed", at: int = RESUME_AT) -> list:
+    """Run ``name`` resumed from :func:`save_argv`'s checkpoint at ``at``."""
+    return argv_of(name) + [
+        "--load", ckpt, "--ckpt-step", str(at), "--ckpt-format", "torch_dist",
     ]  # fmt: skip
 
 
@@ -268,6 +276,28 @@ def check_fp8_resume(rows: list, log: str, uninterrupted: dict) -> None:
             f"max |loss resumed - uninterrupted| its {RESUME_AT + 2}-{N}: {max(diffs):.2e}; "
             f"saving run = plain FP8 run: {same_as_run}",
             "pass" if loss_ok else "FAIL",
+        )
+    )
+
+
+def check_distopt_resume(rows: list, log: str) -> None:
+    """The distributed optimizer (local spec, bf16, torch's AdamW without TE or Apex: the lent
+    H200's setting) saved at ``N1 - 1`` and resumed through the switch: megatron-core 0.19.2
+    cannot load that state by itself (``tst_megatron.upstream.distributed_optimizer_resume``)."""
+    at = DISTOPT_RESUME_AT
+    what = f"distributed optimizer: torch_dist save at {at} (phase 1), resume through the switch"
+    with tempfile.TemporaryDirectory() as ckpt:
+        first = _train(save_argv(ckpt, DISTOPT, at), log)["train"]
+        second = _train(resume_argv(ckpt, DISTOPT, at), log)["train"]
+    # from at + 2: Megatron-LM's first log line after a (re)start may average two steps
+    its = range(at + 2, N + 1)
+    diffs = [abs(second.get(i, math.nan) - first.get(i, math.nan)) for i in its]
+    ok = all(math.isfinite(d) for d in diffs) and max(diffs) <= 1e-3 * abs(first[N])
+    rows.append(
+        (
+            what,
+            f"max |loss resumed - uninterrupted| its {at + 2}-{N}: {max(diffs):.2e}",
+            "pass" if ok else "FAIL",
         )
     )
 
@@ -432,6 +462,7 @@ def main() -> int:
     start, rows, sections = time.time(), [], []
     results = check_training(rows, args.log)
     check_fp8_resume(rows, args.log, results)
+    check_distopt_resume(rows, args.log)
     check_memory_history(rows, args.log)
     check_mce_vs_fused_ce(rows)
     check_step_cost(rows, sections, args.log)

@@ -88,10 +88,25 @@ def cluster(tmp_path_factory):
     slurm.stop()
 
 
-def submit(cluster: LocalSlurm, workdir: Path, name: str) -> tuple[subprocess.Popen, str]:
-    """``sbatch --wait`` the template as job ``name`` from ``workdir``; returns (sbatch, job id)."""
+#: The template's settings per variant: as it is, and with megatron-core's distributed optimizer
+#: (every published MoE recipe's setting; its resume is megatron-core's ``dp_reshardable``
+#: checkpoint, mended by ``tst_megatron.upstream.distributed_optimizer_resume``).
+VARIANTS = {
+    "plain": {},
+    "distopt": {
+        "EXTRA_ARGS": TINY["EXTRA_ARGS"]
+        + " --use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather"
+    },
+}
+
+
+def submit(
+    cluster: LocalSlurm, workdir: Path, name: str, variant: str = "plain"
+) -> tuple[subprocess.Popen, str]:
+    """``sbatch --wait`` the template as job ``name`` from ``workdir`` with the settings of
+    ``variant`` (:data:`VARIANTS`); returns (sbatch, job id)."""
     (workdir / "logs").mkdir(parents=True, exist_ok=True)
-    env = cluster.env(**TINY, RUNS_DIR=str(workdir / "runs"))
+    env = cluster.env(**{**TINY, **VARIANTS[variant]}, RUNS_DIR=str(workdir / "runs"))
     proc = subprocess.Popen(
         ["sbatch", "--parsable", "--wait", f"--job-name={name}", *CPU_RESOURCES, str(TEMPLATE)],
         cwd=workdir,
@@ -140,18 +155,18 @@ def iterations(log: str) -> dict:
     return seen
 
 
-@pytest.fixture(scope="module")
-def uninterrupted(cluster, tmp_path_factory):
+@pytest.fixture(scope="module", params=sorted(VARIANTS))
+def uninterrupted(cluster, tmp_path_factory, request):
     workdir = tmp_path_factory.mktemp("uninterrupted")
     start = time.monotonic()
-    proc, job_id = submit(cluster, workdir, "tst-a")
+    proc, job_id = submit(cluster, workdir, "tst-a", request.param)
     text = finish(cluster, proc, job_id, workdir / "logs" / f"tst-a-{job_id}.out")
-    return workdir, job_id, text, time.monotonic() - start
+    return workdir, job_id, text, time.monotonic() - start, request.param
 
 
 def test_tst_run_through_the_switch(cluster, uninterrupted):
-    workdir, job_id, text, seconds = uninterrupted
-    print(f"uninterrupted job: {seconds:.1f} s")
+    workdir, job_id, text, seconds, variant = uninterrupted
+    print(f"uninterrupted job ({variant}): {seconds:.1f} s")
     # both srun tasks joined one world (Slurm's variables exported under torchrun's names)
     assert "using world size: 2, data-parallel size: 2," in text
     steps = iterations(text)
@@ -172,10 +187,10 @@ def test_tst_run_through_the_switch(cluster, uninterrupted):
 
 
 def test_preempted_job_requeues_and_matches_uninterrupted_run(cluster, uninterrupted, tmp_path):
-    _, _, reference_text, _ = uninterrupted
+    _, _, reference_text, _, variant = uninterrupted
     reference = iterations(reference_text)
     start = time.monotonic()
-    proc, job_id = submit(cluster, tmp_path, "tst-b")
+    proc, job_id = submit(cluster, tmp_path, "tst-b", variant)
     log = tmp_path / "logs" / f"tst-b-{job_id}.out"
     deadline = time.monotonic() + 180  # the preemption notice, once training is under way
     while not (log.exists() and re.search(r"^ \[[^\]]*\] iteration\s+2/", log.read_text(), re.M)):

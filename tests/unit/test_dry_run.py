@@ -317,6 +317,12 @@ def test_the_parameter_count_is_megatron_lm_s_and_follows_the_flags():
             "shared experts have no biases; add --disable-bias-linear",
         ),
         (["--profile"], "cpu", "1", "--profile starts CUDA's profiler"),
+        (
+            ["--use-distributed-optimizer", "--dist-ckpt-optim-fully-reshardable"],
+            "cpu",
+            "1",
+            "--dist-ckpt-optim-fully-reshardable needs CUDA",
+        ),
         (["--wandb-project", "p"], "auto", "1", "--wandb-project needs --wandb-exp-name"),
     ],
 )

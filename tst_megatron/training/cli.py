@@ -21,7 +21,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     """Check ``argv`` (default ``sys.argv[1:]``), then run Megatron-LM's ``pretrain()`` with
     TST's model provider, datasets provider and forward step, which share the run plan the
     checks built (and, with MTP, the optimizer hook
-    :class:`~tst_megatron.training.switch.FreshAdamForMTP`).
+    :class:`~tst_megatron.training.switch.FreshAdamForMTP`), with megatron-core's
+    distributed-optimizer resume mended (:func:`tst_megatron.upstream.distributed_optimizer_resume`).
 
     Raises:
         SystemExit: 2 on every rank after one ``error:`` line per problem from rank 0 (any
@@ -31,6 +32,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     from megatron.core.enums import ModelType
     from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+    from tst_megatron import upstream
     from tst_megatron.data.gpt_datasets import use_prebuilt_dataset_helpers
     from tst_megatron.training.datasets import TSTDatasets
     from tst_megatron.training.forward import TSTForwardStep
@@ -69,13 +71,14 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         provider = fresh.watch(model_provider)
         hook = register_optimizer_step_pre_hook(fresh)
     try:
-        pretrain(
-            cfg,
-            TSTDatasets(plan),
-            ModelType.encoder_or_decoder,
-            TSTForwardStep(plan),
-            model_provider=provider,
-        )
+        with upstream.distributed_optimizer_resume():
+            pretrain(
+                cfg,
+                TSTDatasets(plan),
+                ModelType.encoder_or_decoder,
+                TSTForwardStep(plan),
+                model_provider=provider,
+            )
     except ConfigError as exc:  # found inside: the datasets provider's data checks
         _exit_on(exc)
     finally:

@@ -76,8 +76,15 @@ def without_te_problems(
 def cpu_problems(args) -> list[str]:
     """Settings a CPU run cannot do, megatron-core 0.19 needing CUDA for them, one line each:
     ``--bf16``/``--fp16``, ``--log-memory-to-tensorboard``, ``--record-memory-history``,
-    ``--profile`` (CUDA's profiler), PP > 1 with tied embeddings or ``--mtp-num-layers``."""
+    ``--profile`` (CUDA's profiler), PP > 1 with tied embeddings or ``--mtp-num-layers``, the
+    distributed optimizer's ``fully_reshardable`` checkpoints."""
     problems = []
+    if args.use_distributed_optimizer and getattr(args, "dist_ckpt_optim_fully_reshardable", False):
+        problems.append(
+            "--dist-ckpt-optim-fully-reshardable needs CUDA (megatron-core 0.19's distributed "
+            "optimizer gathers that checkpoint's state with .cuda()); drop it for a CPU run "
+            "(the default dp_reshardable checkpoints resume, also into another DP size)"
+        )
     if args.profile and not args.use_pytorch_profiler:
         problems.append(
             "--profile starts CUDA's profiler (nsys); drop it for a CPU run (PyTorch's, "
