@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 
 import pytest
 
@@ -40,7 +41,7 @@ def switch_validation_samples(args):
 
 
 def resume_problems(args, saved, iteration):
-    return resume.resume_problems(run_plan(args), saved, iteration)
+    return resume.resume_problems(args, run_plan(args), saved, iteration)
 
 
 def _parse(argv):
@@ -429,3 +430,76 @@ def test_the_help_of_each_refused_megatron_lm_flag_says_so():
     assert "--lr" not in marked and "--tst-bag-size" not in marked
     assert len(marked) == 15, marked  # 12 data flags, 3 pretrain_gpt.py features
     assert "Refused by this launcher" in parser.format_help()
+
+
+def test_a_resume_that_would_draw_phase_1_s_blocks_again_is_refused_and_new_data_noted():
+    """What the sample orders depend on (``checks.resume.ORDER_FLAGS_*``): another seed,
+    sequence length or tokenizer draws other phase-1 blocks, so phase 2 would read text phase
+    1 trained on: refused before and after the switch (N1 = 30), naming both values. Other
+    data is noted (a curriculum may mean it). Unchanged: nothing."""
+    saved = dict(vars(_resume_args()), seed=1234, data_path=["a"], split="99,1,0", vocab_size=128)
+    saved = argparse.Namespace(**saved)
+    plan = run_plan(saved)
+    for at in (10, 30, 50):
+        assert resume.resume_problems(saved, plan, saved, at) == []
+        assert resume.order_notes(saved, plan, saved, at) == []
+        for name, value, flag in (
+            ("seed", 99, "--seed 1234"),
+            ("seq_length", 64, "--seq-length 32"),
+            ("vocab_size", 512, "--vocab-size"),
+        ):
+            args = argparse.Namespace(**{**vars(saved), name: value})
+            (line,) = resume.resume_problems(args, run_plan(args), saved, at)
+            assert f"iteration {at}" in line and f"resume with {flag}" in line, line
+            assert f"this run has {flag.split()[0]} {value}" in line, line
+        for name, value in (("data_path", ["b"]), ("split", "98,2,0")):
+            args = argparse.Namespace(**{**vars(saved), name: value})
+            assert resume.resume_problems(args, run_plan(args), saved, at) == []
+            (note,) = resume.order_notes(args, run_plan(args), saved, at)
+            assert f"--{name.replace('_', '-')}" in note and "other data" in note, note
+    # not resumed, or a plain (non-TST) checkpoint: nothing
+    other = argparse.Namespace(**{**vars(saved), "seed": 99})
+    assert resume.resume_problems(other, run_plan(other), saved, 0) == []
+    plain = argparse.Namespace(**{k: v for k, v in vars(saved).items() if not k.startswith("tst_")})
+    assert resume.resume_problems(other, run_plan(other), plain, 50) == []
+
+
+def test_another_seed_after_the_switch_is_refused_and_phase_1_only_advice_runs(
+    run_launcher, tmp_path
+):
+    """Random-token data (mock data), S = 2, N1 = 3: a checkpoint after the switch (4) resumed
+    with another --seed stops before any work in one line. A run whose phase 1 fills all its
+    iterations notes how to continue it; following the note to the letter trains phase 2."""
+    save = str(tmp_path / "ckpt")
+    argv = [
+        "--device", "cpu", "--mock-data", "--tokenizer-type", "NullTokenizer",
+        "--vocab-size", "128", "--num-layers", "1", "--hidden-size", "32",
+        "--num-attention-heads", "4", "--seq-length", "16", "--max-position-embeddings", "16",
+        "--micro-batch-size", "2", "--global-batch-size", "2", "--train-iters", "6",
+        "--lr", "1e-3", "--eval-interval", "6", "--eval-iters", "1", "--num-workers", "0",
+        "--tst-bag-size", "2", "--tst-phase1-iters", "3", "--seed", "1234",
+        "--save", save, "--load", save, "--save-interval", "4", "--exit-interval", "4",
+        "--ckpt-format", "torch_dist",
+    ]  # fmt: skip
+    first = run_launcher(*argv)
+    assert first.returncode == 0, first.stderr[-3000:]
+    again = run_launcher(*megatron_lm_with(argv, "--seed", "99"))
+    errors = [line for line in again.stderr.splitlines() if line.startswith("error:")]
+    assert again.returncode == 2, again.stderr[-3000:]
+    assert len(errors) == 1 and "--seed 1234" in errors[0] and "--seed 99" in errors[0], errors
+    assert "Traceback" not in again.stderr and "building GPT model" not in again.stdout
+
+    short = str(tmp_path / "short")
+    only1 = megatron_lm_with(megatron_lm_with(argv, "--save", short), "--load", short)
+    only1 = megatron_lm_with(megatron_lm_with(only1, "--train-iters", "3"), "--save-interval", "3")
+    only1 = megatron_lm_with(only1, "--exit-interval", "3")
+    done = run_launcher(*only1)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (note,) = [line for line in done.stdout.splitlines() if "phase 1 fills all 3" in line]
+    assert "--override-opt-param-scheduler" in note and "larger --train-iters" in note
+    longer = megatron_lm_with(only1, "--train-iters", "6") + ["--override-opt-param-scheduler"]
+    cont = run_launcher(*megatron_lm_with(longer, "--exit-interval", "6"))
+    assert cont.returncode == 0, cont.stderr[-3000:]
+    assert "TST: phase 2 (next-token) from iteration 3 (switch at 3)" in cont.stdout
+    # the launcher's raw-token line: iteration 6 read T = 16 tokens a sample, phase 2's
+    assert re.search(r"TST: iteration\s+6 \| raw tokens per sample: 16 \|", cont.stdout)

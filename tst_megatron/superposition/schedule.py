@@ -87,7 +87,9 @@ class TSTConfig:
         if self.bag_size > 1 and self.phase1_steps(train_iters) >= train_iters > 0:
             return [
                 f"phase 1 fills all {train_iters} iterations: this run trains no next-token "
-                "step (continue it with a larger --train-iters and the same --tst-phase1-iters)"
+                "step (continue it from its last checkpoint with a larger --train-iters, the "
+                "same --tst-phase1-iters and --override-opt-param-scheduler: the learning-rate "
+                "schedule becomes the longer run's, from the checkpoint's iteration on)"
             ]
         return []
 

@@ -66,7 +66,7 @@ RULES = (
 LAST_RULES = (data.file_problems, resume.problems)
 
 #: What the user should know before the run starts (``note:`` lines).
-NOTES = (tst.notes, model.notes, hardware.notes)
+NOTES = (tst.notes, model.notes, hardware.notes, resume.notes)
 
 
 def argv_problems(argv: Sequence[str]) -> list[str]:

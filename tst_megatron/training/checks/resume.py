@@ -52,20 +52,54 @@ def checkpoint_to_resume(args) -> Optional[tuple[int, dict]]:
         return iteration, dist_checkpointing.load_common_state_dict(path)
 
 
-def resume_problems(plan, saved, iteration: int) -> list[str]:
+#: The launch flags TST's sample orders (:class:`tst_megatron.data.stream.TrainStream`) depend
+#: on besides N1, the switch sample and the windows per phase-1 sample, which
+#: :func:`resume_problems` compares itself: the inputs of the orders' cache description
+#: (:func:`tst_megatron.data.stream.describe`), which are the stream's seed and each part's
+#: megatron-core dataset description (random seed, sequence length, tokenizer, blend, split).
+#: Changed on a resume, the first kind make phase 1's blocks others than those it read, so
+#: phase 2 would read text phase 1 trained on (refused); the second is new data (noted).
+ORDER_FLAGS_REFUSED = ("seed", "seq_length", "tokenizer_type", "vocab_size")
+ORDER_FLAGS_NOTED = ("data_path", "data_args_path", "split", "mock_data")
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _changed(args, saved, names) -> list[tuple[str, object, object]]:
+    """``[(flag, checkpoint's value, this run's value)]`` of ``names`` that differ."""
+    return [
+        (_flag(name), getattr(saved, name), getattr(args, name, None))
+        for name in names
+        if hasattr(saved, name) and getattr(saved, name) != getattr(args, name, None)
+    ]
+
+
+def _tst_resumed(saved, iteration: int, plan) -> bool:
+    """The checkpoint is of a TST run with a phase 1 (old or new), past iteration 0."""
+    return iteration > 0 and hasattr(saved, "tst_bag_size") and (run_plan(saved).n1 or plan.n1)
+
+
+def resume_problems(args, plan, saved, iteration: int) -> list[str]:
     """Why resuming the checkpoint of ``iteration`` (written with arguments ``saved``) under
-    this run's ``plan`` (a :class:`~tst_megatron.training.plan.RunPlan`) would not continue its
-    TST run, one line per flag (empty: none, or ``saved`` has no ``--tst-*``). ``N1``, the
-    switch sample and the windows per phase-1 sample must match (phase 2's order depends on
-    them); before the switch the phase-1 loss flags too.
+    ``args`` and their ``plan`` (a :class:`~tst_megatron.training.plan.RunPlan`) would not
+    continue its TST run, one line per flag (empty: none, or ``saved`` has no ``--tst-*``).
+    ``N1``, the switch sample, the windows per phase-1 sample and
+    :data:`ORDER_FLAGS_REFUSED` must match (phase 2 reads the windows phase 1 left, once);
+    before the switch the phase-1 loss flags too.
     """
-    if iteration <= 0 or not hasattr(saved, "tst_bag_size"):
+    if not _tst_resumed(saved, iteration, plan):
         return []
     old, new = run_plan(saved), plan
-    if old.n1 == 0 and new.n1 == 0:
-        return []
     problems = []
     where = f"the checkpoint of iteration {iteration}"
+    for flag, was, now in _changed(args, saved, ORDER_FLAGS_REFUSED):
+        problems.append(
+            f"{where} is part of a TST run with {flag} {was}; this run has {flag} {now}: "
+            f"resume with {flag} {was} (with another, phase 1's blocks are drawn again and "
+            "phase 2 would read text phase 1 already trained on)"
+        )
     if old.n1 != new.n1:
         problems.append(
             f"{where} was written by a run switching at N1 = {old.n1}; this run switches at "
@@ -90,6 +124,23 @@ def resume_problems(plan, saved, iteration: int) -> list[str]:
                 f"resume with {flag} {was}"
             )
     return problems
+
+
+def order_notes(args, plan, saved, iteration: int) -> list[str]:
+    """What phase 2 reads when a resume changes the data (:data:`ORDER_FLAGS_NOTED`), one
+    line: a curriculum may mean it."""
+    if not _tst_resumed(saved, iteration, plan):
+        return []
+    changed = _changed(args, saved, ORDER_FLAGS_NOTED)
+    if not changed:
+        return []
+    what = ", ".join(f"{flag} {was} -> {now}" for flag, was, now in changed)
+    return [
+        f"the checkpoint of iteration {iteration} was trained on other data ({what}): the "
+        "sample orders are drawn again for this data, so phase 1 (if not over) and phase 2 "
+        "read this data's windows, leaving out the blocks phase 1 would have read of it in "
+        "the first N1 steps, not the text phase 1 read of the checkpoint's data"
+    ]
 
 
 def _scheduler_plan(args) -> dict:
@@ -156,7 +207,8 @@ def resume_checks(args, plan) -> list[str]:
     iteration, common = found
     saved, problems = common.get("args"), []
     if saved is not None:
-        problems = resume_problems(plan, saved, iteration) + architecture_problems(args, saved)
+        problems = resume_problems(args, plan, saved, iteration)
+        problems += architecture_problems(args, saved)
     return problems + scheduler_problems(args, common.get("opt_param_scheduler"), iteration)
 
 
@@ -209,3 +261,14 @@ def architecture_problems(args, saved) -> list[str]:
 def problems(launch) -> list[str]:
     """The resume rules of a :class:`~tst_megatron.training.checks.Launch`."""
     return resume_checks(launch.args, launch.plan)
+
+
+def notes(launch) -> list[str]:
+    """The resume's notes (:func:`order_notes`), when a checkpoint would be resumed."""
+    try:
+        found = checkpoint_to_resume(launch.args)
+    except ConfigError:  # reported by problems()
+        return []
+    if found is None or found[1].get("args") is None:
+        return []
+    return order_notes(launch.args, launch.plan, found[1]["args"], found[0])
