@@ -1,15 +1,97 @@
-"""Workarounds for megatron-core / Megatron-LM 0.19.2 that are not CUDA assumptions (those are
-:mod:`tst_megatron.runtime.cpu`'s). Each names the release it is for, the symptom and the
-upstream state, and has a test that fails once upstream fixes it
-(``tests/distributed/test_distributed_optimizer_resume.py``).
+"""Every workaround for megatron-core / Megatron-LM 0.19.2, listed at one address
+(:data:`WORKAROUNDS`: where it lives, the symptom, the test that shows it), and the ones that
+live here: :func:`distributed_optimizer_resume`. The redirections of megatron-core's CUDA
+assumptions on a CPU are :mod:`tst_megatron.runtime.cpu`'s (one entry below).
+
+On a megatron-core upgrade, run each entry's test; where upstream fixed the symptom, delete
+the workaround and its entry.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from typing import Iterator
 
 import torch
+
+#: The megatron-core release every workaround below was written for and tested with.
+RELEASE = "megatron-core 0.19.2"
+
+
+@dataclasses.dataclass(frozen=True)
+class Workaround:
+    """One workaround: ``where`` (a dotted path to it), the ``symptom`` in 0.19.2 without it,
+    and ``test`` (a test file that fails without it)."""
+
+    where: str
+    symptom: str
+    test: str
+
+
+WORKAROUNDS = (
+    Workaround(
+        "tst_megatron.upstream.distributed_optimizer_resume",
+        "a --use-distributed-optimizer run without Apex/TE cannot resume (AssertionError), "
+        "with fp32 parameters cannot load (in-place copy into a grad-requiring view), and "
+        "resumed with the wrong Adam step",
+        "tests/distributed/test_distributed_optimizer_resume.py",
+    ),
+    Workaround(
+        "tst_megatron.data.index_cache._MaskCacheFilled",
+        "GPTDataset caches the first sample's loss mask with its pad labels zeroed: every "
+        "later sample loses those positions",
+        "tests/unit/test_pad_token.py",
+    ),
+    Workaround(
+        "tst_megatron.data.index_cache._AtomicIndexCache",
+        "a dataset index cache written by a killed job is read back half-written",
+        "tests/distributed/test_data_caches.py",
+    ),
+    Workaround(
+        "tst_megatron.data.gpt_datasets.use_prebuilt_dataset_helpers",
+        "initialize_megatron runs make in the wheel's datasets folder, which has no Makefile",
+        "tests/distributed/test_megatron_lm_loop.py",
+    ),
+    Workaround(
+        "tst_megatron.training.model.ExpertRowParallelLinear",
+        "at expert TP = EP = 1 the expert bias is added in place to a view (autograd error)",
+        "tests/distributed/test_megatron_lm_moe.py",
+    ),
+    Workaround(
+        "tst_megatron.training.model.tag_expert_grad_reduction",
+        "the experts' fc2 bias is tagged sequence_parallel: its gradient is summed over TP "
+        "on top of expert DP",
+        "tests/distributed/test_megatron_lm_moe.py",
+    ),
+    Workaround(
+        "tst_megatron.training.gpt._ScoredRowsOnly",
+        "the CE backward (softmax - onehot) * g gives nan * 0 = nan at masked positions with "
+        "non-finite logits",
+        "tests/distributed/test_gpt_seam.py",
+    ),
+    Workaround(
+        "tst_megatron.training.flags._fix_help",
+        "--help raises ValueError on an unescaped % in one Megatron-LM help text",
+        "tests/unit/test_megatron_lm_args.py",
+    ),
+    Workaround(
+        "tst_megatron.training.checks.resume.checkpoint_to_resume",
+        "Megatron-LM's read_metadata exits with status 0 on a malformed tracker file",
+        "tests/unit/test_megatron_lm_args.py",
+    ),
+    Workaround(
+        "tst_megatron.runtime.cpu.fork_checkpoint_results_queue",
+        "on a CPU the first torch_dist save spawns a process that re-imports torch (about 8 s)",
+        "tests/distributed/test_megatron_lm_loop.py",
+    ),
+    Workaround(
+        "tst_megatron.runtime.cpu.enable",
+        "megatron-core's CUDA assumptions on a CPU (devices, streams, RNG, type checks, "
+        "te_general_gemm undefined without TE): docs/design.md, 'megatron-core on the CPU'",
+        "tests/unit/test_runtime.py",
+    ),
+)
 
 
 def fill_empty_adam_state(optimizer: torch.optim.Optimizer) -> int:
