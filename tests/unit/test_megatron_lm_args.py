@@ -457,6 +457,18 @@ def test_a_resume_that_would_draw_phase_1_s_blocks_again_is_refused_and_new_data
             assert resume.resume_problems(args, run_plan(args), saved, at) == []
             (note,) = resume.order_notes(args, run_plan(args), saved, at)
             assert f"--{name.replace('_', '-')}" in note and "other data" in note, note
+    # a blend draws from each dataset in proportion to the run's length: another length redraws
+    # phase 1's blocks (refused); one dataset, or the same length, is fine
+    blend = argparse.Namespace(**{**vars(saved), "data_path": ["0.5", "a", "0.5", "b"]})
+    blend.data_args_path, blend.mock_data = None, False
+    for at in (10, 50):
+        longer = argparse.Namespace(**{**vars(blend), "train_iters": 200})
+        (line,) = resume.resume_problems(longer, run_plan(longer), blend, at)
+        assert "blend of datasets" in line and "800 samples" in line and "1,600" in line, line
+        assert resume.resume_problems(blend, run_plan(blend), blend, at) == []
+        one = argparse.Namespace(**{**vars(longer), "data_path": ["a"]})
+        saved_one = argparse.Namespace(**{**vars(blend), "data_path": ["a"]})
+        assert resume.resume_problems(one, run_plan(one), saved_one, at) == []
     # not resumed, or a plain (non-TST) checkpoint: nothing
     other = argparse.Namespace(**{**vars(saved), "seed": 99})
     assert resume.resume_problems(other, run_plan(other), saved, 0) == []

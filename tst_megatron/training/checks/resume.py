@@ -63,6 +63,22 @@ ORDER_FLAGS_REFUSED = ("seed", "seq_length", "tokenizer_type", "vocab_size")
 ORDER_FLAGS_NOTED = ("data_path", "data_args_path", "split", "mock_data")
 
 
+def _blended(args) -> bool:
+    """``--data-path`` (or the ``--data-args-path`` file) names more than one dataset."""
+    from tst_megatron.data.gpt_datasets import data_prefixes
+
+    words = getattr(args, "data_path", None) or []
+    if getattr(args, "data_args_path", None):
+        try:
+            with open(args.data_args_path) as f:
+                words = f.read().split()
+        except OSError:  # the data rules' line
+            return False
+    if getattr(args, "mock_data", False) or not words:
+        return False
+    return len(data_prefixes(" ".join(words))) > 1
+
+
 def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
@@ -99,6 +115,14 @@ def resume_problems(args, plan, saved, iteration: int) -> list[str]:
             f"{where} is part of a TST run with {flag} {was}; this run has {flag} {now}: "
             f"resume with {flag} {was} (with another, phase 1's blocks are drawn again and "
             "phase 2 would read text phase 1 already trained on)"
+        )
+    if old.total_samples != new.total_samples and _blended(args) and _blended(saved):
+        problems.append(
+            f"{where} is part of a TST run of {old.total_samples:,} samples on a blend of "
+            f"datasets; this run has {new.total_samples:,} (--train-iters / --train-samples): "
+            "a blend draws from each dataset in proportion to the run's length, so phase 1's "
+            "blocks would be drawn again and phase 2 would read text phase 1 already trained "
+            "on; resume with the checkpoint's length"
         )
     if old.n1 != new.n1:
         problems.append(
