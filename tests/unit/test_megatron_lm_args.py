@@ -353,21 +353,27 @@ def test_a_resume_with_another_model_is_refused_unless_the_checkpoint_args_are_u
     assert architecture_problems(args, saved) == []
 
 
+#: A tiny TST launch on mock data (S = 2, N1 = 3 of 6) saving torch_dist checkpoints: the
+#: real-launch resume tests add their --save/--load and intervals.
+_TINY_RESUME = [
+    "--device", "cpu", "--mock-data", "--tokenizer-type", "NullTokenizer",
+    "--vocab-size", "128", "--num-layers", "1", "--hidden-size", "32",
+    "--num-attention-heads", "4", "--seq-length", "16", "--max-position-embeddings", "16",
+    "--micro-batch-size", "2", "--global-batch-size", "2", "--train-iters", "6",
+    "--lr", "1e-3", "--eval-interval", "6", "--eval-iters", "1", "--num-workers", "0",
+    "--tst-bag-size", "2", "--tst-phase1-iters", "3", "--ckpt-format", "torch_dist",
+]  # fmt: skip
+
+
 @pytest.mark.slow
 def test_a_resume_with_another_bag_size_or_train_iters_stops_with_one_line(run_launcher, tmp_path):
     """The launcher reads the checkpoint's recorded ``args`` and learning-rate schedule and
     refuses before any work (Megatron-LM's own resume checks know no ``--tst-*`` flag; its
     scheduler's assertion comes after the model is built)."""
     save = str(tmp_path / "ckpt")
-    argv = [
-        "--device", "cpu", "--mock-data", "--tokenizer-type", "NullTokenizer",
-        "--vocab-size", "128", "--num-layers", "1", "--hidden-size", "32",
-        "--num-attention-heads", "4", "--seq-length", "16", "--max-position-embeddings", "16",
-        "--micro-batch-size", "2", "--global-batch-size", "2", "--train-iters", "6",
-        "--lr", "1e-3", "--eval-interval", "6", "--eval-iters", "1", "--num-workers", "0",
-        "--tst-bag-size", "2", "--tst-phase1-iters", "3", "--no-tst-save-at-switch",
-        "--save", save, "--load", save, "--save-interval", "1", "--exit-interval", "1",
-        "--ckpt-format", "torch_dist",
+    argv = _TINY_RESUME + [
+        "--no-tst-save-at-switch", "--save", save, "--load", save,
+        "--save-interval", "1", "--exit-interval", "1",
     ]  # fmt: skip
     first = run_launcher(*argv)
     assert first.returncode == 0, first.stderr[-3000:]
@@ -483,15 +489,9 @@ def test_another_seed_after_the_switch_is_refused_and_phase_1_only_advice_runs(
     with another --seed stops before any work in one line. A run whose phase 1 fills all its
     iterations notes how to continue it; following the note to the letter trains phase 2."""
     save = str(tmp_path / "ckpt")
-    argv = [
-        "--device", "cpu", "--mock-data", "--tokenizer-type", "NullTokenizer",
-        "--vocab-size", "128", "--num-layers", "1", "--hidden-size", "32",
-        "--num-attention-heads", "4", "--seq-length", "16", "--max-position-embeddings", "16",
-        "--micro-batch-size", "2", "--global-batch-size", "2", "--train-iters", "6",
-        "--lr", "1e-3", "--eval-interval", "6", "--eval-iters", "1", "--num-workers", "0",
-        "--tst-bag-size", "2", "--tst-phase1-iters", "3", "--seed", "1234",
-        "--save", save, "--load", save, "--save-interval", "4", "--exit-interval", "4",
-        "--ckpt-format", "torch_dist",
+    argv = _TINY_RESUME + [
+        "--seed", "1234", "--save", save, "--load", save,
+        "--save-interval", "4", "--exit-interval", "4",
     ]  # fmt: skip
     first = run_launcher(*argv)
     assert first.returncode == 0, first.stderr[-3000:]
