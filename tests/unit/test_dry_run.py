@@ -318,6 +318,12 @@ def test_the_parameter_count_is_megatron_lm_s_and_follows_the_flags():
         ),
         (["--profile"], "cpu", "1", "--profile starts CUDA's profiler"),
         (
+            ["--use-distributed-optimizer", "--ckpt-format", "torch"],
+            "cpu",
+            "1",
+            "--use-distributed-optimizer with --ckpt-format torch cannot resume",
+        ),
+        (
             ["--use-distributed-optimizer", "--dist-ckpt-optim-fully-reshardable"],
             "cpu",
             "1",

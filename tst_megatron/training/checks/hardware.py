@@ -48,6 +48,13 @@ def without_te_problems(
             "--moe-grouped-gemm on the local spec needs the grouped_gemm package, which this "
             "run lacks: drop it, or use --transformer-impl transformer_engine"
         )
+    if not (te or apex) and args.use_distributed_optimizer and args.ckpt_format == "torch":
+        problems.append(
+            "--use-distributed-optimizer with --ckpt-format torch cannot resume without "
+            "Transformer Engine or Apex (megatron-core 0.19's load of that optimizer state "
+            "raises KeyError: 'step' with torch's AdamW): use --ckpt-format torch_dist "
+            "(Megatron-LM's default)"
+        )
     if not te and args.context_parallel_size > 1:
         problems.append(
             "--context-parallel-size > 1 needs Transformer Engine (megatron-core's "
