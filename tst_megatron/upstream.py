@@ -130,7 +130,7 @@ def set_adam_step(optimizer: torch.optim.Optimizer, step: float) -> None:
 @contextlib.contextmanager
 def distributed_optimizer_resume() -> Iterator[None]:
     """While active, a ``--use-distributed-optimizer`` run can load its optimizer state where
-    megatron-core 0.19.2 cannot (Megatron-LM main of 2026-08 is unchanged in both places):
+    megatron-core 0.19.2 cannot (Megatron-LM main of 2026-08 has all three bugs):
 
     1. Without Apex or Transformer Engine (a CPU run, or a GPU without them),
        ``DistributedOptimizer.state_dict`` reads Adam's step from torch AdamW's per-parameter
@@ -158,8 +158,11 @@ def distributed_optimizer_resume() -> Iterator[None]:
        Here each parameter's ``step`` is set to the checkpoint's after the load, a tensor of
        its own (:func:`set_adam_step`).
 
-    Both are class attributes of megatron-core's ``DistributedOptimizer``, replaced for the
-    duration of the context (the launcher's ``pretrain()`` call) and restored after.
+    ``sharded_state_dict`` and ``load_state_dict`` are class attributes of megatron-core's
+    ``DistributedOptimizer``, replaced for the duration of the context (the launcher's
+    ``pretrain()`` call) and restored after. (The legacy ``--ckpt-format torch`` has a fourth
+    bug, ``KeyError: 'step'`` in ``load_parameter_state_from_dp_zero``: refused before work
+    instead, ``checks.hardware.without_te_problems``.)
     """
     from megatron.core.optimizer import distrib_optimizer
 
