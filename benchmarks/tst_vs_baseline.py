@@ -1564,6 +1564,8 @@ def parse(argv=None):
         args.lrs = args.lrs or str(recipe.lr)
         args.train_iters = args.train_iters or recipe.train_iters
         args.nproc_per_node = args.nproc_per_node or recipe.gpus_per_node
+    if args.corpus != "code" and (not args.horizons or args.smoke or args.data_path):
+        p.error("--corpus prose builds the --horizons corpus: not with --smoke or --data-path")
     if args.nnodes > 1 and (args.master_port is None or args.master_addr == "127.0.0.1"):
         p.error("--nnodes > 1 needs --master-addr and --master-port (the same on every node)")
     args.model = args.model or ("dense" if args.horizons else "moe")

@@ -69,8 +69,8 @@ def parameter_lines(args) -> list[str]:
 
 
 def _batch_lines(args, plan, dp: int) -> list[str]:
-    """The batch, or the batch-size schedule step by step as far as the run reaches it
-    (``plan.global_batches``, from Megatron-LM's calculator)."""
+    """The batch, or the batch-size schedule step by step (``plan.global_batches``, from
+    Megatron-LM's calculator)."""
 
     per_micro = args.micro_batch_size * dp
     if not getattr(args, "step_batch_size_schedule", None):

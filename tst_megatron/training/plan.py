@@ -78,9 +78,9 @@ class RunPlan:
         switch_sample: training samples consumed by the first ``N1`` steps (Megatron-LM's
             ``consumed_train_samples`` at the switch).
         total_samples: training samples consumed by all ``N`` steps.
-        global_batches: ``((first sample, global batch), ...)`` the run's training steps reach
-            (empty when it trains none): one entry for a constant ``--global-batch-size``, the
-            steps of ``--step-batch-size-schedule`` otherwise.
+        global_batches: ``((first sample, global batch), ...)``: one entry for a constant
+            ``--global-batch-size``, the steps of ``--step-batch-size-schedule`` otherwise
+            (:attr:`reached_batches`: those the run's training steps reach).
     """
 
     tst: TSTConfig
@@ -88,6 +88,12 @@ class RunPlan:
     switch_sample: int
     total_samples: int
     global_batches: tuple
+
+    @property
+    def reached_batches(self) -> tuple:
+        """The entries of :attr:`global_batches` the run's training steps reach (none when
+        it trains none)."""
+        return tuple(entry for entry in self.global_batches if entry[0] < self.total_samples)
 
     @property
     def n(self) -> int:
@@ -103,12 +109,9 @@ class RunPlan:
         """The ``(first sample, global batch)`` entries of :attr:`global_batches` in force during
         phase ``index`` (1: samples before :attr:`switch_sample`, 2: from it on)."""
         lo, hi = (0, self.switch_sample) if index == 1 else (self.switch_sample, self.total_samples)
-        starts = [first for first, _ in self.global_batches] + [self.total_samples]
-        return tuple(
-            entry
-            for entry, end in zip(self.global_batches, starts[1:])
-            if entry[0] < hi and end > lo
-        )
+        reached = self.reached_batches
+        starts = [first for first, _ in reached] + [self.total_samples]
+        return tuple(entry for entry, end in zip(reached, starts[1:]) if entry[0] < hi and end > lo)
 
 
 def run_plan(args) -> RunPlan:
@@ -127,7 +130,5 @@ def run_plan(args) -> RunPlan:
         schedule=schedule,
         switch_sample=consumed_samples(args, schedule.n1),
         total_samples=total,
-        global_batches=tuple(
-            (first, batch) for first, batch in global_batches(args) if first < total
-        ),
+        global_batches=tuple(global_batches(args)),
     )

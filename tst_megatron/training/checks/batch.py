@@ -5,7 +5,8 @@ from __future__ import annotations
 
 
 def schedule_problems(args, plan) -> list[str]:
-    """Each global batch of ``--step-batch-size-schedule`` the run reaches (``plan``, a
+    """Each global batch of ``--step-batch-size-schedule`` the run reaches (``plan``'s
+    ``reached_batches``, a
     :class:`~tst_megatron.training.plan.RunPlan`) that micro-batch x DP does not divide:
     Megatron-LM's ``train()`` asserts it only when it gets there."""
     if not getattr(args, "step_batch_size_schedule", None):
@@ -15,7 +16,7 @@ def schedule_problems(args, plan) -> list[str]:
         f"--step-batch-size-schedule: global batch {batch} (from sample {first:,}) is not "
         f"divisible by --micro-batch-size {args.micro_batch_size} x data-parallel size "
         f"{args.data_parallel_size}; Megatron-LM asserts it when the run gets there"
-        for first, batch in plan.global_batches
+        for first, batch in plan.reached_batches
         if batch % per_step
     ]
 

@@ -28,9 +28,11 @@ def without_te_problems(
     (``apex`` False), without the ``grouped_gemm`` package (``grouped_gemm`` False), or on
     its local layer spec: the TE spec (Megatron-LM's default), CP > 1,
     FP8, grouped GEMM without the ``grouped_gemm`` package, selective recompute of
-    ``layernorm``/``mla_up_proj``, MLA with the local spec, and gradient accumulation fusion
+    ``layernorm``/``mla_up_proj``, MLA with the local spec, gradient accumulation fusion
     (Megatron-LM's default; ``ColumnParallelLinear`` raises without Apex's
-    ``fused_weight_gradient_mlp_cuda``); each line names the flag that avoids it."""
+    ``fused_weight_gradient_mlp_cuda``), and without both TE and Apex the distributed
+    optimizer with the legacy ``--ckpt-format torch`` (its load raises ``KeyError: 'step'``
+    with torch's AdamW); each line names the flag that avoids it."""
     problems = []
     if not te and args.transformer_impl == "transformer_engine":
         problems.append(

@@ -10,7 +10,7 @@ def parallel_problems(args, config, plan) -> list[str]:
     - sequence parallelism: ``--seq-length`` / CP divisible by TP (both TST phases run
       ``--seq-length`` positions);
     - the interleaved pipeline, for each global batch of M micro-batches the run reaches
-      (``plan.global_batches``, and the validation batch) and group size N
+      (``plan.reached_batches``, and the validation batch) and group size N
       (``config.microbatch_group_size_per_vp_stage``, default PP): ``PP <= N <= M`` and
       ``M mod N`` 0 or ``>= PP`` (megatron-core 0.19's
       ``forward_backward_pipelining_with_interleaving`` raises otherwise).
@@ -27,7 +27,7 @@ def parallel_problems(args, config, plan) -> list[str]:
     if pp > 1 and vpp and vpp > 1:
         group = getattr(config, "microbatch_group_size_per_vp_stage", None) or pp
         per_step = args.micro_batch_size * args.data_parallel_size
-        batches = {batch for _, batch in plan.global_batches}
+        batches = {batch for _, batch in plan.reached_batches}
         if getattr(args, "eval_iters", 0):
             batches.add(getattr(args, "eval_global_batch_size", None) or args.global_batch_size)
         for batch in sorted(batches):
