@@ -6,7 +6,8 @@ The classes: Megatron-LM's parser (a misspelled flag), its ``validate_args``, th
 ``TransformerConfig`` (heads not divisible by TP; MoE biases at expert TP 2), the rules
 megatron-core enforces only inside the first step (sequence parallelism with a length TP does
 not divide; the interleaved pipeline's micro-batch counts), a feature that needs Transformer
-Engine, a TST setting, a CPU limit and a HybridModel flag given to the GPT launcher.
+Engine, a TST setting, a CPU limit, a HybridModel flag given to the GPT launcher, a deprecated
+flag Megatron-LM 0.19 would ignore and one on which its ``validate_args`` exits with status 0.
 """
 
 from __future__ import annotations
@@ -55,6 +56,12 @@ CASES = {
         ["--hybrid-layer-pattern", "M*M*", "--mamba-num-heads", "4"],
         "--hybrid-layer-pattern, --mamba-num-heads: a HybridModel flag",
     ),
+    "ignored deprecated flag": (
+        ["--rampup-batch-size", "2", "2", "8"],
+        "--rampup-batch-size is ignored by Megatron-LM 0.19 (deprecated; the run would train at "
+        "--global-batch-size 4 from the first step): give the ramp as --step-batch-size-schedule",
+    ),
+    "validate_args exits": (["--checkpoint-activations"], "use --recompute-activations"),
 }
 
 

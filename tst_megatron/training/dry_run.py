@@ -74,14 +74,11 @@ def _batch_lines(args, plan, dp: int) -> list[str]:
 
     per_micro = args.micro_batch_size * dp
     if not getattr(args, "step_batch_size_schedule", None):
-        line = (
+        return [
             f"batch: global batch {args.global_batch_size} = micro-batch "
             f"{args.micro_batch_size} x DP {dp} x {args.global_batch_size // per_micro} "
             f"micro-batches per step; samples of --seq-length {args.seq_length}"
-        )
-        if getattr(args, "rampup_batch_size", None):
-            line += " (--rampup-batch-size is deprecated and ignored by Megatron-LM 0.19)"
-        return [line]
+        ]
     steps = ", ".join(
         f"from sample {threshold:,}: {batch} ({batch // per_micro} micro-batches)"
         for threshold, batch in plan.global_batches
@@ -180,7 +177,7 @@ def dry_run(argv: Sequence[str], *, out=None, err=None) -> int:
     out, err = out or sys.stdout, err or sys.stderr
     checked = check(argv, dry_run=True)
     rank0 = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0"
-    problems, notes = list(checked.problems), checked.notes
+    problems, notes, assumed = list(checked.problems), checked.notes, checked.assumed
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if not problems:
         lines = describe(checked.args, checked.plan)
@@ -191,12 +188,16 @@ def dry_run(argv: Sequence[str], *, out=None, err=None) -> int:
             print(f"error: {line}", file=err, flush=True)
         for line in notes:
             print(f" note: {line}", file=err)
+        for line in assumed:
+            print(f" assumed: {line}", file=err)
         print(f"dry run: {len(problems)} problem(s) for world size {world}", file=err, flush=True)
         return 2
     device = "CPU" if checked.device == "cpu" else "CUDA"
     print(f"dry run: world size {world}, checked as a {device} run", file=out)
     for line in notes:
         print(f" note: {line}", file=out)
+    for line in assumed:
+        print(f" assumed: {line}", file=out)
     for line in lines:
         print(f" {line}", file=out)
     print("dry run: no problems found", file=out, flush=True)

@@ -32,15 +32,17 @@ from tst_megatron.training.plan import RunPlan, run_plan
 class Checked:
     """What :func:`check` found: Megatron-LM's validated ``args`` (None when the parser or
     ``validate_args`` refused), ``device`` (``"cpu"`` or ``"cuda"``), ``problems`` (one line
-    each; empty: the launch may start), ``notes`` for the user (and what a dry run assumed)
-    and the run's ``plan`` (:class:`~tst_megatron.training.plan.RunPlan`, built once here; None
-    where ``args`` is, or the batch-size schedule was refused)."""
+    each; empty: the launch may start), ``notes`` for the user (the launch and the dry run
+    print the same), the run's ``plan`` (:class:`~tst_megatron.training.plan.RunPlan`, built
+    once here; None where ``args`` is, or the batch-size schedule was refused) and, in a dry
+    run, what it ``assumed`` of the cluster (:mod:`tst_megatron.runtime.assumed`)."""
 
     args: Optional[argparse.Namespace]
     device: str
     problems: list
     notes: list
     plan: Optional[RunPlan] = None
+    assumed: list = dataclasses.field(default_factory=list)
 
 
 #: The ``args_defaults`` Megatron-LM's ``pretrain_gpt.py`` gives its argument validation.
@@ -101,10 +103,10 @@ def check(argv: Sequence[str], *, dry_run: bool = False) -> Checked:
     """
     from tst_megatron.runtime import assumed
 
-    user_argv, notes = list(argv), []
+    user_argv, assumptions = list(argv), []
     device = pick_device(user_argv, cuda=True if dry_run else None)
     if refused := argv_problems(user_argv):
-        return Checked(None, device, refused, notes)
+        return Checked(None, device, refused, [], assumed=assumptions)
     argv = user_argv + list(CPU_FLAGS) if device == "cpu" else user_argv
     if device == "cpu" and not dry_run:
         from tst_megatron.runtime import cpu
@@ -123,31 +125,40 @@ def check(argv: Sequence[str], *, dry_run: bool = False) -> Checked:
         try:
             args = _parse(argv)
         except _ParserError as exc:
-            return Checked(None, device, [f"Megatron-LM's argument parser: {exc}"], notes)
+            return Checked(
+                None, device, [f"Megatron-LM's argument parser: {exc}"], [], assumed=assumptions
+            )
     # a CPU run sets CUDA_DEVICE_MAX_CONNECTIONS=1 itself when unset
     env = {"CUDA_DEVICE_MAX_CONNECTIONS": os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "1")}
     env = env if dry_run and device == "cpu" else {}
-    cluster = assumed.assumed_cluster(notes) if dry_run else contextlib.nullcontext()
+    cluster = assumed.assumed_cluster(assumptions) if dry_run else contextlib.nullcontext()
     with cluster, muted(), mock.patch.dict(os.environ, env):
         try:
             if args.use_checkpoint_args:
                 _load_checkpoint_args(args)
             validate_args(args, PRETRAIN_GPT_DEFAULTS)
+        except SystemExit as exc:  # an exit() of validate_args (argv_problems has those known)
+            line = f"Megatron-LM's argument validation exited (status {exc.code}) before any work"
+            return Checked(None, device, [line], [], assumed=assumptions)
         except Exception as exc:  # AssertionError, ValueError, RuntimeError, ZeroDivisionError;
             # validate_args stops at its first failed check, so the other checks wait
-            return Checked(None, device, [validation_error(exc)], notes)
+            return Checked(None, device, [validation_error(exc)], [], assumed=assumptions)
         try:
             config = core_transformer_config_from_args(
-                assumed.without_te_kernels(args, notes) if dry_run else args
+                assumed.without_te_kernels(args, assumptions) if dry_run else args
             )
         except (AssertionError, ValueError) as exc:
-            return Checked(args, device, [validation_error(exc, "TransformerConfig")], notes)
+            problem = validation_error(exc, "TransformerConfig")
+            return Checked(args, device, [problem], [], assumed=assumptions)
     try:
         plan = run_plan(args)
     except (AssertionError, ValueError) as exc:  # Megatron-LM's batch-size calculator refused
-        return Checked(args, device, [validation_error(exc, "batch-size schedule")], notes)
+        problem = validation_error(exc, "batch-size schedule")
+        return Checked(args, device, [problem], [], assumed=assumptions)
     launch = Launch(args, tuple(user_argv), device, config, plan, launch=not dry_run)
-    return Checked(args, device, launch_problems(launch), launch_notes(launch) + notes, plan)
+    return Checked(
+        args, device, launch_problems(launch), launch_notes(launch), plan, assumed=assumptions
+    )
 
 
 def parse(argv: Sequence[str]) -> Checked:

@@ -1,10 +1,11 @@
 """The launcher's rules, one module per subject, on top of Megatron-LM's ``validate_args`` and
 ``TransformerConfig`` (which stay Megatron-LM's): :mod:`.layout`, :mod:`.batch`, :mod:`.model`,
 :mod:`.data`, :mod:`.tst`, :mod:`.megatron` (settings Megatron-LM 0.19 accepts but cannot
-run, and the flags this launcher refuses), :mod:`.hardware` (TE, Apex, GPU, CPU) and
-:mod:`.resume`. Each rule is a function of the :class:`Launch` returning one line per problem
-naming the flag (empty: none). :data:`RULES` is the one list that the real launch and the
-dry run both run (:func:`tst_megatron.training.validate.check`).
+run, and the flags this launcher refuses), :mod:`.deprecated` (flags Megatron-LM 0.19 parses
+but no longer runs as written), :mod:`.hardware` (TE, Apex, GPU, CPU) and :mod:`.resume`. Each rule is a function of the :class:`Launch` returning one line per problem
+naming the flag (empty: none). :data:`RULES` and :data:`NOTES` are the one list of errors and
+the one list of notes that the real launch and the dry run both print
+(:func:`tst_megatron.training.validate.check`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any, Optional, Sequence
 from tst_megatron.training.checks import (
     batch,
     data,
+    deprecated,
     hardware,
     layout,
     megatron,
@@ -56,6 +58,7 @@ RULES = (
     layout.problems,
     model.problems,
     megatron.problems,
+    deprecated.problems,
     data.problems,
     hardware.problems,
     tst.problems,
@@ -65,13 +68,15 @@ RULES = (
 #: checkpoint to resume), which a wrong line need not reach.
 LAST_RULES = (data.file_problems, resume.problems)
 
-#: What the user should know before the run starts (``note:`` lines).
-NOTES = (tst.notes, model.notes, hardware.notes, resume.notes)
+#: What the user should know before the run starts (``note:`` lines, printed by the launch on
+#: rank 0 and by the dry run).
+NOTES = (tst.notes, model.notes, deprecated.notes, hardware.notes, resume.notes)
 
 
 def argv_problems(argv: Sequence[str]) -> list[str]:
     """Flags refused in the command line as given, before Megatron-LM parses it, one line each:
     ``--yaml-cfg`` (its YAML config replaces the whole parsed namespace, ``--tst-*`` included),
+    the flags on which ``validate_args`` exits with status 0 (:func:`.deprecated.stop_problems`)
     and ``pretrain_hybrid.py``'s flags (:func:`.model.hybrid_flag_problems`)."""
     problems = []
     flags = [word.split("=", 1)[0] for word in argv if word.startswith("--")]
@@ -80,7 +85,7 @@ def argv_problems(argv: Sequence[str]) -> list[str]:
             "--yaml-cfg is not supported by this launcher: Megatron-LM's experimental YAML "
             "config replaces the whole command line, --tst-* flags included; pass the flags"
         )
-    return problems + model.hybrid_flag_problems(flags)
+    return problems + deprecated.stop_problems(flags) + model.hybrid_flag_problems(flags)
 
 
 def launch_problems(launch: Launch) -> list[str]:
