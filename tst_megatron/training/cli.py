@@ -1,6 +1,7 @@
-"""The launcher (``examples/pretrain_gpt_tst.py``): Megatron-LM's ``pretrain_gpt.py`` with
-Token Superposition Training, run by Megatron-LM's own ``pretrain()`` (the torchrun/Slurm
-environment: :mod:`tst_megatron.runtime.distributed`). Every check runs first
+"""The launchers (``examples/pretrain_gpt_tst.py``, ``examples/pretrain_hybrid_tst.py``):
+Megatron-LM's ``pretrain_gpt.py`` and ``pretrain_hybrid.py`` with Token Superposition
+Training, run by Megatron-LM's own ``pretrain()`` (the torchrun/Slurm environment:
+:mod:`tst_megatron.runtime.distributed`). Every check runs first
 (:func:`tst_megatron.training.validate.check`); a problem ends the job before any process
 group, model or data exists. A CPU run (``--device cpu``) enables
 :func:`tst_megatron.runtime.cpu.enable`.
@@ -17,10 +18,11 @@ from tst_megatron.errors import ConfigError
 from tst_megatron.runtime.distributed import export_torchrun_env, one_process_env
 
 
-def main(argv: Optional[Sequence[str]] = None) -> None:
+def main(argv: Optional[Sequence[str]] = None, *, model: str = "gpt") -> None:
     """Check ``argv`` (default ``sys.argv[1:]``), then run Megatron-LM's ``pretrain()`` with
-    TST's model provider, datasets provider and forward step, which share the run plan the
-    checks built (and, with MTP, the optimizer hook
+    TST's model provider (``model="gpt"``: ``pretrain_gpt.py``'s ``GPTModel``;
+    ``"hybrid"``: ``pretrain_hybrid.py``'s ``HybridModel``), datasets provider and forward step,
+    which share the run plan the checks built (and, with MTP, the optimizer hook
     :class:`~tst_megatron.training.switch.FreshAdamForMTP`), with megatron-core's
     distributed-optimizer resume mended (:func:`tst_megatron.upstream.distributed_optimizer_resume`).
 
@@ -36,7 +38,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     from tst_megatron.data.gpt_datasets import use_prebuilt_dataset_helpers
     from tst_megatron.training.datasets import TSTDatasets
     from tst_megatron.training.forward import TSTForwardStep
-    from tst_megatron.training.model import model_provider
+    from tst_megatron.training.model import hybrid_model_provider, model_provider
     from tst_megatron.training.switch import FreshAdamForMTP
     from tst_megatron.training.validate import parse
 
@@ -44,11 +46,11 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     if "--dry-run" in argv:
         from tst_megatron.training.dry_run import dry_run
 
-        raise SystemExit(dry_run(argv))
+        raise SystemExit(dry_run(argv, model=model))
     try:
         export_torchrun_env()
         alone = one_process_env(os.environ)
-        checked = parse(argv)
+        checked = parse(argv, model)
     except ConfigError as exc:
         _exit_on(exc)
     from megatron.training.argument_utils import pretrain_cfg_container_from_args
@@ -65,7 +67,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         cpu.enable(training=True)  # again: modules imported since
         cpu.fork_checkpoint_results_queue()
     cfg = pretrain_cfg_container_from_args(checked.args)
-    provider, hook = model_provider, None
+    provider = hybrid_model_provider if model == "hybrid" else model_provider
+    hook = None
     if getattr(checked.args, "mtp_num_layers", None) and plan.n1 > 0:
         fresh = FreshAdamForMTP(plan.n1)
         provider = fresh.watch(model_provider)

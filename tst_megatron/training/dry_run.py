@@ -90,7 +90,8 @@ def _batch_lines(args, plan, dp: int) -> list[str]:
 
 
 def describe(args, plan) -> list[str]:
-    """The run as lines of text (layout, batch, model, parameters, TST plan) from validated
+    """The run as lines of text (layout, batch, model, parameters, TST plan; a ``HybridModel``'s
+    layers by family) from validated
     Megatron-LM arguments with the launcher's ``--tst-*`` flags and their ``plan`` (a
     :class:`~tst_megatron.training.plan.RunPlan`), both from
     :func:`~tst_megatron.training.validate.check`.
@@ -109,6 +110,8 @@ def describe(args, plan) -> list[str]:
         f"sequence parallel {'on' if args.sequence_parallel else 'off'}"
     ]
     lines += _batch_lines(args, plan, dp)
+    if args.hybrid_layer_pattern:
+        return lines + _hybrid_lines(args) + _tst_lines(args, plan)
     if args.num_experts:
         from megatron.core.models.gpt.experimental_attention_variant_module_specs import (
             get_moe_layer_pattern,
@@ -144,26 +147,76 @@ def describe(args, plan) -> list[str]:
         f"{args.normalization}, {args.position_embedding_type} positions, "
         f"{args.transformer_impl}, {args.params_dtype}"
     )
-    lines += parameter_lines(args)
+    return lines + parameter_lines(args) + _tst_lines(args, plan)
+
+
+#: Megatron-LM's names of the layer families of ``--hybrid-layer-pattern``.
+HYBRID_FAMILIES = {
+    "M": "Mamba-2",
+    "G": "gated delta net",
+    "*": "attention",
+    "D": "DeepSeek sparse attention",
+    "+": "MLA",
+    "-": "MLP",
+    "E": "MoE",
+}
+
+
+def _hybrid_lines(args) -> list[str]:
+    """A ``HybridModel``'s layers by family (megatron-core's ``get_hybrid_layer_counts``), its
+    widths and experts. Megatron-LM 0.19's parameter and memory arithmetic covers GPT models
+    only (``theoretical_memory_usage``), so none is printed."""
+    from megatron.core.models.hybrid.hybrid_layer_allocation import (
+        get_hybrid_layer_counts,
+        parse_hybrid_pattern,
+    )
+
+    pattern = args.hybrid_layer_pattern
+    counts = get_hybrid_layer_counts(pattern)
+    families = ", ".join(
+        f"{counts[symbol]} {name} ({symbol})"
+        for symbol, name in HYBRID_FAMILIES.items()
+        if counts.get(symbol)
+    )
+    parsed = parse_hybrid_pattern(pattern)
+    mtp = f"; MTP {parsed.mtp_num_depths} x '{parsed.mtp_pattern}'" if parsed.mtp_pattern else ""
+    experts = ""
+    if args.num_experts:
+        experts = (
+            f"; {args.num_experts} experts of {args.moe_ffn_hidden_size}, "
+            f"top-{args.moe_router_topk}"
+        )
+        if args.moe_shared_expert_intermediate_size:
+            experts += f", shared expert {args.moe_shared_expert_intermediate_size}"
+    return [
+        f"model: HybridModel '{pattern}': {families}{mtp}; hidden {args.hidden_size}, FFN "
+        f"{args.ffn_hidden_size}{' (gated)' if args.swiglu else ''}, "
+        f"{args.num_attention_heads} heads{experts}; {args.normalization}, "
+        f"{args.position_embedding_type} positions, {args.transformer_impl}, "
+        f"{args.params_dtype}",
+        "parameters: not counted (Megatron-LM 0.19's arithmetic covers GPT models only)",
+    ]
+
+
+def _tst_lines(args, plan) -> list[str]:
+    """The TST plan: N1 of N, the switch sample, each phase's sample and sequence lengths."""
     tst, n1, n = plan.tst, plan.n1, plan.n
     given = f" (from --train-samples {args.train_samples:,})" if args.train_samples else ""
     if n1 == 0:
-        lines.append(
+        return [
             f"TST: no phase 1 (bag size {tst.bag_size}): next-token training for {n:,} "
             f"iterations{given}, samples of {plan.schedule.phase2.data_seq_length} + 1 tokens"
-        )
-        return lines
+        ]
     phase1, phase2 = plan.schedule.phase1, plan.schedule.phase2
-    lines.append(
+    return [
         f"TST: bag size {tst.bag_size}, mode {tst.mode}, weighting {tst.bag_weighting}; "
         f"N1 = {n1:,} of {n:,} iterations{given}; switch at sample {plan.switch_sample:,}; "
         f"phase 1: samples of {phase1.data_seq_length} + 1 tokens, {phase1.model_seq_length} "
         f"positions; phase 2: samples of {phase2.data_seq_length} + 1 tokens"
-    )
-    return lines
+    ]
 
 
-def dry_run(argv: Sequence[str], *, out=None, err=None) -> int:
+def dry_run(argv: Sequence[str], *, out=None, err=None, model: str = "gpt") -> int:
     """``--dry-run``: :func:`~tst_megatron.training.validate.check` ``argv`` for
     ``WORLD_SIZE`` processes (default 1) as the launch does, and print the run (stdout) or
     every problem (``error: ...`` lines on stderr). Prints from rank 0 only (``RANK``, else
@@ -175,7 +228,7 @@ def dry_run(argv: Sequence[str], *, out=None, err=None) -> int:
     from tst_megatron.training.validate import check
 
     out, err = out or sys.stdout, err or sys.stderr
-    checked = check(argv, dry_run=True)
+    checked = check(argv, dry_run=True, model=model)
     rank0 = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0"
     problems, notes, assumed = list(checked.problems), checked.notes, checked.assumed
     world = int(os.environ.get("WORLD_SIZE", "1"))

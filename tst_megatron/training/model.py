@@ -119,6 +119,28 @@ def gpt_block_spec(config: TransformerConfig, *, vp_stage: Optional[int] = None)
     )
 
 
+def local_layer_specs(config: TransformerConfig):
+    """megatron-core's local dense and MoE transformer layer specs (``get_gpt_layer_local_spec``,
+    as ``get_gpt_decoder_layer_specs`` builds them for ``--transformer-impl local``) with
+    :func:`gpt_block_spec`'s norms and expert fc2: ``(dense, moe)``, ``moe`` None without
+    ``--num-experts``. The layers of :func:`tst_megatron.training.hybrid.local_hybrid_stack_spec`.
+    """
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    def local(num_experts):
+        spec = get_gpt_layer_local_spec(
+            num_experts=num_experts,
+            moe_grouped_gemm=config.moe_grouped_gemm if num_experts else False,
+            qk_layernorm=config.qk_layernorm,
+            multi_latent_attention=config.multi_latent_attention,
+            normalization=config.normalization,
+            qk_l2_norm=config.qk_l2_norm,
+        )
+        return _with_expert_fc2(_with_norm(spec, SequenceParallelNorm))
+
+    return local(None), (local(config.num_moe_experts) if config.num_moe_experts else None)
+
+
 def local_mtp_block_spec(config: TransformerConfig, *, vp_stage: Optional[int] = None):
     """megatron-core's local multi-token prediction block spec (``get_gpt_mtp_block_spec`` on
     the last decoder layer's spec, as Megatron-LM's ``mtp_block_spec`` builds it) with
@@ -183,17 +205,40 @@ def model_provider(
     config=None,
     pg_collection=None,
 ):
-    """Megatron-LM model provider: :func:`build_model_from_args` on Megatron-LM's global
-    ``args`` (``megatron.training.get_args()``). The first call starts CUDA's allocator
-    history with ``--record-memory-history``, as ``pretrain_gpt.py``'s provider does
-    (Megatron-LM's ``start_memory_history_recording``, which reads those flags of ``args``)."""
+    """Megatron-LM model provider of ``pretrain_gpt.py``: :func:`build_model_from_args` on
+    Megatron-LM's global ``args`` (``megatron.training.get_args()``). The first call starts
+    CUDA's allocator history with ``--record-memory-history``, as ``pretrain_gpt.py``'s provider
+    does (Megatron-LM's ``start_memory_history_recording``, which reads those flags of
+    ``args``)."""
+    return _provide(
+        build_model_from_args, pre_process, post_process, vp_stage, config, pg_collection
+    )
+
+
+def hybrid_model_provider(
+    pre_process: bool = True,
+    post_process: bool = True,
+    vp_stage: Optional[int] = None,
+    config=None,
+    pg_collection=None,
+):
+    """:func:`model_provider` for ``pretrain_hybrid.py``:
+    :func:`~tst_megatron.training.hybrid.build_hybrid_model_from_args`."""
+    from tst_megatron.training.hybrid import build_hybrid_model_from_args
+
+    return _provide(
+        build_hybrid_model_from_args, pre_process, post_process, vp_stage, config, pg_collection
+    )
+
+
+def _provide(build, pre_process, post_process, vp_stage, config, pg_collection):
     from megatron.training import get_args
     from megatron.training.utils import start_memory_history_recording
 
     if not _recording:  # once per process
         start_memory_history_recording(get_args())
         _recording.append(True)
-    return build_model_from_args(
+    return build(
         get_args(),
         pre_process=pre_process,
         post_process=post_process,

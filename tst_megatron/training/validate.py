@@ -87,7 +87,7 @@ def _load_checkpoint_args(args) -> None:
     load_args_from_checkpoint(args)
 
 
-def check(argv: Sequence[str], *, dry_run: bool = False) -> Checked:
+def check(argv: Sequence[str], *, dry_run: bool = False, model: str = "gpt") -> Checked:
     """Every check of a launch line for this process's ``WORLD_SIZE``, before any work.
 
     In order, stopping at the first stage that refuses: :func:`argv_problems`, Megatron-LM's
@@ -99,13 +99,14 @@ def check(argv: Sequence[str], *, dry_run: bool = False) -> Checked:
     :data:`CPU_FLAGS` and, in a launch, enables :func:`tst_megatron.runtime.cpu.enable` first.
     A dry run mutes Megatron-LM's prints and answers for the cluster's GPU and TE
     (:mod:`tst_megatron.runtime.assumed`). Starts no process, builds no model, reads no data
-    (a resume reads the checkpoint's common state).
+    (a resume reads the checkpoint's common state). ``model``: the launcher's model class,
+    ``"gpt"`` or ``"hybrid"`` (``Launch.model``).
     """
     from tst_megatron.runtime import assumed
 
     user_argv, assumptions = list(argv), []
     device = pick_device(user_argv, cuda=True if dry_run else None)
-    if refused := argv_problems(user_argv):
+    if refused := argv_problems(user_argv, model):
         return Checked(None, device, refused, [], assumed=assumptions)
     argv = user_argv + list(CPU_FLAGS) if device == "cpu" else user_argv
     if device == "cpu" and not dry_run:
@@ -155,13 +156,13 @@ def check(argv: Sequence[str], *, dry_run: bool = False) -> Checked:
     except (AssertionError, ValueError) as exc:  # Megatron-LM's batch-size calculator refused
         problem = validation_error(exc, "batch-size schedule")
         return Checked(args, device, [problem], [], assumed=assumptions)
-    launch = Launch(args, tuple(user_argv), device, config, plan, launch=not dry_run)
+    launch = Launch(args, tuple(user_argv), device, config, plan, launch=not dry_run, model=model)
     return Checked(
         args, device, launch_problems(launch), launch_notes(launch), plan, assumed=assumptions
     )
 
 
-def parse(argv: Sequence[str]) -> Checked:
+def parse(argv: Sequence[str], model: str = "gpt") -> Checked:
     """The launch's :func:`check` of ``argv``, its notes printed on rank 0 (``note: ...``),
     then Megatron-LM's ``set_global_variables`` (as its ``parse_and_validate_args`` does).
 
@@ -170,7 +171,7 @@ def parse(argv: Sequence[str]) -> Checked:
     """
     from megatron.training.global_vars import set_global_variables
 
-    checked = check(argv)
+    checked = check(argv, model=model)
     if checked.problems:
         raise ConfigError("\n".join(checked.problems))
     if os.environ.get("RANK", "0") == "0":

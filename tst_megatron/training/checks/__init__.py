@@ -42,6 +42,8 @@ class Launch:
         plan: the run's :class:`~tst_megatron.training.plan.RunPlan`.
         launch: a real launch, which checks this machine (a GPU, installed packages, data
             files); False: a dry run, which assumes the cluster's.
+        model: the model class the launcher builds: ``"gpt"`` (``GPTModel``) or ``"hybrid"``
+            (``HybridModel``).
     """
 
     args: argparse.Namespace
@@ -50,6 +52,7 @@ class Launch:
     config: Optional[Any]
     plan: RunPlan
     launch: bool = False
+    model: str = "gpt"
 
 
 #: Every rule, in the order its lines are printed.
@@ -73,11 +76,12 @@ LAST_RULES = (data.file_problems, resume.problems)
 NOTES = (tst.notes, model.notes, deprecated.notes, hardware.notes, resume.notes)
 
 
-def argv_problems(argv: Sequence[str]) -> list[str]:
+def argv_problems(argv: Sequence[str], kind: str = "gpt") -> list[str]:
     """Flags refused in the command line as given, before Megatron-LM parses it, one line each:
     ``--yaml-cfg`` (its YAML config replaces the whole parsed namespace, ``--tst-*`` included),
     the flags on which ``validate_args`` exits with status 0 (:func:`.deprecated.stop_problems`)
-    and ``pretrain_hybrid.py``'s flags (:func:`.model.hybrid_flag_problems`)."""
+    and, for the GPT launcher (``kind="gpt"``), ``pretrain_hybrid.py``'s flags
+    (:func:`.model.hybrid_flag_problems`)."""
     problems = []
     flags = [word.split("=", 1)[0] for word in argv if word.startswith("--")]
     if "--yaml-cfg" in flags:
@@ -85,7 +89,8 @@ def argv_problems(argv: Sequence[str]) -> list[str]:
             "--yaml-cfg is not supported by this launcher: Megatron-LM's experimental YAML "
             "config replaces the whole command line, --tst-* flags included; pass the flags"
         )
-    return problems + deprecated.stop_problems(flags) + model.hybrid_flag_problems(flags)
+    problems += deprecated.stop_problems(flags)
+    return problems + (model.hybrid_flag_problems(flags) if kind == "gpt" else [])
 
 
 def launch_problems(launch: Launch) -> list[str]:

@@ -1,12 +1,18 @@
 """Model rules: settings megatron-core 0.19 refuses only while building the model, and the
-model class this launcher builds (a ``GPTModel``: ``pretrain_hybrid.py``'s flags are refused)."""
+model class each launcher builds: ``examples/pretrain_gpt_tst.py`` a ``GPTModel``
+(``pretrain_hybrid.py``'s flags are refused), ``examples/pretrain_hybrid_tst.py`` a
+``HybridModel`` (the flags it would ignore, and the layer families this machine cannot run,
+are refused)."""
 
 from __future__ import annotations
 
 from typing import Sequence
 
+#: The launchers, by the model class they build (``Launch.model``).
+LAUNCHERS = {"gpt": "examples/pretrain_gpt_tst.py", "hybrid": "examples/pretrain_hybrid_tst.py"}
+
 #: Megatron-LM's flags of ``pretrain_hybrid.py``'s ``HybridModel`` (layer pattern, Mamba mixer):
-#: this launcher builds a ``GPTModel``, which reads none of them. Exact flags, and a prefix.
+#: a ``GPTModel`` reads none of them. Exact flags, and a prefix.
 HYBRID_FLAGS = (
     "--hybrid-layer-pattern",
     "--hybrid-override-pattern",
@@ -27,9 +33,70 @@ def hybrid_flag_problems(flags: Sequence[str]) -> list[str]:
         return []
     return [
         f"{', '.join(dict.fromkeys(hybrid))}: a HybridModel flag (pretrain_hybrid.py's); "
-        "this launcher builds pretrain_gpt.py's GPTModel, which would ignore it; drop it "
-        "(HybridModel runs are not supported by this launcher)"
+        "this launcher builds pretrain_gpt.py's GPTModel, which would ignore it: launch "
+        f"{LAUNCHERS['hybrid']} for a HybridModel, or drop it"
     ]
+
+
+#: ``pretrain_gpt.py`` flags a ``HybridModel`` does not read (megatron-core 0.19.2), with what
+#: to give instead; refused by the hybrid launcher when set.
+GPT_ONLY = {
+    "moe_layer_freq": "--moe-layer-freq (a HybridModel places its MoE layers by 'E' in "
+    "--hybrid-layer-pattern)",
+    "use_rope_scaling": "--use-rope-scaling (HybridModel takes no RoPE scaling)",
+    "heterogeneous_layers_config_path": "--heterogeneous-layers-config-path (a GPTModel's)",
+    "experimental_attention_variant": "--experimental-attention-variant (a GPTModel's; a "
+    "HybridModel names its attention kinds in --hybrid-layer-pattern)",
+    "linear_attention_freq": "--linear-attention-freq (a GPTModel's; a HybridModel places "
+    "gated delta net layers by 'G' in --hybrid-layer-pattern)",
+}
+
+
+def gpt_only_problems(args) -> list[str]:
+    """The ``pretrain_gpt.py`` flags of :data:`GPT_ONLY` set in a hybrid launch, one line each
+    (``--moe-layer-freq`` only when not its default 1)."""
+    found = []
+    for name, flag in GPT_ONLY.items():
+        value = getattr(args, name, None)
+        if value in (None, False) or (name == "moe_layer_freq" and value == 1):
+            continue
+        found.append(
+            f"{flag}: a GPTModel flag the HybridModel this launcher builds would ignore; "
+            f"drop it, or launch {LAUNCHERS['gpt']}"
+        )
+    return found
+
+
+def hybrid_pattern_problems(args, device: str) -> list[str]:
+    """A hybrid launch's ``--hybrid-layer-pattern``: given; an ``E`` only with
+    ``--num-experts``; each layer family :func:`~tst_megatron.training.hybrid.local_hybrid_stack_spec`
+    does not build, on a CPU (or with ``--transformer-impl local``), one line naming what it
+    needs (:data:`~tst_megatron.training.hybrid.KERNEL_FAMILIES`)."""
+    from megatron.core.models.hybrid.hybrid_layer_allocation import parse_hybrid_pattern
+
+    from tst_megatron.training.hybrid import KERNEL_FAMILIES
+
+    pattern = args.hybrid_layer_pattern
+    if not pattern:
+        return [
+            "give --hybrid-layer-pattern (e.g. '*E*E': attention and MoE layers; "
+            f"pretrain_hybrid.py's), or launch {LAUNCHERS['gpt']} for a GPTModel"
+        ]
+    parsed = parse_hybrid_pattern(pattern)
+    layers = (parsed.main_pattern or "") + (parsed.mtp_pattern or "")
+    found = []
+    if "E" in layers and not args.num_experts:
+        found.append(f"--hybrid-layer-pattern {pattern} has MoE layers (E): give --num-experts")
+    local = device == "cpu" or args.transformer_impl == "local"
+    for symbol, (family, needs) in KERNEL_FAMILIES.items():
+        if local and symbol in layers:
+            where = "a CPU run" if device == "cpu" else "--transformer-impl local"
+            found.append(
+                f"--hybrid-layer-pattern {pattern}: {family} layers ({symbol}) need {needs}; "
+                f"{where} builds megatron-core's local modules, which have only "
+                "attention (*), MLP (-) and MoE (E) layers"
+            )
+    return found
 
 
 def model_problems(args) -> list[str]:
@@ -63,8 +130,38 @@ def model_problems(args) -> list[str]:
 
 
 def problems(launch) -> list[str]:
-    """The model rules of a :class:`~tst_megatron.training.checks.Launch`."""
-    return model_problems(launch.args)
+    """The model rules of a :class:`~tst_megatron.training.checks.Launch`, by the model class
+    its launcher builds."""
+    found = model_problems(launch.args)
+    if launch.model == "hybrid":
+        found += hybrid_pattern_problems(launch.args, launch.device)
+        found += hybrid_mtp_problems(launch.args, launch.plan.n1)
+        found += gpt_only_problems(launch.args)
+    return found
+
+
+def hybrid_mtp_problems(args, n1: int) -> list[str]:
+    """Multi-token prediction on a ``HybridModel``: ``--mtp-num-layers`` without an MTP pattern
+    (Megatron-LM 0.19 only warns and builds no MTP layer), and MTP with a TST phase 1
+    (``HybridModel`` runs its MTP block on ``input_ids``, which phase 1's bag inputs lack;
+    the GPT launcher skips it there)."""
+    pattern = args.hybrid_layer_pattern or ""
+    if not getattr(args, "mtp_num_layers", None):
+        return []
+    if "/" not in pattern:
+        return [
+            f"--mtp-num-layers {args.mtp_num_layers} without an MTP pattern: a HybridModel "
+            "builds its MTP layers from '/' in --hybrid-layer-pattern (e.g. '*E*E/*E'), so "
+            "this run would have none"
+        ]
+    if n1 > 0:
+        return [
+            f"--hybrid-layer-pattern {pattern}: multi-token prediction ('/') with a TST phase 1 "
+            "is not supported on a HybridModel yet (its MTP block embeds input_ids, which "
+            "phase 1's bag inputs lack); drop the MTP part, or launch "
+            f"{LAUNCHERS['gpt']} with --mtp-num-layers"
+        ]
+    return []
 
 
 def notes(launch) -> list[str]:

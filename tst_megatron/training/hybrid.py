@@ -1,0 +1,157 @@
+"""TST on megatron-core's ``HybridModel`` (Megatron-LM's ``pretrain_hybrid.py``): the same
+seams as on ``GPTModel``. The forward steps embed phase 1's bags with the model's own
+``embedding`` and pass them as ``decoder_input``; the loss is scored in
+``compute_language_model_loss`` (:class:`~tst_megatron.training.loss_seam.TSTLossSeam`).
+
+The layer families of ``--hybrid-layer-pattern`` (megatron-core's ``Symbols``): ``*``
+attention, ``-`` dense MLP and ``E`` MoE run on megatron-core's local modules
+(:func:`local_hybrid_stack_spec`, ``--transformer-impl local``, every CPU run) or its
+Transformer Engine spec (``hybrid_stack_spec``); ``M`` (Mamba-2), ``G`` (gated delta net),
+``D`` (DeepSeek sparse attention) and ``+`` (MLA) only on the latter
+(:data:`LOCAL_FAMILIES`; the rules refuse the others in one line,
+:func:`tst_megatron.training.checks.model.hybrid_problems`).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from megatron.core.models.hybrid.hybrid_block import HybridStack, HybridStackSubmodules
+from megatron.core.models.hybrid.hybrid_model import HybridModel
+from megatron.core.ssm.mlp_layer import MLPLayer
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_layer import (
+    MoETransformerLayer,
+    TransformerLayer,
+    TransformerLayerSubmodules,
+)
+
+from tst_megatron.runtime.norm import SequenceParallelNorm
+from tst_megatron.training.loss_seam import TSTLossSeam
+
+#: The layer symbols :func:`local_hybrid_stack_spec` builds: attention, dense MLP, MoE.
+LOCAL_FAMILIES = "*-E"
+
+#: What each other family needs: ``{symbol: (family, what it needs)}``.
+KERNEL_FAMILIES = {
+    "M": ("Mamba-2", "the mamba_ssm package (its Triton kernels need a GPU)"),
+    "G": ("gated delta net", "the fla package (flash-linear-attention; Triton, a GPU)"),
+    "D": ("DeepSeek sparse attention", "Transformer Engine (megatron-core's TE spec)"),
+    "+": ("MLA", "Transformer Engine (megatron-core's TE spec; its local MLA does not run)"),
+}
+
+
+class TSTHybridModel(TSTLossSeam, HybridModel):
+    """A megatron-core ``HybridModel`` whose loss seam also takes ``[b, T, S]`` bag targets.
+
+    Construction and ``forward`` are ``HybridModel``'s; ``forward(..., labels=...)`` returns
+    ``[b, T]`` fp32 per-token CE (phase 2), ``[b, T, S]`` fp32 per-slot CE (phase 1,
+    :class:`~tst_megatron.training.loss_seam.TSTLossSeam`) or, with ``labels=None``,
+    batch-first logits ``[b, T, V/tp]``. Parameters and state-dict keys are a
+    ``HybridModel``'s. Multi-token prediction (``/`` in the pattern) with a phase 1 is refused
+    by the rules: ``HybridModel`` runs its MTP block on ``input_ids``, which phase 1 lacks.
+    """
+
+
+class LocalHybridStack(HybridStack):
+    """megatron-core's ``HybridStack`` with its final norm a
+    :class:`~tst_megatron.runtime.norm.SequenceParallelNorm`: ``HybridStack`` builds
+    Transformer Engine's ``TENorm`` whatever its spec (megatron-core 0.19.2,
+    ``hybrid_block.py``). Same parameter names (``final_norm.weight``, ``final_norm.bias``).
+    """
+
+    def __init__(self, config: TransformerConfig, submodules, *args, **kwargs):
+        post_layer_norm = kwargs.pop("post_layer_norm", True)
+        super().__init__(config, submodules, *args, post_layer_norm=False, **kwargs)
+        self.post_layer_norm = post_layer_norm
+        if self.post_process and post_layer_norm:
+            self.final_norm = SequenceParallelNorm(
+                config=config, hidden_size=config.hidden_size, eps=config.layernorm_epsilon
+            )
+
+
+def local_hybrid_stack_spec(config: TransformerConfig) -> ModuleSpec:
+    """A ``HybridStack`` spec of megatron-core's local modules for ``*``, ``-`` and ``E``
+    (:data:`LOCAL_FAMILIES`), from the local GPT layer specs
+    (:func:`tst_megatron.training.model.local_layer_specs`: the same attention, MLP and MoE
+    modules and norms as a GPT layer), split as megatron-core's TE ``hybrid_stack_spec``
+    splits them: the attention layer keeps ``input_layernorm`` and ``self_attention``, the
+    MLP and MoE layers ``pre_mlp_layernorm`` and ``mlp``. The final norm:
+    :class:`LocalHybridStack`. No MTP block spec."""
+    from tst_megatron.training.model import local_layer_specs
+
+    dense, moe = local_layer_specs(config)
+    attention = dense.submodules
+    layers = dict(
+        attention_layer=ModuleSpec(
+            module=TransformerLayer,
+            submodules=TransformerLayerSubmodules(
+                input_layernorm=attention.input_layernorm,
+                self_attention=attention.self_attention,
+                self_attn_bda=attention.self_attn_bda,
+            ),
+        ),
+        mlp_layer=ModuleSpec(module=MLPLayer, submodules=_mlp_only(dense.submodules)),
+    )
+    if moe is not None:  # else megatron-core's IdentityOp: the rules refuse E without experts
+        layers["moe_layer"] = ModuleSpec(
+            module=MoETransformerLayer, submodules=_mlp_only(moe.submodules)
+        )
+    return ModuleSpec(module=LocalHybridStack, submodules=HybridStackSubmodules(**layers))
+
+
+def _mlp_only(sub: TransformerLayerSubmodules) -> TransformerLayerSubmodules:
+    return TransformerLayerSubmodules(
+        pre_mlp_layernorm=sub.pre_mlp_layernorm, mlp=sub.mlp, mlp_bda=sub.mlp_bda
+    )
+
+
+def build_hybrid_model_from_args(
+    args,
+    *,
+    pre_process: bool = True,
+    post_process: bool = True,
+    vp_stage: Optional[int] = None,
+    config=None,
+    pg_collection=None,
+) -> TSTHybridModel:
+    """A :class:`TSTHybridModel` for Megatron-LM's ``args`` (``--hybrid-layer-pattern``),
+    with the arguments of Megatron-LM 0.19.2's ``HybridModelBuilder.build_model`` (which
+    cannot build a subclass) from its ``hybrid_config_from_args``. The stack spec is
+    ``--spec``, else with ``--transformer-impl local`` :func:`local_hybrid_stack_spec`, else
+    megatron-core's ``hybrid_stack_spec`` (Transformer Engine). Expert parameters are tagged by
+    :func:`~tst_megatron.training.model.tag_expert_grad_reduction`.
+    megatron-core's parallel state must be initialised.
+    """
+    from megatron.core.models.hybrid.hybrid_layer_specs import hybrid_stack_spec
+    from megatron.training.argument_utils import hybrid_config_from_args
+
+    from tst_megatron.runtime import cpu
+    from tst_megatron.training.model import tag_expert_grad_reduction
+
+    cfg = hybrid_config_from_args(args, config=config)
+    spec = cfg.hybrid_stack_spec
+    if spec is None:
+        local = cfg.transformer.transformer_impl == "local"
+        spec = local_hybrid_stack_spec(cfg.transformer) if local else hybrid_stack_spec
+    model = TSTHybridModel(
+        config=cfg.transformer,
+        hybrid_stack_spec=spec,
+        vocab_size=args.padded_vocab_size,
+        max_sequence_length=cfg.seq_length,
+        hybrid_layer_pattern=cfg.hybrid_layer_pattern,
+        fp16_lm_cross_entropy=cfg.fp16_lm_cross_entropy,
+        parallel_output=cfg.parallel_output,
+        share_embeddings_and_output_weights=cfg.share_embeddings_and_output_weights,
+        position_embedding_type=cfg.position_embedding_type,
+        rotary_percent=cfg.rotary_percent,
+        rotary_base=cfg.rotary_base,
+        seq_len_interpolation_factor=cfg.seq_len_interpolation_factor,
+        pre_process=pre_process,
+        post_process=post_process,
+        pg_collection=pg_collection,
+        vp_stage=vp_stage,
+    )
+    tag_expert_grad_reduction(model, cfg.transformer)
+    return cpu.keep_on_cpu(model) if cpu.is_enabled() else model
