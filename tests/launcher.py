@@ -65,9 +65,11 @@ def with_flag(argv, flag, value):
     return argv + [flag, value]
 
 
-def pretrain_child(rank, world, *, runs, keep_going=False, fork=False):
-    """Run the launcher's ``main(argv)`` for each argv in ``runs`` in this process, one after
-    another; return what each printed to stdout (a list of strings).
+def pretrain_child(rank, world, *, runs, keep_going=False, fork=False, model="gpt"):
+    """Run the launcher's ``main(argv, model=model)`` for each argv in ``runs`` in this process,
+    one after another; return what each printed to stdout (a list of strings). ``model``:
+    ``"gpt"`` (``examples/pretrain_gpt_tst.py``) or ``"hybrid"``
+    (``examples/pretrain_hybrid_tst.py``).
 
     Each run starts with a fresh megatron-core MoE metrics tracker (a module global that
     ``destroy_global_state`` keeps, sized by the first MoE run's layer count) and ends with
@@ -96,7 +98,7 @@ def pretrain_child(rank, world, *, runs, keep_going=False, fork=False):
         out = io.StringIO()
         try:
             with contextlib.redirect_stdout(out):
-                main(argv)
+                main(argv, model=model)
         except Exception:
             if not keep_going:
                 raise
@@ -147,9 +149,9 @@ def scalars(tb_dir: str) -> dict:
     return {tag: {e.step: e.value for e in events.Scalars(tag)} for tag in events.Tags()["scalars"]}
 
 
-def pretrain_child_keep_going(rank, world, *, runs):
+def pretrain_child_keep_going(rank, world, *, runs, model="gpt"):
     """:func:`pretrain_child` with ``keep_going``: a failed run returns its traceback."""
-    return pretrain_child(rank, world, runs=runs, keep_going=True)
+    return pretrain_child(rank, world, runs=runs, keep_going=True, model=model)
 
 
 def pretrain_child_forking(rank, world, *, runs):

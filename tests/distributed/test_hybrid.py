@@ -1,0 +1,289 @@
+"""TST on megatron-core's ``HybridModel`` (``tst_megatron.training.hybrid``,
+``examples/pretrain_hybrid_tst.py``).
+
+- The same architecture as a GPT gives the same numbers: a ``GPTModel`` of L layers and the
+  ``HybridModel`` ``*-`` x L (dense) or ``*E`` x L (MoE) with the same weights give the same
+  per-slot phase-1 CE, per-token phase-2 CE and parameter gradients (random upstream
+  gradient), through the loss seam both share. The weights are mapped by name, and every
+  parameter of each model is mapped.
+- ``TSTHybridModel`` adds nothing to ``HybridModel``: the same state-dict and
+  ``sharded_state_dict`` keys.
+- A ``*E*E`` hybrid (4 experts, top-2) trains through the switch in Megatron-LM's loop,
+  logging ``mce loss`` in phase 1 and ``lm loss`` in phase 2, and saving at the switch and
+  the end; on 2 processes (DP = 2, EP = 2, TP = 2 + SP, PP = 2 by ``|`` in the pattern) as on
+  1 process, from the same iteration-1 weights; resumed at N1 - 1, N1 and N1 + 1 (EP = 2) it
+  continues bitwise.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import zlib
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.training")
+
+from tests.distributed.harness import run_distributed  # noqa: E402
+
+V, T, S, B, L = 96, 8, 2, 2, 2
+
+
+def _config(num_layers, experts=None):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    moe = (
+        dict(num_moe_experts=experts, moe_router_topk=2, moe_ffn_hidden_size=12) if experts else {}
+    )
+    return TransformerConfig(
+        num_layers=num_layers,
+        hidden_size=16,
+        num_attention_heads=2,
+        ffn_hidden_size=24,
+        normalization="RMSNorm",
+        add_bias_linear=False,
+        use_cpu_initialization=True,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        calculate_per_token_loss=True,
+        **moe,
+    )
+
+
+def _hybrid(pattern, experts=None, cls=None):
+    from tst_megatron.training.hybrid import TSTHybridModel, local_hybrid_stack_spec
+
+    config = _config(len(pattern), experts)
+    return (cls or TSTHybridModel)(
+        config=config,
+        hybrid_stack_spec=local_hybrid_stack_spec(config),
+        vocab_size=V,
+        max_sequence_length=T * S,
+        hybrid_layer_pattern=pattern,
+        parallel_output=True,
+        position_embedding_type="rope",
+    )
+
+
+def _gpt_to_hybrid(name: str) -> str:
+    """A GPT layer ``i``'s attention half is hybrid layer ``2i``, its MLP half ``2i + 1``;
+    ``final_layernorm`` is ``final_norm``."""
+    m = re.match(r"decoder\.layers\.(\d+)\.(.*)", name)
+    if m:
+        i, rest = int(m.group(1)), m.group(2)
+        attention = rest.startswith(("input_layernorm", "self_attention"))
+        return f"decoder.layers.{2 * i + (0 if attention else 1)}.{rest}"
+    return name.replace("decoder.final_layernorm", "decoder.final_norm")
+
+
+def _set_weights(model):
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+            base = 1.0 if "norm" in name else 0.0
+            param.copy_(base + 0.2 * torch.randn(param.shape, generator=g))
+
+
+def _run(model, tokens, upstream, targets, bags, phase):
+    """Forward (phase 1: bag-mean inputs and ``[b, T, S]`` targets; phase 2: tokens) and
+    backward with ``upstream``; returns the CE and ``{name: grad}``."""
+    from tst_megatron.superposition import bag_embedding
+
+    model.zero_grad()
+    if phase == 1:
+        x = bag_embedding(model.embedding, bags)
+        ce = model(None, None, None, decoder_input=x, labels=targets)
+    else:
+        n = tokens.shape[1] - 1
+        positions = torch.arange(n).unsqueeze(0).expand(B, n)
+        mask = torch.ones(1, 1, n, n).tril() < 0.5
+        ce = model(tokens[:, :-1], positions, mask, labels=tokens[:, 1:])
+    ce.backward(upstream[: ce.numel()].view_as(ce))
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return ce.detach(), grads
+
+
+def _equivalence_child(rank, world):
+    from tests.distributed.harness import build_gpt_model
+    from tst_megatron.runtime import ParallelConfig, initialize_model_parallel, set_seed
+    from tst_megatron.superposition import align_bag_targets, fold_bags
+
+    initialize_model_parallel(ParallelConfig())
+    set_seed(3)
+    g = torch.Generator().manual_seed(5)
+    tokens = torch.randint(0, V, (B, S * T + 1), generator=g)
+    upstream = torch.randn(B * T * S * S, generator=g) + 0.3  # random, non-unit
+    targets, _ = align_bag_targets(tokens[:, 1:], torch.ones(B, S * T), S)
+    bags = fold_bags(tokens[:, :-1], S)
+    out = {}
+    for experts, pattern in ((None, "*-" * L), (4, "*E" * L)):
+        gpt = build_gpt_model(_config(L, experts), vocab_size=V, max_sequence_length=T * S)
+        hybrid = _hybrid(pattern, experts)
+        _set_weights(gpt)
+        mapped = {_gpt_to_hybrid(k): v for k, v in gpt.state_dict().items()}
+        hybrid_keys = set(hybrid.state_dict())
+        out[pattern, "keys"] = (sorted(mapped), sorted(hybrid_keys))
+        hybrid.load_state_dict(mapped, strict=True)
+        for phase in (1, 2):
+            ce_gpt, grads_gpt = _run(gpt, tokens, upstream, targets, bags, phase)
+            ce_hybrid, grads_hybrid = _run(hybrid, tokens, upstream, targets, bags, phase)
+            out[pattern, phase] = (
+                ce_gpt,
+                ce_hybrid,
+                {_gpt_to_hybrid(k): v for k, v in grads_gpt.items()},
+                grads_hybrid,
+            )
+    return out
+
+
+def test_a_gpt_and_the_equivalent_hybrid_give_the_same_losses_and_gradients():
+    (r,) = run_distributed(_equivalence_child, 1)
+    for pattern in ("*-" * L, "*E" * L):
+        mapped, hybrid_keys = r[pattern, "keys"]
+        assert mapped == hybrid_keys, pattern  # every weight has its place, both ways
+        for phase in (1, 2):
+            ce_gpt, ce_hybrid, grads_gpt, grads_hybrid = r[pattern, phase]
+            shape = (B, T, S) if phase == 1 else (B, S * T)
+            assert ce_gpt.shape == shape and ce_hybrid.shape == shape
+            torch.testing.assert_close(ce_hybrid, ce_gpt, rtol=1e-6, atol=1e-6)
+            assert grads_hybrid.keys() == grads_gpt.keys() and len(grads_gpt) > 8
+            for name, grad in grads_gpt.items():
+                torch.testing.assert_close(
+                    grads_hybrid[name], grad, rtol=1e-5, atol=1e-6, msg=f"{pattern} {name}"
+                )
+
+
+def _keys_child(rank, world):
+    from megatron.core.models.hybrid.hybrid_model import HybridModel
+
+    from tst_megatron.runtime import ParallelConfig, initialize_model_parallel
+
+    initialize_model_parallel(ParallelConfig())
+    found = {}
+    for experts, pattern in ((None, "*-*-"), (4, "*E*E")):
+        models = [_hybrid(pattern, experts, cls) for cls in (HybridModel, None)]
+        found[pattern] = [(sorted(m.state_dict()), sorted(m.sharded_state_dict())) for m in models]
+    return found
+
+
+def test_the_tst_hybrid_model_has_a_baseline_hybrid_models_keys():
+    (found,) = run_distributed(_keys_child, 1)
+    for pattern, (base, tst) in found.items():
+        assert tst == base and len(base[0]) > 10, pattern
+
+
+#: A tiny ``*E*E`` hybrid on mock data: 4 experts top-2 (alltoall, aux loss), the switch
+#: after 3 of 6 iterations, 4 micro-batches per step.
+HYBRID_MOE = [
+    "--device", "cpu", "--mock-data", "--tokenizer-type", "NullTokenizer",
+    "--vocab-size", "128", "--make-vocab-size-divisible-by", "64",
+    "--hybrid-layer-pattern", "*E*E", "--hidden-size", "32", "--num-attention-heads", "4",
+    "--seq-length", "16", "--max-position-embeddings", "16",
+    "--untie-embeddings-and-output-weights", "--position-embedding-type", "rope",
+    "--num-experts", "4", "--moe-router-topk", "2", "--moe-token-dispatcher-type", "alltoall",
+    "--moe-aux-loss-coeff", "1e-2", "--disable-bias-linear",
+    "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "6",
+    "--lr", "1e-3", "--log-interval", "1", "--eval-interval", "3", "--eval-iters", "1",
+    "--num-workers", "0", "--seed", "1234", "--hidden-dropout", "0", "--attention-dropout", "0",
+    "--tst-bag-size", "2", "--tst-phase1-iters", "3", "--ckpt-format", "torch_dist",
+]  # fmt: skip
+#: the 2-process layouts: Megatron-LM's initialisation depends on the layout (experts per
+#: expert rank, seeds per stage), so each starts from the 1-process run's iteration-1 weights
+#: with a fresh optimizer, as does the reference it is compared with
+LAYOUTS = {
+    "dp2": [],
+    "ep2": ["--expert-model-parallel-size", "2"],
+    "tp2_sp": ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
+    "pp2": ["--pipeline-model-parallel-size", "2", "--hybrid-layer-pattern", "*E|*E"],
+}
+#: float32 sums in another order (the GPT layouts measure one ulp)
+REL = 1e-6
+#: N1 - 1, N1 and N1 + 1: resumes before, at and after the switch
+RESUMED_AT = (2, 3, 4)
+
+
+def _train_losses(tb: dict) -> dict:
+    return {**tb.get("mce loss", {}), **tb.get("lm loss", {})}
+
+
+@pytest.fixture(scope="module")
+def hybrid_runs(tmp_path_factory):
+    """1 process from scratch (saving every iteration), then 1 process and each 2-process
+    layout from its iteration 1 with a fresh optimizer, saving at the switch and the end.
+    ``{run: (printed by the last rank, TensorBoard scalars, checkpoint directory)}``."""
+    from tests.launcher import pretrain_child_keep_going as child
+    from tests.launcher import scalars
+
+    root = tmp_path_factory.mktemp("hybrid")
+
+    def argv(name, extra):
+        return HYBRID_MOE + extra + [
+            "--tensorboard-dir", str(root / f"tb_{name}"), "--save", str(root / name),
+        ]  # fmt: skip
+
+    start = ["--load", str(root / "scratch"), "--ckpt-step", "1", "--no-load-optim"]
+    start += ["--no-load-rng", "--save-interval", "1"]
+    ones = {"scratch": argv("scratch", ["--save-interval", "1"]), "one": argv("one", start)}
+    ((*printed,),) = run_distributed(child, 1, runs=list(ones.values()), model="hybrid")
+    twos = {name: argv(name, start + flags) for name, flags in LAYOUTS.items()}
+    for at in RESUMED_AT:  # EP = 2 resumed from its own checkpoints around the switch
+        twos[f"ep2@{at}"] = HYBRID_MOE + LAYOUTS["ep2"] + [
+            "--tensorboard-dir", str(root / f"tb_ep2@{at}"),
+            "--load", str(root / "ep2"), "--ckpt-step", str(at),
+        ]  # fmt: skip
+    _, (*last,) = run_distributed(child, 2, runs=list(twos.values()), model="hybrid")
+    texts = dict(zip([*ones, *twos], [*printed, *last]))
+    return {
+        name: (text, scalars(str(root / f"tb_{name}")), str(root / name))
+        for name, text in texts.items()
+    }
+
+
+@pytest.mark.slow
+def test_a_hybrid_moe_trains_through_the_switch_logging_both_losses(hybrid_runs):
+    from tests.launcher import log_lines
+
+    text, tb, save = hybrid_runs["scratch"]
+    lines = log_lines(text)
+    assert all("mce loss" in lines[i] and "lm loss" not in lines[i] for i in (1, 2, 3)), lines
+    assert all(lines[i].get("lm loss", 0) > 0 for i in (4, 5, 6)), lines
+    assert "TST: phase 2 (next-token) from iteration 3 (switch at 3)" in text
+    assert sorted(tb["mce loss"]) == [1, 2, 3] and sorted(tb["lm loss"]) == [4, 5, 6]
+    assert all(v > 0 for v in tb["load_balancing_loss"].values())
+    one = hybrid_runs["one"][2]
+    assert {"iter_0000003", "iter_0000006"} <= set(os.listdir(one)), os.listdir(one)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_each_hybrid_layout_trains_through_the_switch_as_one_process(layout, hybrid_runs):
+    text, tb, save = hybrid_runs[layout]
+    _, ref, _ = hybrid_runs["one"]
+    got, want = _train_losses(tb), _train_losses(ref)
+    assert sorted(got) == sorted(want) == [2, 3, 4, 5, 6], text[-3000:]
+    for i in want:
+        assert got[i] == pytest.approx(want[i], rel=REL, abs=0), (layout, i)
+    for i in (3, 6):
+        assert tb["lm loss validation"][i] == pytest.approx(
+            ref["lm loss validation"][i], rel=REL, abs=0
+        ), (layout, i)
+    for i in (2, 3, 4, 5, 6):  # Megatron-LM's own log of the balancing loss, both phases
+        assert tb["load_balancing_loss"][i] == pytest.approx(
+            ref["load_balancing_loss"][i], rel=REL, abs=0
+        ), (layout, i)
+    assert {"iter_0000003", "iter_0000006"} <= set(os.listdir(save)), os.listdir(save)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("at", RESUMED_AT)
+def test_a_hybrid_resumed_around_the_switch_continues_bitwise(at, hybrid_runs):
+    text, resumed, _ = hybrid_runs[f"ep2@{at}"]
+    _, tb, _ = hybrid_runs["ep2"]
+    got, want = _train_losses(resumed), _train_losses(tb)
+    assert sorted(got) == list(range(at + 1, 7)), text[-3000:]
+    for i in got:  # the same layout, weights, optimizer state and data
+        assert got[i] == want[i], (at, i)
+    assert resumed["lm loss validation"][6] == tb["lm loss validation"][6]
+    assert sorted(resumed.get("mce loss", {})) == list(range(at + 1, 4))  # phase 1 until 3
