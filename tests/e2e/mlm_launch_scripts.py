@@ -387,6 +387,89 @@ SCRIPTS = {
 }
 
 
+# --- pretrain_hybrid.py: megatron-core's HybridModel (examples/pretrain_hybrid_tst.py) -------
+
+# NVIDIA/Megatron-LM main (2026-08) examples/mamba/train.sh, MODEL_SCALE="800M" (Mamba-2,
+# attention and MLP layers), with DATA_PATH=$DATA TOKENIZER_PATH=$SP_MODEL and its local
+# checkpoint/cache/TensorBoard directories; torchrun --nproc_per_node 8 (one node).
+MAMBA_800M = {
+    "world_size": 8,
+    "env": CONNECTIONS,
+    "argv": [
+        "--tensor-model-parallel-size", "1", "--sequence-parallel",
+        "--pipeline-model-parallel-size", "1", "--use-distributed-optimizer",
+        "--overlap-param-gather", "--overlap-grad-reduce", "--untie-embeddings-and-output-weights",
+        "--init-method-std", "0.02", "--position-embedding-type", "none",
+        "--hybrid-layer-pattern", "M-M-M--M-*M-M-M-M--*M-M-M-M-*M--M-M-M-*M-M--M-M-",
+        "--hidden-size", "1024", "--num-attention-heads", "16", "--group-query-attention",
+        "--num-query-groups", "8", "--seq-length", "4096", "--max-position-embeddings", "4096",
+        "--train-samples", "73242188", "--lr-warmup-samples", "50000",
+        "--lr-decay-samples", "73192188", "--save", CKPT, "--load", CKPT,
+        "--data-path", DATA, "--data-cache-path", CACHE, "--split", "99,1,0",
+        "--tokenizer-type", "GPTSentencePieceTokenizer", "--tokenizer-model", SP_MODEL,
+        "--distributed-backend", "nccl", "--micro-batch-size", "4", "--global-batch-size", "32",
+        "--lr", "2.5e-4", "--min-lr", "2.5e-5", "--lr-decay-style", "cosine",
+        "--weight-decay", "0.1", "--clip-grad", "1.0", "--attention-dropout", "0.0",
+        "--hidden-dropout", "0.0", "--disable-bias-linear", "--normalization", "RMSNorm",
+        "--adam-beta1", "0.9", "--adam-beta2", "0.95", "--log-interval", "10",
+        "--save-interval", "2000", "--eval-interval", "2000", "--eval-iters", "32", "--bf16",
+        "--use-mcore-models",
+        "--spec", "megatron.core.models.hybrid.hybrid_layer_specs", "hybrid_stack_spec",
+        "--no-create-attention-mask-in-dataloader", "--tensorboard-dir", TB,
+    ] + TST,
+}  # fmt: skip
+
+# NVIDIA-Nemotron-3-Nano-30B-A3B (Mamba-2, attention and a 128-expert MoE: sigmoid routing,
+# expert bias, a shared expert): its model flags as NVIDIA/Megatron-LM main (2026-08)
+# publishes them in examples/post_training/modelopt/conf/nvidia/
+# NVIDIA-Nemotron-3-Nano-30B-A3B-BF16.sh (MODEL_ARGS), less the three flags of the ModelOpt
+# scripts that pretrain_hybrid.py's parser does not have (--trust-remote-code,
+# --enable-experimental, --export-model-type HybridModel), its tokenizer a local directory; then
+# examples/mamba/train.sh's training flags (data, schedule, optimizer, logging) with TP 4 + SP,
+# EP 8 and the distributed optimizer, on 4 nodes of 8 GPUs.
+NEMOTRON3_NANO = {
+    "world_size": 32,
+    "env": CONNECTIONS,
+    "argv": [
+        # MODEL_ARGS
+        "--save-interval", "100000", "--micro-batch-size", "1",
+        "--moe-token-dispatcher-type", "alltoall", "--moe-permute-fusion",
+        "--use-fused-weighted-squared-relu", "--cross-entropy-loss-fusion",
+        "--cross-entropy-fusion-impl", "native", "--moe-router-score-function", "sigmoid",
+        "--moe-grouped-gemm", "--num-experts", "128", "--moe-router-topk", "6",
+        "--moe-aux-loss-coeff", "1e-4", "--moe-router-topk-scaling-factor", "2.5",
+        "--moe-router-enable-expert-bias", "--moe-router-dtype", "fp32",
+        "--moe-router-load-balancing-type", "seq_aux_loss",
+        "--moe-shared-expert-intermediate-size", "3712",
+        "--attention-backend", "flash", "--disable-gloo-process-groups",
+        "--mamba-num-heads", "64", "--mamba-head-dim", "64",
+        "--hybrid-layer-pattern", "MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME",
+        "--use-mcore-models", "--untie-embeddings-and-output-weights", "--disable-bias-linear",
+        "--init-method-std", "0.0173", "--position-embedding-type", "none", "--squared-relu",
+        "--hidden-size", "2688", "--num-attention-heads", "32", "--group-query-attention",
+        "--num-query-groups", "2", "--ffn-hidden-size", "1856", "--kv-channels", "128",
+        "--normalization", "RMSNorm",
+        "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", HF_DIR, "--bf16",
+        "--seq-length", "8192", "--max-position-embeddings", "8192",
+        # examples/mamba/train.sh's training flags, with the layout above
+        "--tensor-model-parallel-size", "4", "--sequence-parallel",
+        "--expert-model-parallel-size", "8", "--use-distributed-optimizer",
+        "--overlap-param-gather", "--overlap-grad-reduce",
+        "--train-samples", "73242188", "--lr-warmup-samples", "50000",
+        "--lr-decay-samples", "73192188", "--save", CKPT, "--load", CKPT,
+        "--data-path", DATA, "--data-cache-path", CACHE, "--split", "99,1,0",
+        "--global-batch-size", "256", "--lr", "2.5e-4", "--min-lr", "2.5e-5",
+        "--lr-decay-style", "cosine", "--weight-decay", "0.1", "--clip-grad", "1.0",
+        "--attention-dropout", "0.0", "--hidden-dropout", "0.0",
+        "--adam-beta1", "0.9", "--adam-beta2", "0.95", "--log-interval", "10",
+        "--eval-interval", "2000", "--eval-iters", "32", "--tensorboard-dir", TB,
+    ] + TST,
+}  # fmt: skip
+
+#: The pretrain_hybrid.py lines that pass the hybrid launcher's dry run as they are.
+HYBRID_SCRIPTS = {"mamba_800m": MAMBA_800M, "nemotron3_nano_30b_a3b": NEMOTRON3_NANO}
+
+
 # --- the same scripts shrunk to 2 CPU processes -------------------------------------------
 
 

@@ -112,3 +112,38 @@ def test_deepseek_v3_as_published_passes_unchanged():
     result = _run(scripts.DEEPSEEK_V3)
     assert result.returncode == 0, result.stderr
     assert "MTP 1 layer(s)" in result.stdout
+
+
+@pytest.mark.parametrize("name", sorted(scripts.HYBRID_SCRIPTS))
+def test_public_hybrid_launch_line_passes_the_hybrid_dry_run(name):
+    """``pretrain_hybrid.py`` lines pass ``examples/pretrain_hybrid_tst.py --dry-run`` at their
+    world size; the GPT launcher refuses them in one line naming the hybrid launcher; on a CPU
+    their Mamba-2 layers are one line naming mamba_ssm."""
+    script = scripts.HYBRID_SCRIPTS[name]
+    env = {"WORLD_SIZE": str(script["world_size"]), **script["env"]}
+    result = dry(script["argv"], env=env, model="hybrid")
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    pattern = script["argv"][script["argv"].index("--hybrid-layer-pattern") + 1]
+    counts = {s: pattern.count(s) for s in "M*-E"}
+    assert (
+        f"model: HybridModel '{pattern}': {counts['M']} Mamba-2 (M), {counts['*']} attention" in out
+    )
+    assert "TST: bag size 4," in out and out.rstrip().endswith("dry run: no problems found")
+    gpt = dry(script["argv"], env=env)
+    errors = _errors(gpt.stderr)
+    assert gpt.returncode == 2 and len(errors) == 1, gpt.stderr
+    assert "--hybrid-layer-pattern" in errors[0] and "examples/pretrain_hybrid_tst.py" in errors[0]
+    cpu = dry(script["argv"] + ["--device", "cpu"], env=env, model="hybrid")
+    assert [e for e in _errors(cpu.stderr) if "Mamba-2 layers (M) need the mamba_ssm package" in e]
+
+
+def test_the_nemotron_line_keeps_its_moe_settings():
+    out = _run_hybrid(scripts.NEMOTRON3_NANO).stdout
+    assert "world 32 = TP 4 x CP 1 x PP 1 x DP 8; VPP 1; EP 8, ETP 4" in out
+    assert "128 experts of 1856, top-6, shared expert 3712" in out
+
+
+def _run_hybrid(script):
+    env = {"WORLD_SIZE": str(script["world_size"]), **script["env"]}
+    return dry(script["argv"], env=env, model="hybrid")

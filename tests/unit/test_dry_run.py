@@ -31,9 +31,10 @@ SMALL = [
 ]  # fmt: skip
 
 
-def dry(argv, env=None):
+def dry(argv, env=None, model="gpt"):
     """``dry_run(argv + --dry-run)`` in this process with ``env`` over a clean environment
-    (no RANK/WORLD_SIZE/CUDA_DEVICE_MAX_CONNECTIONS): ``(returncode, stdout, stderr)``."""
+    (no RANK/WORLD_SIZE/CUDA_DEVICE_MAX_CONNECTIONS), for the launcher of ``model`` (``"gpt"``
+    or ``"hybrid"``): ``(returncode, stdout, stderr)``."""
     from tst_megatron.training.dry_run import dry_run
 
     drop = ("RANK", "WORLD_SIZE", "SLURM_PROCID", "CUDA_DEVICE_MAX_CONNECTIONS")
@@ -41,7 +42,7 @@ def dry(argv, env=None):
     out, err = io.StringIO(), io.StringIO()
     with mock.patch.dict(os.environ, {**environ, **(env or {})}, clear=True):
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            code = dry_run([*argv, "--dry-run"])
+            code = dry_run([*argv, "--dry-run"], model=model)
     return SimpleNamespace(returncode=code, stdout=out.getvalue(), stderr=err.getvalue())
 
 
@@ -477,3 +478,75 @@ def test_phase_1_flags_without_a_bag_size_and_a_phase_1_filling_the_run_are_note
     assert "note: phase 1 fills all 10 iterations: this run trains no next-token" in r.stdout
     quiet = dry(SMALL)
     assert "phase1" not in quiet.stdout and "phase 1 fills" not in quiet.stdout
+
+
+def _without(argv, flag):
+    i = argv.index(flag)
+    return argv[:i] + argv[i + 2 :]
+
+
+#: SMALL as a HybridModel line: attention and MoE layers by pattern, on a CPU.
+HYBRID = _without(_without(SMALL, "--num-layers"), "--tst-bag-size") + [
+    "--device", "cpu", "--hybrid-layer-pattern", "*E*E", "--num-experts", "4",
+    "--moe-router-topk", "2", "--disable-bias-linear", "--tst-bag-size", "2",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "change, expected",
+    [
+        (("--hybrid-layer-pattern", None), "give --hybrid-layer-pattern"),
+        (("--num-experts", None), "has MoE layers (E): give --num-experts"),
+        (("--hybrid-layer-pattern", "M*E*"), "Mamba-2 layers (M) need the mamba_ssm package"),
+        (("--hybrid-layer-pattern", "G*E*"), "gated delta net layers (G) need the fla package"),
+        (("--hybrid-layer-pattern", "D-E-"), "DeepSeek sparse attention layers (D) need"),
+        (("--moe-layer-freq", "[1,0,1,0]"), "--moe-layer-freq (a HybridModel places"),
+        (("--use-rope-scaling", ""), "--use-rope-scaling (HybridModel takes no RoPE scaling)"),
+        (("--mtp-num-layers", "1"), "without an MTP pattern"),
+        (("--hybrid-layer-pattern", "*E*E/*E"), "multi-token prediction ('/') with a TST phase 1"),
+    ],
+)
+def test_the_hybrid_launcher_refuses_what_its_model_cannot_run_in_one_line(change, expected):
+    """``examples/pretrain_hybrid_tst.py``: one line each; the valid line passes."""
+    ok = dry(HYBRID, model="hybrid")
+    assert ok.returncode == 0, ok.stderr
+    assert "model: HybridModel '*E*E': 2 attention (*), 2 MoE (E);" in ok.stdout
+    flag, value = change
+    argv = list(HYBRID)
+    if flag in argv:
+        i = argv.index(flag)
+        argv[i + 1 : i + 2] = [value] if value is not None else []
+        if value is None:
+            del argv[i]
+            argv += ["--num-layers", "4"] if flag == "--hybrid-layer-pattern" else []
+    else:
+        argv += [flag] + ([value] if value else [])
+    if "/" in (value or "") or flag == "--mtp-num-layers":
+        argv += ["--position-embedding-type", "rope"]  # Megatron-LM's MTP rule
+    result = dry(argv, model="hybrid")
+    errors = _errors(result.stderr)
+    assert result.returncode == 2 and len(errors) == 1, result.stderr
+    assert expected in errors[0], errors[0]
+
+
+def test_a_hybrid_mtp_pattern_without_a_phase_1_is_accepted():
+    argv = _without(HYBRID, "--tst-bag-size") + ["--position-embedding-type", "rope"]
+    argv[argv.index("*E*E")] = "*E*E/*E"
+    result = dry(argv, model="hybrid")
+    assert result.returncode == 0, result.stderr
+    assert "MTP 1 x '*E'" in result.stdout
+
+
+def test_a_kernel_family_needs_its_package_in_a_gpu_launch():
+    """On a GPU a launch (not a dry run) checks that ``mamba_ssm``/``fla`` import."""
+    import argparse
+    import importlib.util
+
+    from tst_megatron.training.checks.model import hybrid_package_problems
+
+    args = argparse.Namespace(hybrid_layer_pattern="M*G*")
+    found = hybrid_package_problems(args, "cuda")
+    for package in ("mamba_ssm", "fla"):
+        missing = importlib.util.find_spec(package) is None
+        assert missing == any(f"need the {package} package" in line for line in found)
+    assert hybrid_package_problems(args, "cpu") == []  # the CPU rule names them instead

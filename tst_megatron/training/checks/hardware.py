@@ -66,7 +66,9 @@ def without_te_problems(
         problems.append(
             f"--fp8-format {args.fp8} needs Transformer Engine and CUDA, which this run lacks"
         )
-    if args.multi_latent_attention and args.transformer_impl == "local":
+    # a hybrid pattern's MLA or DSA layers ('+', 'D') turn MLA on: the hybrid rule names them
+    by_pattern = set(getattr(args, "hybrid_layer_pattern", None) or "") & {"+", "D"}
+    if args.multi_latent_attention and args.transformer_impl == "local" and not by_pattern:
         problems.append(
             "--multi-latent-attention needs --transformer-impl transformer_engine: megatron-core "
             "0.19's local spec builds MLA's core attention with arguments its "

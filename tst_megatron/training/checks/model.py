@@ -99,6 +99,25 @@ def hybrid_pattern_problems(args, device: str) -> list[str]:
     return found
 
 
+#: The package each kernel family imports on a GPU (megatron-core 0.19.2: ``ssm/mamba_mixer.py``
+#: imports ``mamba_ssm``, ``ssm/gated_delta_net.py`` ``fla``).
+FAMILY_PACKAGES = {"M": "mamba_ssm", "G": "fla"}
+
+
+def hybrid_package_problems(args, device: str) -> list[str]:
+    """In a launch on a GPU: each kernel family of the pattern whose package is not installed
+    here (:data:`FAMILY_PACKAGES`), one line naming it. A dry run assumes the cluster has them."""
+    import importlib.util
+
+    pattern = args.hybrid_layer_pattern or ""
+    return [
+        f"--hybrid-layer-pattern {pattern}: {symbol} layers need the {package} package, which "
+        "is not installed here"
+        for symbol, package in FAMILY_PACKAGES.items()
+        if device == "cuda" and symbol in pattern and importlib.util.find_spec(package) is None
+    ]
+
+
 def model_problems(args) -> list[str]:
     """Model settings megatron-core 0.19 refuses only while building the model: heads not
     divisible by ``--num-query-groups``, a shared expert with biases, a ``--moe-layer-freq``
@@ -135,6 +154,8 @@ def problems(launch) -> list[str]:
     found = model_problems(launch.args)
     if launch.model == "hybrid":
         found += hybrid_pattern_problems(launch.args, launch.device)
+        if launch.launch:
+            found += hybrid_package_problems(launch.args, launch.device)
         found += hybrid_mtp_problems(launch.args, launch.plan.n1)
         found += gpt_only_problems(launch.args)
     return found
