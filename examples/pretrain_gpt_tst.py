@@ -5,17 +5,9 @@ flags. Launch it as ``pretrain_gpt.py`` (torchrun, the same flags) with ``--tst-
 ``tst_megatron/training/cli.py``.
 """
 
-import warnings
+from tst_megatron.quiet import quiet_missing_package_notices
 
-# megatron-core announces at import each optional package it lacks (Transformer Engine, Apex):
-# about ten UserWarning lines before any output. The launcher refuses in one line every
-# setting that needs one of them, so these notices are hidden.
-for _notice in (
-    "Transformer Engine and Apex are not installed",
-    "Apex is not installed",
-    r"Only transformer-engine>=1\.7\.0 supports MoE experts",
-):
-    warnings.filterwarnings("ignore", message=_notice, category=UserWarning)
+quiet_missing_package_notices()  # before megatron-core is imported
 
 from tst_megatron.training.cli import main  # noqa: E402
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import os
 import re
-import zlib
 
 import pytest
 import torch
@@ -27,6 +26,7 @@ import torch
 pytest.importorskip("megatron.training")
 
 from tests.distributed.harness import run_distributed  # noqa: E402
+from tests.distributed.test_gpt_seam import _set_weights  # noqa: E402
 
 V, T, S, B, L = 96, 8, 2, 2, 2
 
@@ -76,14 +76,6 @@ def _gpt_to_hybrid(name: str) -> str:
         attention = rest.startswith(("input_layernorm", "self_attention"))
         return f"decoder.layers.{2 * i + (0 if attention else 1)}.{rest}"
     return name.replace("decoder.final_layernorm", "decoder.final_norm")
-
-
-def _set_weights(model):
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
-            base = 1.0 if "norm" in name else 0.0
-            param.copy_(base + 0.2 * torch.randn(param.shape, generator=g))
 
 
 def _run(model, tokens, upstream, targets, bags, phase):

@@ -12,6 +12,7 @@ import sys
 import pytest
 
 from tests.unit.test_dry_run import SMALL, dry
+from tests.unit.test_megatron_lm_args import _TINY_RESUME
 from tst_megatron.training.checks import deprecated
 from tst_megatron.training.validate import check
 
@@ -138,11 +139,10 @@ def test_an_exit_inside_megatron_lms_validation_is_an_error_not_a_silent_success
     assert len(checked.problems) == 1 and "exited" in checked.problems[0], checked.problems
 
 
-#: Launch lines that print notes: (extra flags, a note each must print). A tiny TST line of
-#: 2 iterations, stopped after the first.
+#: Launch lines that print notes: (extra flags, a note each must print).
 NOTED = {
     "deprecated flag": (["--use-mcore-models"], "--use-mcore-models is deprecated"),
-    "phase 1 fills the run": (["--tst-phase1-iters", "2"], "phase 1 fills all 2 iterations"),
+    "phase 1 fills the run": (["--tst-phase1-iters", "6"], "phase 1 fills all 6 iterations"),
     "phase-1 flag, no bag size": (
         ["--tst-bag-size", "1", "--tst-phase1-iters", "1"],
         "--tst-phase1-iters without --tst-bag-size > 1",
@@ -153,14 +153,8 @@ NOTED = {
     ),
 }
 
-_NOTED_BASE = [
-    "--device", "cpu", "--mock-data", "--tokenizer-type", "NullTokenizer",
-    "--vocab-size", "128", "--num-layers", "1", "--hidden-size", "32",
-    "--num-attention-heads", "4", "--seq-length", "16", "--max-position-embeddings", "16",
-    "--micro-batch-size", "2", "--global-batch-size", "2", "--train-iters", "2",
-    "--lr", "1e-3", "--eval-interval", "2", "--eval-iters", "1", "--num-workers", "0",
-    "--tst-bag-size", "2", "--tst-phase1-iters", "1", "--exit-interval", "1",
-]  # fmt: skip
+#: the resume tests' tiny TST line (6 iterations, N1 = 3), stopped after its first step
+_NOTED_BASE = _TINY_RESUME + ["--exit-interval", "1"]
 
 
 def _with(argv, extra):
