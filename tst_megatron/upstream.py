@@ -65,7 +65,7 @@ WORKAROUNDS = (
         "tests/distributed/test_megatron_lm_moe.py",
     ),
     Workaround(
-        "tst_megatron.training.loss_seam._ScoredRowsOnly",
+        "tst_megatron.training.seams._ScoredRowsOnly",
         "the CE backward (softmax - onehot) * g gives nan * 0 = nan at masked positions with "
         "non-finite logits",
         "tests/distributed/test_gpt_seam.py",

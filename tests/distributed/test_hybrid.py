@@ -31,7 +31,7 @@ from tests.distributed.test_gpt_seam import _set_weights  # noqa: E402
 V, T, S, B, L = 96, 8, 2, 2, 2
 
 
-def _config(num_layers, experts=None):
+def _config(num_layers, experts=None, **extra):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     moe = (
@@ -49,13 +49,14 @@ def _config(num_layers, experts=None):
         attention_dropout=0.0,
         calculate_per_token_loss=True,
         **moe,
+        **extra,
     )
 
 
-def _hybrid(pattern, experts=None, cls=None):
+def _hybrid(pattern, experts=None, cls=None, **extra):
     from tst_megatron.training.hybrid import TSTHybridModel, local_hybrid_stack_spec
 
-    config = _config(len(pattern), experts)
+    config = _config(len(pattern.split("/")[0]), experts, **extra)
     return (cls or TSTHybridModel)(
         config=config,
         hybrid_stack_spec=local_hybrid_stack_spec(config),
@@ -218,6 +219,7 @@ def hybrid_runs(tmp_path_factory):
     start = ["--load", str(root / "scratch"), "--ckpt-step", "1", "--no-load-optim"]
     start += ["--no-load-rng", "--save-interval", "1"]
     ones = {"scratch": argv("scratch", ["--save-interval", "1"]), "one": argv("one", start)}
+    ones["mtp"] = argv("mtp", ["--hybrid-layer-pattern", "*E*E/*E", "--save-interval", "3"])
     ((*printed,),) = run_distributed(child, 1, runs=list(ones.values()), model="hybrid")
     twos = {name: argv(name, start + flags) for name, flags in LAYOUTS.items()}
     for at in RESUMED_AT:  # EP = 2 resumed from its own checkpoints around the switch
@@ -279,3 +281,56 @@ def test_a_hybrid_resumed_around_the_switch_continues_bitwise(at, hybrid_runs):
         assert got[i] == want[i], (at, i)
     assert resumed["lm loss validation"][6] == tb["lm loss validation"][6]
     assert sorted(resumed.get("mce loss", {})) == list(range(at + 1, 4))  # phase 1 until 3
+
+
+def _mtp_child(rank, world):
+    from tst_megatron.runtime import ParallelConfig, initialize_model_parallel, set_seed
+    from tst_megatron.superposition import align_bag_targets, fold_bags
+
+    initialize_model_parallel(ParallelConfig())
+    set_seed(3)
+    g = torch.Generator().manual_seed(5)
+    tokens = torch.randint(0, V, (B, S * T + 1), generator=g)
+    upstream = torch.randn(B * T * S * S, generator=g) + 0.3
+    targets, _ = align_bag_targets(tokens[:, 1:], torch.ones(B, S * T), S)
+    bags = fold_bags(tokens[:, :-1], S)
+    with_mtp = _hybrid("*E*E/*E", 4, mtp_num_layers=1)
+    without = _hybrid("*E*E", 4)
+    _set_weights(with_mtp)
+    main = {k: v for k, v in with_mtp.state_dict().items() if not k.startswith("mtp.")}
+    without.load_state_dict(main, strict=True)
+    out = {"mtp": sorted(n for n, _ in with_mtp.named_parameters() if n.startswith("mtp."))}
+    for phase in (1, 2):
+        out[phase] = [_run(m, tokens, upstream, targets, bags, phase) for m in (with_mtp, without)]
+    return out
+
+
+def test_a_hybrid_mtp_block_is_skipped_in_phase_1_and_trains_in_phase_2():
+    """``*E*E/*E``: in phase 1 the MTP parameters get an exactly zero gradient and the rest
+    the gradients of the same model without MTP (the loss is the same); in phase 2 they
+    train."""
+    (r,) = run_distributed(_mtp_child, 1)
+    assert len(r["mtp"]) > 5, r["mtp"]
+    (ce, grads), (ce_plain, grads_plain) = r[1]
+    torch.testing.assert_close(ce, ce_plain, rtol=0, atol=0)
+    for name in r["mtp"]:
+        assert name in grads and torch.count_nonzero(grads[name]) == 0, name
+    for name, grad in grads_plain.items():
+        torch.testing.assert_close(grads[name], grad, rtol=0, atol=0, msg=name)
+    (_, grads2), _ = r[2]
+    assert all(torch.count_nonzero(grads2[name]) > 0 for name in r["mtp"] if "norm" not in name)
+
+
+@pytest.mark.slow
+def test_a_hybrid_with_mtp_trains_it_after_the_switch_only(hybrid_runs):
+    """``*E*E/*E`` through the launcher: the model is the HybridModel (its switch checkpoint
+    holds the hybrid stack's final norm and the MTP block), MTP's loss is logged in phase 2
+    only."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    text, tb, save = hybrid_runs["mtp"]
+    assert sorted(tb["mce loss"]) == [1, 2, 3] and sorted(tb["lm loss"]) == [4, 5, 6]
+    assert sorted(tb["mtp_1 loss"]) == [4, 5, 6] and all(v > 0 for v in tb["mtp_1 loss"].values())
+    names = FileSystemReader(f"{save}/iter_0000003").read_metadata().state_dict_metadata
+    assert any(k.startswith("decoder.final_norm.") for k in names), sorted(names)[:20]
+    assert any(k.startswith("mtp.layers.0.mtp_model_layer.") for k in names)

@@ -71,7 +71,7 @@ def main(argv: Optional[Sequence[str]] = None, *, model: str = "gpt") -> None:
     hook = None
     if getattr(checked.args, "mtp_num_layers", None) and plan.n1 > 0:
         fresh = FreshAdamForMTP(plan.n1)
-        provider = fresh.watch(model_provider)
+        provider = fresh.watch(provider)
         hook = register_optimizer_step_pre_hook(fresh)
     try:
         with upstream.distributed_optimizer_resume():

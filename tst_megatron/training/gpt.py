@@ -1,26 +1,24 @@
 """A megatron-core ``GPTModel`` that also scores bags: the loss seam
-(:class:`~tst_megatron.training.loss_seam.TSTLossSeam`, shared with the ``HybridModel`` of
-:mod:`tst_megatron.training.hybrid`) and phase 1's MTP skip (:meth:`TSTGPTModel._postprocess`).
+and phase 1's MTP skip (:mod:`tst_megatron.training.seams`, shared with the ``HybridModel`` of
+:mod:`tst_megatron.training.hybrid`), the latter entered in :meth:`TSTGPTModel._postprocess`.
 No parameter or buffer is added: state dicts and ``sharded_state_dict`` keys are a baseline
 ``GPTModel``'s.
 """
 
 from __future__ import annotations
 
-import torch
 from megatron.core.models.gpt import GPTModel
 
-from tst_megatron.superposition.embedding import run_forward_pre_hooks
-from tst_megatron.training.loss_seam import TSTLossSeam
+from tst_megatron.training.seams import PhaseOneMTPSkip, TSTLossSeam, idle_gradient
 
 
-class TSTGPTModel(TSTLossSeam, GPTModel):
+class TSTGPTModel(TSTLossSeam, PhaseOneMTPSkip, GPTModel):
     """A megatron-core ``GPTModel`` whose loss seam also takes ``[b, T, S]`` bag targets.
 
     Construction is ``GPTModel``'s. ``forward(..., labels=...)`` returns:
 
     - ``labels`` ``[b, T]`` (phase 2, validation): ``[b, T]`` fp32 per-token CE, megatron-core's
-      own (:class:`~tst_megatron.training.loss_seam.TSTLossSeam`).
+      own (:class:`~tst_megatron.training.seams.TSTLossSeam`).
     - ``labels`` ``[b, T, S]`` (phase 1, global ids in ``[0, V)``, not checked): ``[b, T, S]``
       fp32 per-slot CE ``logsumexp(z_j) - z_j[t_{j,k}]`` from
       :func:`~tst_megatron.superposition.vocab_parallel_multi_target_cross_entropy`, in place
@@ -43,18 +41,9 @@ class TSTGPTModel(TSTLossSeam, GPTModel):
             return super()._postprocess(
                 hidden_states, input_ids, position_ids, labels, *args, **kwargs
             )
-        idle = self._mtp_only_parameters()
-        # the skipped block's forward pre-hooks still run: megatron-core DDP waits there for
-        # its parameters' all-gather (--overlap-param-gather), which must not stay in flight
-        if not hasattr(self, "_idle_modules"):
-            owners = {id(p) for p in idle}
-            self._idle_modules = [
-                m for m in self.modules() if any(id(p) in owners for p in m.parameters(False))
-            ]
-        for module in self._idle_modules:
-            run_forward_pre_hooks(module, hidden_states)
+        idle = self._idle_mtp()  # :class:`~tst_megatron.training.seams.PhaseOneMTPSkip`
         if not self.post_process:
-            return _ZeroGradient.apply(hidden_states, *idle)
+            return idle_gradient(hidden_states, idle)
         output_weight = None
         if self.share_embeddings_and_output_weights:
             output_weight = self.shared_embedding_or_output_weight()
@@ -65,33 +54,4 @@ class TSTGPTModel(TSTLossSeam, GPTModel):
         )
         if self.config.use_mup:
             logits = self._scale_logits(logits)
-        return _ZeroGradient.apply(self.compute_language_model_loss(labels, logits), *idle)
-
-    def _mtp_only_parameters(self) -> list[torch.nn.Parameter]:
-        """This stage's trainable parameters only MTP uses: the MTP block's, and the
-        embedding's on a non-first stage (minus a tied output weight)."""
-        if not getattr(self, "mtp_process", False):
-            return []
-        params = list(self.mtp.parameters())
-        if not self.pre_process:
-            shared = None
-            if self.share_embeddings_and_output_weights and self.post_process:
-                shared = self.shared_embedding_or_output_weight()
-            params += [p for p in self.embedding.parameters() if p is not shared]
-        unique = {id(p): p for p in params if p.requires_grad}
-        return list(unique.values())
-
-
-class _ZeroGradient(torch.autograd.Function):
-    """Identity on ``output``; a broadcast zero gradient for each of ``params``, so their
-    grad hooks fire (megatron-core DDP's ``register_grad_ready``)."""
-
-    @staticmethod
-    def forward(ctx, output, *params):
-        ctx.like = [(p.shape, p.dtype, p.device) for p in params]
-        return output
-
-    @staticmethod
-    def backward(ctx, grad):
-        zeros = (torch.zeros((), dtype=d, device=dev).expand(shape) for shape, d, dev in ctx.like)
-        return (grad, *zeros)
+        return idle_gradient(self.compute_language_model_loss(labels, logits), idle)

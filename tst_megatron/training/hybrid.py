@@ -1,7 +1,7 @@
 """TST on megatron-core's ``HybridModel`` (Megatron-LM's ``pretrain_hybrid.py``): the same
 seams as on ``GPTModel``. The forward steps embed phase 1's bags with the model's own
 ``embedding`` and pass them as ``decoder_input``; the loss is scored in
-``compute_language_model_loss`` (:class:`~tst_megatron.training.loss_seam.TSTLossSeam`).
+``compute_language_model_loss`` (:class:`~tst_megatron.training.seams.TSTLossSeam`).
 
 The layer families of ``--hybrid-layer-pattern`` (megatron-core's ``Symbols``): ``*``
 attention, ``-`` dense MLP and ``E`` MoE run on megatron-core's local modules
@@ -28,7 +28,7 @@ from megatron.core.transformer.transformer_layer import (
 )
 
 from tst_megatron.runtime.norm import SequenceParallelNorm
-from tst_megatron.training.loss_seam import TSTLossSeam
+from tst_megatron.training.seams import PhaseOneMTPSkip, TSTLossSeam, idle_gradient
 
 #: The layer symbols :func:`local_hybrid_stack_spec` builds: attention, dense MLP, MoE.
 LOCAL_FAMILIES = "*-E"
@@ -42,16 +42,34 @@ KERNEL_FAMILIES = {
 }
 
 
-class TSTHybridModel(TSTLossSeam, HybridModel):
+class TSTHybridModel(TSTLossSeam, PhaseOneMTPSkip, HybridModel):
     """A megatron-core ``HybridModel`` whose loss seam also takes ``[b, T, S]`` bag targets.
 
-    Construction and ``forward`` are ``HybridModel``'s; ``forward(..., labels=...)`` returns
-    ``[b, T]`` fp32 per-token CE (phase 2), ``[b, T, S]`` fp32 per-slot CE (phase 1,
-    :class:`~tst_megatron.training.loss_seam.TSTLossSeam`) or, with ``labels=None``,
+    Construction is ``HybridModel``'s; ``forward(..., labels=...)`` returns ``[b, T]`` fp32
+    per-token CE (phase 2), ``[b, T, S]`` fp32 per-slot CE (phase 1,
+    :class:`~tst_megatron.training.seams.TSTLossSeam`) or, with ``labels=None``,
     batch-first logits ``[b, T, V/tp]``. Parameters and state-dict keys are a
-    ``HybridModel``'s. Multi-token prediction (``/`` in the pattern) with a phase 1 is refused
-    by the rules: ``HybridModel`` runs its MTP block on ``input_ids``, which phase 1 lacks.
+    ``HybridModel``'s. Multi-token prediction (``/`` in the pattern) trains in phase 2 only, as
+    on the GPT path (:class:`~tst_megatron.training.seams.PhaseOneMTPSkip`, entered in
+    :meth:`forward`).
     """
+
+    def forward(
+        self, input_ids, position_ids, attention_mask, decoder_input=None, labels=None, **kwargs
+    ):
+        """``HybridModel.forward``, except with ``[b, T, S]`` labels on a stage that runs MTP:
+        the MTP block is skipped (``HybridModel`` runs it on ``input_ids``, which phase 1's
+        bag inputs lack) and the MTP-only parameters get an exactly zero gradient."""
+        args = (input_ids, position_ids, attention_mask, decoder_input, labels)
+        if labels is None or labels.dim() != 3 or not getattr(self, "mtp_process", False):
+            return super().forward(*args, **kwargs)
+        idle = self._idle_mtp()
+        self.mtp_process = False  # HybridModel.forward reads it for both MTP steps
+        try:
+            output = super().forward(*args, **kwargs)
+        finally:
+            self.mtp_process = True
+        return idle_gradient(output, idle)
 
 
 class LocalHybridStack(HybridStack):
@@ -78,7 +96,7 @@ def local_hybrid_stack_spec(config: TransformerConfig) -> ModuleSpec:
     modules and norms as a GPT layer), split as megatron-core's TE ``hybrid_stack_spec``
     splits them: the attention layer keeps ``input_layernorm`` and ``self_attention``, the
     MLP and MoE layers ``pre_mlp_layernorm`` and ``mlp``. The final norm:
-    :class:`LocalHybridStack`. No MTP block spec."""
+    :class:`LocalHybridStack`; the MTP block: :func:`local_hybrid_mtp_block_spec`."""
     from tst_megatron.training.model import local_layer_specs
 
     dense, moe = local_layer_specs(config)
@@ -98,7 +116,39 @@ def local_hybrid_stack_spec(config: TransformerConfig) -> ModuleSpec:
         layers["moe_layer"] = ModuleSpec(
             module=MoETransformerLayer, submodules=_mlp_only(moe.submodules)
         )
-    return ModuleSpec(module=LocalHybridStack, submodules=HybridStackSubmodules(**layers))
+    return ModuleSpec(
+        module=LocalHybridStack,
+        submodules=HybridStackSubmodules(**layers, mtp_block_spec=local_hybrid_mtp_block_spec()),
+    )
+
+
+def local_hybrid_mtp_block_spec() -> ModuleSpec:
+    """megatron-core's hybrid MTP block spec (``hybrid_layer_specs._hybrid_mtp_block_spec``:
+    norms and the projection; the inner layers are built from the pattern after ``/``) with
+    megatron-core's local column-parallel projection (``LocalSpecProvider``) and
+    :class:`~tst_megatron.runtime.norm.SequenceParallelNorm` norms."""
+    from megatron.core.models.backends import LocalSpecProvider
+    from megatron.core.transformer.multi_token_prediction import (
+        MultiTokenPredictionBlock,
+        MultiTokenPredictionBlockSubmodules,
+        MultiTokenPredictionLayer,
+        MultiTokenPredictionLayerSubmodules,
+    )
+
+    layer = ModuleSpec(
+        module=MultiTokenPredictionLayer,
+        submodules=MultiTokenPredictionLayerSubmodules(
+            enorm=SequenceParallelNorm,
+            hnorm=SequenceParallelNorm,
+            eh_proj=LocalSpecProvider().column_parallel_linear(),
+            mtp_model_layer=None,  # HybridModel builds it from the MTP pattern
+            layer_norm=SequenceParallelNorm,
+        ),
+    )
+    return ModuleSpec(
+        module=MultiTokenPredictionBlock,
+        submodules=MultiTokenPredictionBlockSubmodules(layer_specs=[layer]),
+    )
 
 
 def _mlp_only(sub: TransformerLayerSubmodules) -> TransformerLayerSubmodules:

@@ -156,33 +156,22 @@ def problems(launch) -> list[str]:
         found += hybrid_pattern_problems(launch.args, launch.device)
         if launch.launch:
             found += hybrid_package_problems(launch.args, launch.device)
-        found += hybrid_mtp_problems(launch.args, launch.plan.n1)
+        found += hybrid_mtp_problems(launch.args)
         found += gpt_only_problems(launch.args)
     return found
 
 
-def hybrid_mtp_problems(args, n1: int) -> list[str]:
-    """Multi-token prediction on a ``HybridModel``: ``--mtp-num-layers`` without an MTP pattern
-    (Megatron-LM 0.19 only warns and builds no MTP layer), and MTP with a TST phase 1
-    (``HybridModel`` runs its MTP block on ``input_ids``, which phase 1's bag inputs lack;
-    the GPT launcher skips it there)."""
+def hybrid_mtp_problems(args) -> list[str]:
+    """``--mtp-num-layers`` on a ``HybridModel`` without an MTP pattern: Megatron-LM 0.19 only
+    warns and builds no MTP layer."""
     pattern = args.hybrid_layer_pattern or ""
-    if not getattr(args, "mtp_num_layers", None):
+    if not getattr(args, "mtp_num_layers", None) or "/" in pattern:
         return []
-    if "/" not in pattern:
-        return [
-            f"--mtp-num-layers {args.mtp_num_layers} without an MTP pattern: a HybridModel "
-            "builds its MTP layers from '/' in --hybrid-layer-pattern (e.g. '*E*E/*E'), so "
-            "this run would have none"
-        ]
-    if n1 > 0:
-        return [
-            f"--hybrid-layer-pattern {pattern}: multi-token prediction ('/') with a TST phase 1 "
-            "is not supported on a HybridModel yet (its MTP block embeds input_ids, which "
-            "phase 1's bag inputs lack); drop the MTP part, or launch "
-            f"{LAUNCHERS['gpt']} with --mtp-num-layers"
-        ]
-    return []
+    return [
+        f"--mtp-num-layers {args.mtp_num_layers} without an MTP pattern: a HybridModel "
+        "builds its MTP layers from '/' in --hybrid-layer-pattern (e.g. '*E*E/*E'), so "
+        "this run would have none"
+    ]
 
 
 def notes(launch) -> list[str]:

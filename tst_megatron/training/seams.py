@@ -1,6 +1,13 @@
-"""The loss seam TST shares between megatron-core's ``GPTModel`` and ``HybridModel``: both
-score their logits in ``compute_language_model_loss(labels, logits)`` (megatron-core's
-``LanguageModule``), which :class:`TSTLossSeam` extends to phase 1's bags.
+"""The seams TST shares between megatron-core's ``GPTModel`` and ``HybridModel``, one mixin
+each, used by :class:`~tst_megatron.training.gpt.TSTGPTModel` and
+:class:`~tst_megatron.training.hybrid.TSTHybridModel`:
+
+- :class:`TSTLossSeam`: both score their logits in ``compute_language_model_loss(labels,
+  logits)`` (megatron-core's ``LanguageModule``), which it extends to phase 1's bags;
+- :class:`PhaseOneMTPSkip`: phase 1 skips the multi-token-prediction block, whose parameters
+  get an exactly zero gradient (and a fresh Adam at the switch,
+  :class:`~tst_megatron.training.switch.FreshAdamForMTP`, which reads
+  :meth:`PhaseOneMTPSkip._mtp_only_parameters`).
 
 Phase 1's multi-hot cross-entropy is scored there on the sequence-first logits
 ``[T, b, V/tp]``, as megatron-core scores its own, with no batch-first copy.
@@ -11,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from tst_megatron.superposition import vocab_parallel_multi_target_cross_entropy
+from tst_megatron.superposition.embedding import run_forward_pre_hooks
 
 
 class TSTLossSeam:
@@ -85,3 +93,65 @@ class _ScoredRowsOnly(torch.autograd.Function):
         if grad_logits.is_contiguous():  # the cross-entropy's own buffer
             return grad_logits.masked_fill_(unscored, 0.0), None, None
         return grad_logits.masked_fill(unscored, 0.0), None, None
+
+
+# --- phase 1 skips multi-token prediction ----------------------------------------------
+
+
+class PhaseOneMTPSkip:
+    """Mixin for a megatron-core ``GPTModel`` or ``HybridModel`` with multi-token prediction:
+    megatron-core's MTP block embeds the next input token, which phase 1 (bag-mean inputs)
+    lacks, so a phase-1 forward skips it. Its parameters (:meth:`_mtp_only_parameters`) then
+    get an exactly zero gradient (:meth:`_idle_mtp`), so that megatron-core DDP's grad hooks
+    fire (``--overlap-grad-reduce``) and their Adam moments stay zero until the switch.
+    """
+
+    def _mtp_only_parameters(self) -> list[torch.nn.Parameter]:
+        """This stage's trainable parameters only MTP uses: the MTP block's, and the
+        embedding's on a non-first stage (minus a tied output weight)."""
+        if not getattr(self, "mtp_process", False):
+            return []
+        params = list(self.mtp.parameters())
+        if not self.pre_process:
+            shared = None
+            if self.share_embeddings_and_output_weights and self.post_process:
+                shared = self.shared_embedding_or_output_weight()
+            params += [p for p in self.embedding.parameters() if p is not shared]
+        unique = {id(p): p for p in params if p.requires_grad}
+        return list(unique.values())
+
+    def _idle_mtp(self) -> list[torch.nn.Parameter]:
+        """:meth:`_mtp_only_parameters`, after running the forward pre-hooks of the modules
+        that own them: megatron-core DDP waits there for their all-gather
+        (``--overlap-param-gather``), which must not stay in flight while the block is
+        skipped. Wrap the forward's output in ``idle_gradient(output, idle)``."""
+        idle = self._mtp_only_parameters()
+        if not hasattr(self, "_idle_modules"):
+            owners = {id(p) for p in idle}
+            self._idle_modules = [
+                m for m in self.modules() if any(id(p) in owners for p in m.parameters(False))
+            ]
+        for module in self._idle_modules:
+            run_forward_pre_hooks(module)
+        return idle
+
+
+def idle_gradient(output: torch.Tensor, idle) -> torch.Tensor:
+    """``output`` unchanged; in backward, a zero gradient for each parameter of ``idle``
+    (:class:`_ZeroGradient`)."""
+    return _ZeroGradient.apply(output, *idle)
+
+
+class _ZeroGradient(torch.autograd.Function):
+    """Identity on ``output``; a broadcast zero gradient for each of ``params``, so their
+    grad hooks fire (megatron-core DDP's ``register_grad_ready``)."""
+
+    @staticmethod
+    def forward(ctx, output, *params):
+        ctx.like = [(p.shape, p.dtype, p.device) for p in params]
+        return output
+
+    @staticmethod
+    def backward(ctx, grad):
+        zeros = (torch.zeros((), dtype=d, device=dev).expand(shape) for shape, d, dev in ctx.like)
+        return (grad, *zeros)
