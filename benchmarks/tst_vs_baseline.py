@@ -1066,6 +1066,79 @@ def speedup_section(rows: list, labels: list) -> list:
     return lines
 
 
+#: The confidence level of the paired intervals.
+LEVEL = 0.95
+
+
+def paired_interval(values: list, level: float = LEVEL) -> tuple:
+    """``(mean, low, high)`` of paired gaps over the seeds: Student's t interval
+    ``mean +- t_{(1+level)/2, n-1} * s / sqrt(n)``, ``s`` the sample standard deviation
+    (``scipy.stats.t``); ``low`` and ``high`` are nan for one seed.
+
+    Gaps -0.1, 0.0, +0.1: mean 0, s = 0.1, t_{0.975, 2} = 4.303: ``(0, -0.248, +0.248)``."""
+    import math
+    import statistics
+
+    mean = statistics.fmean(values)
+    if len(values) < 2:
+        return mean, math.nan, math.nan
+    from scipy.stats import t
+
+    half = t.ppf((1 + level) / 2, len(values) - 1) * statistics.stdev(values) / len(values) ** 0.5
+    return mean, mean - half, mean + half
+
+
+def verdict(low: float, high: float) -> str:
+    """``ahead`` (the whole interval below zero), ``behind`` (above), else ``tie``."""
+    if high < 0:
+        return "ahead"
+    if low > 0:
+        return "behind"
+    return "tie (the interval holds 0)"
+
+
+def statistics_section(rows: list, labels: list) -> list:
+    """The report's paired statistics at each length run at two seeds or more: the mean gap,
+    its t interval (:func:`paired_interval`), the seeds below the baseline, the equal-loss
+    speedup at the mean gap and at the interval's ends (:func:`equal_loss_speedup` on the
+    baseline curve of :func:`baseline_curve`: a lower gap is a higher speedup) and the
+    verdict (:func:`verdict`)."""
+    curve = baseline_curve(rows)
+    body = []
+    for r in rows:
+        for label in labels:
+            values = seed_gaps(r, label)
+            if len(values) < 2:
+                continue
+            mean, low, high = paired_interval(values)
+            at = dict(curve)[r["steps"]]
+            speed = [equal_loss_speedup(curve, r["steps"], at + g) for g in (mean, high, low)]
+            (m, mw), (lo, lw), (hi, hw) = speed
+            below = sum(v < 0 for v in values)
+            body.append(
+                f"| {r['steps']} | {label} | {len(values)} | {mean:+.4f} | "
+                f"[{low:+.4f}, {high:+.4f}] | {below} of {len(values)} | "
+                f"{mw}{m:.2f} [{lw}{lo:.2f}, {hw}{hi:.2f}] | {verdict(low, high)} |"
+            )
+    if not body:
+        return []
+    return [
+        "",
+        "## Paired statistics over the seeds",
+        "",
+        f"Each row: the mean paired gap (TST - the same seed's baseline), its {LEVEL:.0%} "
+        "interval by Student's t over the seeds (n - 1 degrees of freedom, `scipy.stats.t`), "
+        "how many seeds are below their baseline, and the equal-loss speedup (as above) at "
+        "the mean gap, in brackets at the interval's ends (`>a`, `<a`: beyond the measured "
+        "baselines). Ahead or behind only where the whole interval is on one side of 0.",
+        "",
+        f"| steps | arm | seeds | mean gap | {LEVEL:.0%} t-interval | seeds below | "
+        "equal-loss speedup | verdict |",
+        "|---|---|---|---|---|---|---|---|",
+        *body,
+    ]
+
+
 def dense_speedup_report(path: str) -> str:
     """The equal-loss speedups of the dense horizons table ``path`` (its markdown table:
     steps, LR, baseline loss, then per arm ``mean [min, max]`` gaps): the baseline curve is
@@ -1215,6 +1288,7 @@ def horizons_report(args, rows: list, labels: list, train_tokens: int, name: str
         lines.append(crossing_text(label, gaps(rows, label), seeds[-1] if seeds else None))
     lines += ["", below_text(rows, labels), ""]
     lines += ranking_lines(rows, labels) + speedup_section(rows, labels)
+    lines += statistics_section(rows, labels)
     lines += [
         "",
         f"![TST - baseline against steps]({name}.png)",

@@ -20,12 +20,14 @@ from tst_vs_baseline import (  # noqa: E402
     dense_table,
     equal_loss_speedup,
     equal_loss_steps,
+    paired_interval,
     parse,
     parse_arms,
     ranking_lines,
     router_verdict,
     seed_speedups,
     speedup_cell,
+    statistics_section,
 )
 
 
@@ -53,6 +55,59 @@ def test_equal_loss_steps_by_hand():
 
 def _arm(loss):
     return {"valid": [(0, 9.0), (100, loss)]}
+
+
+#: Student's t quantiles t_{0.975, df} from a printed table (not from the code under test).
+T975 = {2: 4.3027, 5: 2.5706}
+
+
+def test_the_paired_interval_is_students_t_over_the_seeds():
+    gaps = [-0.06, 0.014, -0.02, -0.05, 0.01, -0.03]
+    n = len(gaps)
+    mean = sum(gaps) / n
+    sd = math.sqrt(sum((g - mean) ** 2 for g in gaps) / (n - 1))
+    half = T975[n - 1] * sd / math.sqrt(n)
+    got = paired_interval(gaps)
+    assert got == pytest.approx((mean, mean - half, mean + half), abs=1e-5)
+    assert paired_interval([-0.1, 0.0, 0.1]) == pytest.approx((0, -0.24841, 0.24841), abs=1e-4)
+    one = paired_interval([0.05])
+    assert one[0] == 0.05 and math.isnan(one[1]) and math.isnan(one[2])
+
+
+def test_the_statistics_section_from_hand_made_arms():
+    """Three seeds at 4000 steps, one at 1000: the section has the 4000-step row only, with
+    the interval, the seeds below, the speedups read off the baseline curve at the mean gap
+    and at the interval's ends, and the verdict."""
+    rows = [
+        {"steps": 1000, "best": _arm(3.0), "arms": {"a": _arm(2.9)}, "replicates": []},
+        {
+            "steps": 4000,
+            "best": _arm(2.0),
+            "arms": {"a": _arm(1.9)},  # gap -0.1
+            "replicates": [
+                {"seed": 2, "best": _arm(2.1), "arms": {"a": _arm(1.95)}},  # -0.15
+                {"seed": 3, "best": _arm(2.2), "arms": {"a": _arm(2.25)}},  # +0.05
+            ],
+        },
+    ]
+    lines = statistics_section(rows, ["a"])
+    (row,) = [x for x in lines if x.startswith("| 4000 |")]
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    gaps = [-0.1, -0.15, 0.05]
+    mean = sum(gaps) / 3
+    sd = math.sqrt(sum((g - mean) ** 2 for g in gaps) / 2)
+    low, high = mean - T975[2] * sd / math.sqrt(3), mean + T975[2] * sd / math.sqrt(3)
+    assert cells[:5] == ["4000", "a", "3", f"{mean:+.4f}", f"[{low:+.4f}, {high:+.4f}]"]
+    assert cells[5] == "2 of 3"
+    # the baseline curve: 1000 -> 3.0, 4000 -> mean(2.0, 2.1, 2.2) = 2.1; the TST loss at a
+    # gap g is 2.1 + g. The mean gap is below 2.1: beyond the longest baseline (> 4000/4000);
+    # at the interval's upper end 2.1 + high lies between 3.0 and 2.1: linear in log steps
+    fraction = (3.0 - (2.1 + high)) / (3.0 - 2.1)
+    upper_end = 1000 * 4**fraction / 4000
+    assert cells[6] == f">1.00 [{upper_end:.2f}, >1.00]"
+    assert cells[7] == "tie (the interval holds 0)"
+    assert not [x for x in lines if x.startswith("| 1000 |")]
+    assert statistics_section(rows[:1], ["a"]) == []  # one seed: no section
 
 
 def test_seed_speedups_pair_each_seed_with_its_own_baseline():
