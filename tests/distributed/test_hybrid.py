@@ -334,3 +334,47 @@ def test_a_hybrid_with_mtp_trains_it_after_the_switch_only(hybrid_runs):
     names = FileSystemReader(f"{save}/iter_0000003").read_metadata().state_dict_metadata
     assert any(k.startswith("decoder.final_norm.") for k in names), sorted(names)[:20]
     assert any(k.startswith("mtp.layers.0.mtp_model_layer.") for k in names)
+
+
+def _gpt_line():
+    """HYBRID_MOE as the equivalent GPT line: 2 MoE transformer layers for ``*E*E``."""
+    argv = list(HYBRID_MOE)
+    i = argv.index("--hybrid-layer-pattern")
+    argv[i : i + 2] = ["--num-layers", "2"]
+    return argv
+
+
+@pytest.mark.slow
+def test_a_gpt_switch_checkpoint_continues_as_the_equivalent_hybrid(tmp_path, hybrid_runs):
+    """A GPT MoE's TST switch checkpoint (iteration 3, weights and optimizer) continues under
+    the hybrid launcher as ``*E*E`` (megatron-core's load-time translation) with the losses
+    the GPT run continues with; a pattern of another GPT layer count is refused in one line,
+    and a hybrid checkpoint under the GPT launcher too."""
+    from tests.launcher import pretrain_child_keep_going as child
+    from tests.launcher import scalars
+
+    gpt, tb = str(tmp_path / "gpt"), str(tmp_path / "tb")
+    first = _gpt_line() + ["--save", gpt, "--save-interval", "3"]
+    run_distributed(child, 1, runs=[first])
+    at_switch = ["--load", gpt, "--ckpt-step", "3"]
+    gpt_on = _gpt_line() + at_switch + ["--tensorboard-dir", f"{tb}_gpt"]
+    hybrid_on = HYBRID_MOE + at_switch + ["--tensorboard-dir", f"{tb}_hybrid"]
+    ((gpt_text,),) = run_distributed(child, 1, runs=[gpt_on])
+    ((hybrid_text,),) = run_distributed(child, 1, runs=[hybrid_on], model="hybrid")
+    want, got = scalars(f"{tb}_gpt"), scalars(f"{tb}_hybrid")
+    assert sorted(got.get("lm loss", {})) == [4, 5, 6], hybrid_text[-3000:]
+    for i in (4, 5, 6):
+        assert got["lm loss"][i] == pytest.approx(want["lm loss"][i], rel=REL, abs=0), i
+    assert got["lm loss validation"][6] == pytest.approx(want["lm loss validation"][6], rel=REL)
+    assert "loading a GPT checkpoint into the hybrid model" in hybrid_text
+    # another GPT layer count, and the other direction: one line each, before any work
+    from tests.unit.test_dry_run import dry
+
+    wrong = dry(HYBRID_MOE[:] + ["--load", gpt, "--hybrid-layer-pattern", "*E*E*E"], model="hybrid")
+    errors = [x for x in wrong.stderr.splitlines() if x.startswith("error:")]
+    assert len(errors) == 1 and "a GPTModel's of 2 layers" in errors[0], wrong.stderr
+    hybrid_checkpoint = hybrid_runs["scratch"][2]
+    back = dry(_gpt_line() + ["--load", hybrid_checkpoint])
+    errors = [x for x in back.stderr.splitlines() if x.startswith("error:")]
+    assert len(errors) == 1 and "saved by a HybridModel run" in errors[0], back.stderr
+    assert "examples/pretrain_hybrid_tst.py" in errors[0]

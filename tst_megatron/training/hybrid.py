@@ -108,6 +108,7 @@ def local_hybrid_stack_spec(config: TransformerConfig) -> ModuleSpec:
                 input_layernorm=attention.input_layernorm,
                 self_attention=attention.self_attention,
                 self_attn_bda=attention.self_attn_bda,
+                sharded_state_dict_keys_map=_keys_map(attention, "input_layernorm."),
             ),
         ),
         mlp_layer=ModuleSpec(module=MLPLayer, submodules=_mlp_only(dense.submodules)),
@@ -153,8 +154,20 @@ def local_hybrid_mtp_block_spec() -> ModuleSpec:
 
 def _mlp_only(sub: TransformerLayerSubmodules) -> TransformerLayerSubmodules:
     return TransformerLayerSubmodules(
-        pre_mlp_layernorm=sub.pre_mlp_layernorm, mlp=sub.mlp, mlp_bda=sub.mlp_bda
+        pre_mlp_layernorm=sub.pre_mlp_layernorm,
+        mlp=sub.mlp,
+        mlp_bda=sub.mlp_bda,
+        sharded_state_dict_keys_map=_keys_map(sub, "pre_mlp_layernorm."),
     )
+
+
+def _keys_map(sub: TransformerLayerSubmodules, prefix: str) -> dict:
+    """The GPT local layer's checkpoint name of the norm at ``prefix``
+    (``sharded_state_dict_keys_map``: megatron-core saves ``input_layernorm.weight`` as
+    ``self_attention.linear_qkv.layer_norm_weight``, Transformer Engine's fused name), so a
+    local hybrid checkpoint names its norms as a GPT one does and megatron-core's GPT-to-hybrid
+    load (``dist_checkpointing.gpt_checkpoint_interop``) finds them."""
+    return {k: v for k, v in (sub.sharded_state_dict_keys_map or {}).items() if k == prefix}
 
 
 def build_hybrid_model_from_args(

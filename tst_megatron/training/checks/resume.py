@@ -255,23 +255,67 @@ ARCHITECTURE = (
     "position_embedding_type",
     "multi_latent_attention",
     "mtp_num_layers",
+    "hybrid_layer_pattern",
 )
 """The flags whose change makes a checkpoint another model's. Megatron-LM's
 ``check_checkpoint_args`` compares three of them, and only after the model is built."""
 
 
+def _pattern(ns) -> Optional[str]:
+    return getattr(ns, "hybrid_layer_pattern", None) or getattr(ns, "hybrid_override_pattern", None)
+
+
+def model_class_problems(args, saved) -> tuple[list[str], set]:
+    """A checkpoint of the other model class: a ``HybridModel``'s under the GPT launcher is
+    refused; a ``GPTModel``'s under the hybrid launcher loads through megatron-core's
+    load-time translation (``dist_checkpointing.gpt_checkpoint_interop``: each GPT layer feeds
+    one attention and one MLP/MoE position of the pattern), so its ``--num-layers`` is compared
+    with the pattern's GPT layer count. Returns ``(problems, flags not to compare further)``."""
+    now, was = _pattern(args), _pattern(saved)
+    if was and not now:
+        return [
+            f"the checkpoint in --load {args.load} was saved by a HybridModel run "
+            f"(--hybrid-layer-pattern {was}): resume it with examples/pretrain_hybrid_tst.py"
+        ], set(ARCHITECTURE)
+    if not now or was:
+        return [], set()
+    from megatron.core.dist_checkpointing.gpt_checkpoint_interop import gpt_compatible_layer_maps
+
+    try:
+        layers = gpt_compatible_layer_maps(now).num_gpt_layers
+    except ValueError as exc:
+        message = " ".join(str(exc).split())
+        return [
+            f"the checkpoint in --load {args.load} is a GPTModel's, which megatron-core loads "
+            f"into a HybridModel only layer for layer: {message}"
+        ], set(ARCHITECTURE)
+    if getattr(saved, "num_layers", layers) != layers:
+        return [
+            f"the checkpoint in --load {args.load} is a GPTModel's of {saved.num_layers} layers; "
+            f"--hybrid-layer-pattern {now} pairs with one of {layers} (one attention and one "
+            "MLP or MoE position per GPT layer)"
+        ], set(ARCHITECTURE)
+    return [], {"num_layers", "hybrid_layer_pattern"}
+
+
 def architecture_problems(args, saved) -> list[str]:
     """One line naming each :data:`ARCHITECTURE` flag of ``args`` that differs from the
-    checkpoint's ``saved`` arguments (empty: none, or ``--use-checkpoint-args``)."""
+    checkpoint's ``saved`` arguments (empty: none, or ``--use-checkpoint-args``), after
+    :func:`model_class_problems`."""
     if getattr(args, "use_checkpoint_args", False):
         return []
+    problems, skip = model_class_problems(args, saved)
+    if problems:
+        return problems
     changed = []
     for name in ARCHITECTURE:
-        if not hasattr(saved, name):
+        if not hasattr(saved, name) or name in skip:
             continue
         if name == "num_query_groups" and not getattr(args, "group_query_attention", False):
             continue
         was, now = getattr(saved, name), getattr(args, name, None)
+        if name == "hybrid_layer_pattern" and was and now:  # '|' is the layout, not the model
+            was, now = was.replace("|", ""), now.replace("|", "")
         if was != now:
             changed.append(f"--{name.replace('_', '-')} {was} (this run: {now})")
     if not changed:
