@@ -10,8 +10,9 @@
   ``sharded_state_dict`` keys.
 - A ``*E*E`` hybrid (4 experts, top-2) trains through the switch in Megatron-LM's loop,
   logging ``mce loss`` in phase 1 and ``lm loss`` in phase 2, and saving at the switch and
-  the end; on 2 processes (DP = 2, EP = 2, TP = 2 + SP, PP = 2 by ``|`` in the pattern) as on
-  1 process, from the same iteration-1 weights; resumed at N1 - 1, N1 and N1 + 1 (EP = 2) it
+  the end; on 2 processes (DP = 2, EP = 2, TP = 2 + SP, PP = 2 by ``|`` in the pattern, EP = 2
+  with the distributed optimizer and overlapped gathers) as on 1 process, from the same
+  iteration-1 weights; resumed at N1 - 1, N1 and N1 + 1 (EP = 2) it
   continues bitwise.
 """
 
@@ -27,6 +28,7 @@ pytest.importorskip("megatron.training")
 
 from tests.distributed.harness import run_distributed  # noqa: E402
 from tests.distributed.test_gpt_seam import _set_weights  # noqa: E402
+from tests.launcher import DIST_OPT  # noqa: E402
 
 V, T, S, B, L = 96, 8, 2, 2, 2
 
@@ -190,6 +192,8 @@ LAYOUTS = {
     "ep2": ["--expert-model-parallel-size", "2"],
     "tp2_sp": ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
     "pp2": ["--pipeline-model-parallel-size", "2", "--hybrid-layer-pattern", "*E|*E"],
+    # the distributed optimizer with overlapped reduce-scatter and all-gather, at EP = 2
+    "ep2_distopt": ["--expert-model-parallel-size", "2", *DIST_OPT],
 }
 #: float32 sums in another order (the GPT layouts measure one ulp)
 REL = 1e-6

@@ -503,6 +503,7 @@ HYBRID = _without(_without(SMALL, "--num-layers"), "--tst-bag-size") + [
         (("--moe-layer-freq", "[1,0,1,0]"), "--moe-layer-freq (a HybridModel places"),
         (("--use-rope-scaling", ""), "--use-rope-scaling (HybridModel takes no RoPE scaling)"),
         (("--mtp-num-layers", "1"), "without an MTP pattern"),
+        (("--hybrid-layer-pattern", "*|E|*|E"), "pipeline rank(s) 0 without MoE (E) layers"),
     ],
 )
 def test_the_hybrid_launcher_refuses_what_its_model_cannot_run_in_one_line(change, expected):
@@ -520,9 +521,12 @@ def test_the_hybrid_launcher_refuses_what_its_model_cannot_run_in_one_line(chang
             argv += ["--num-layers", "4"] if flag == "--hybrid-layer-pattern" else []
     else:
         argv += [flag] + ([value] if value else [])
+    if "|" in (value or ""):
+        argv += ["--pipeline-model-parallel-size", "2", "--untie-embeddings-and-output-weights"]
     if "/" in (value or "") or flag == "--mtp-num-layers":
         argv += ["--position-embedding-type", "rope"]  # Megatron-LM's MTP rule
-    result = dry(argv, model="hybrid")
+    env = {"WORLD_SIZE": "2"} if "|" in (value or "") else None
+    result = dry(argv, env=env, model="hybrid")
     errors = _errors(result.stderr)
     assert result.returncode == 2 and len(errors) == 1, result.stderr
     assert expected in errors[0], errors[0]
@@ -550,3 +554,12 @@ def test_a_kernel_family_needs_its_package_in_a_gpu_launch():
         missing = importlib.util.find_spec(package) is None
         assert missing == any(f"need the {package} package" in line for line in found)
     assert hybrid_package_problems(args, "cpu") == []  # the CPU rule names them instead
+
+
+def test_the_stage_layers_of_a_hybrid_pattern_are_megatron_cores():
+    from tst_megatron.training.checks.model import stage_layers
+
+    assert stage_layers("*|E|*|E", 2) == ["**", "EE"]  # segment v * pp + r on rank r
+    assert stage_layers("*E|*E", 2) == ["*E", "*E"]
+    assert stage_layers("M*M*EEEE", 2) == ["M*M*", "EEEE"]  # an even split without '|'
+    assert stage_layers("*E*E/*E", 2) == ["*E", "*E"]  # the MTP part is not a stage

@@ -157,8 +157,47 @@ def problems(launch) -> list[str]:
         if launch.launch:
             found += hybrid_package_problems(launch.args, launch.device)
         found += hybrid_mtp_problems(launch.args)
+        found += hybrid_stage_problems(launch.args)
         found += gpt_only_problems(launch.args)
     return found
+
+
+def stage_layers(pattern: str, pp: int) -> list[str]:
+    """The layer symbols of each pipeline rank under ``--hybrid-layer-pattern`` (its main part)
+    at PP ``pp``, as megatron-core 0.19.2's ``select_pipeline_segment`` assigns them: with
+    ``|``, segment ``v * pp + r`` to rank ``r`` (virtual stage ``v``); without, an even split of
+    the layers (``--decoder-first/last-pipeline-num-layers`` are not modelled: None)."""
+    main = pattern.split("/")[0]
+    segments = main.split("|")
+    if len(segments) > 1:
+        return ["".join(segments[i] for i in range(r, len(segments), pp)) for r in range(pp)]
+    per = len(main) // pp
+    return [main[r * per : (r + 1) * per] for r in range(pp)]
+
+
+def hybrid_stage_problems(args) -> list[str]:
+    """A pipeline rank without MoE layers in a hybrid MoE run: megatron-core 0.19.2's MoE
+    metrics (``training_log``: ``MoEMetricsTracker.report`` with ``force_initialize``) size
+    that rank's tensors by the pattern's MoE layer count while the MoE ranks size theirs by
+    ``num_layers``, and the all-reduce over the pipeline group hangs or fails at the first log
+    line (found on CPU: ``*|E|*|E`` at PP 2)."""
+    pattern, pp = args.hybrid_layer_pattern or "", args.pipeline_model_parallel_size
+    main = pattern.split("/")[0]
+    if pp < 2 or "E" not in main or not set(main.replace("|", "")) - {"E"}:
+        return []
+    if "|" not in main and (
+        args.decoder_first_pipeline_num_layers or args.decoder_last_pipeline_num_layers
+    ):
+        return []
+    empty = [r for r, layers in enumerate(stage_layers(main, pp)) if "E" not in layers]
+    if not empty:
+        return []
+    return [
+        f"--hybrid-layer-pattern {pattern} at --pipeline-model-parallel-size {pp} leaves "
+        f"pipeline rank(s) {', '.join(map(str, empty))} without MoE (E) layers: megatron-core "
+        "0.19's MoE logging then all-reduces tensors of another size there and the run hangs "
+        "at its first log line; place an E layer in every rank's '|' segments"
+    ]
 
 
 def hybrid_mtp_problems(args) -> list[str]:
