@@ -11,8 +11,8 @@
 - A ``*E*E`` hybrid (4 experts, top-2) trains through the switch in Megatron-LM's loop,
   logging ``mce loss`` in phase 1 and ``lm loss`` in phase 2, and saving at the switch and
   the end; on 2 processes (DP = 2, EP = 2, TP = 2 + SP, PP = 2 by ``|`` in the pattern, EP = 2
-  with the distributed optimizer and overlapped gathers) as on 1 process, from the same
-  iteration-1 weights; resumed at N1 - 1, N1 and N1 + 1 (EP = 2) it
+  with the distributed optimizer and overlapped gathers; a dense ``*-`` x 4 at PP = 2 with 2
+  virtual stages each) as on 1 process, from the same iteration-1 weights; resumed at N1 - 1, N1 and N1 + 1 (EP = 2) it
   continues bitwise.
 """
 
@@ -195,6 +195,29 @@ LAYOUTS = {
     # the distributed optimizer with overlapped reduce-scatter and all-gather, at EP = 2
     "ep2_distopt": ["--expert-model-parallel-size", "2", *DIST_OPT],
 }
+
+
+def _dense(argv):
+    """``argv`` as the dense hybrid ``*-*-*-*-`` (no MoE flags): 8 layers, so that PP = 2 with
+    virtual stages (``*-|*-|*-|*-``) gives every stage layers of both kinds."""
+    argv = list(argv)
+    for flag, values in (
+        ("--num-experts", 1),
+        ("--moe-router-topk", 1),
+        ("--moe-token-dispatcher-type", 1),
+        ("--moe-aux-loss-coeff", 1),
+    ):
+        i = argv.index(flag)
+        del argv[i : i + 1 + values]
+    argv[argv.index("--hybrid-layer-pattern") + 1] = "*-*-*-*-"
+    return argv  # fmt: skip
+
+
+#: the dense model's 2-process layout: four '|' segments on 2 stages, 2 virtual stages each
+#: (Megatron-LM derives VPP from them)
+DENSE_LAYOUTS = {
+    "pp2_vpp": ["--pipeline-model-parallel-size", "2", "--hybrid-layer-pattern", "*-|*-|*-|*-"]
+}
 #: float32 sums in another order (the GPT layouts measure one ulp)
 REL = 1e-6
 #: N1 - 1, N1 and N1 + 1: resumes before, at and after the switch
@@ -215,17 +238,25 @@ def hybrid_runs(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("hybrid")
 
-    def argv(name, extra):
-        return HYBRID_MOE + extra + [
+    def argv(name, extra, base=HYBRID_MOE):
+        return base + extra + [
             "--tensorboard-dir", str(root / f"tb_{name}"), "--save", str(root / name),
         ]  # fmt: skip
 
-    start = ["--load", str(root / "scratch"), "--ckpt-step", "1", "--no-load-optim"]
-    start += ["--no-load-rng", "--save-interval", "1"]
-    ones = {"scratch": argv("scratch", ["--save-interval", "1"]), "one": argv("one", start)}
+    def start(scratch):
+        return ["--load", str(root / scratch), "--ckpt-step", "1", "--no-load-optim",
+                "--no-load-rng", "--save-interval", "1"]  # fmt: skip
+
+    every = ["--save-interval", "1"]
+    ones = {"scratch": argv("scratch", every), "one": argv("one", start("scratch"))}
     ones["mtp"] = argv("mtp", ["--hybrid-layer-pattern", "*E*E/*E", "--save-interval", "3"])
+    dense = _dense(HYBRID_MOE)
+    ones["dense_scratch"] = argv("dense_scratch", every, dense)
+    ones["dense_one"] = argv("dense_one", start("dense_scratch"), dense)
     ((*printed,),) = run_distributed(child, 1, runs=list(ones.values()), model="hybrid")
-    twos = {name: argv(name, start + flags) for name, flags in LAYOUTS.items()}
+    twos = {name: argv(name, start("scratch") + flags) for name, flags in LAYOUTS.items()}
+    for name, flags in DENSE_LAYOUTS.items():
+        twos[name] = argv(name, start("dense_scratch") + flags, dense)
     for at in RESUMED_AT:  # EP = 2 resumed from its own checkpoints around the switch
         twos[f"ep2@{at}"] = HYBRID_MOE + LAYOUTS["ep2"] + [
             "--tensorboard-dir", str(root / f"tb_ep2@{at}"),
@@ -255,10 +286,11 @@ def test_a_hybrid_moe_trains_through_the_switch_logging_both_losses(hybrid_runs)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize("layout", sorted(LAYOUTS) + sorted(DENSE_LAYOUTS))
 def test_each_hybrid_layout_trains_through_the_switch_as_one_process(layout, hybrid_runs):
     text, tb, save = hybrid_runs[layout]
-    _, ref, _ = hybrid_runs["one"]
+    dense = layout in DENSE_LAYOUTS
+    _, ref, _ = hybrid_runs["dense_one" if dense else "one"]
     got, want = _train_losses(tb), _train_losses(ref)
     assert sorted(got) == sorted(want) == [2, 3, 4, 5, 6], text[-3000:]
     for i in want:
@@ -267,7 +299,7 @@ def test_each_hybrid_layout_trains_through_the_switch_as_one_process(layout, hyb
         assert tb["lm loss validation"][i] == pytest.approx(
             ref["lm loss validation"][i], rel=REL, abs=0
         ), (layout, i)
-    for i in (2, 3, 4, 5, 6):  # Megatron-LM's own log of the balancing loss, both phases
+    for i in (2, 3, 4, 5, 6) if not dense else ():  # Megatron-LM's balancing-loss log
         assert tb["load_balancing_loss"][i] == pytest.approx(
             ref["load_balancing_loss"][i], rel=REL, abs=0
         ), (layout, i)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import re
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -563,3 +564,30 @@ def test_the_stage_layers_of_a_hybrid_pattern_are_megatron_cores():
     assert stage_layers("*E|*E", 2) == ["*E", "*E"]
     assert stage_layers("M*M*EEEE", 2) == ["M*M*", "EEEE"]  # an even split without '|'
     assert stage_layers("*E*E/*E", 2) == ["*E", "*E"]  # the MTP part is not a stage
+
+
+@pytest.mark.slow
+def test_the_hybrid_launcher_script_checks_and_trains(launcher_env, tmp_path):
+    """``examples/pretrain_hybrid_tst.py`` as a user runs it: its dry run describes the
+    HybridModel; the same line trains 2 iterations (the switch after 1) and exits 0."""
+    from tests.launcher import ROOT
+
+    script = os.path.join(ROOT, "examples", "pretrain_hybrid_tst.py")
+    line = HYBRID + ["--num-workers", "0", "--log-interval", "1"]
+    line = _without(_without(line, "--train-iters"), "--eval-interval")
+    line += ["--train-iters", "2", "--eval-interval", "2", "--eval-iters", "1"]
+    line += ["--tst-phase1-iters", "1"]
+
+    def run(*extra):
+        return subprocess.run(
+            [sys.executable, script, *line, *extra],
+            capture_output=True, text=True, env=launcher_env, cwd=tmp_path, timeout=600,
+        )  # fmt: skip
+
+    checked = run("--dry-run")
+    assert checked.returncode == 0, checked.stderr[-3000:]
+    assert "model: HybridModel '*E*E': 2 attention (*), 2 MoE (E);" in checked.stdout
+    trained = run()
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    assert "TST: phase 2 (next-token) from iteration 1 (switch at 1)" in trained.stdout
+    assert re.search(r"iteration\s+2/\s+2 \|.*\| lm loss: ", trained.stdout), trained.stdout[-3000:]
