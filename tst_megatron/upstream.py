@@ -31,6 +31,19 @@ class Workaround:
 
 WORKAROUNDS = (
     Workaround(
+        "tst_megatron.training.hybrid.LocalHybridStack",
+        "HybridStack builds Transformer Engine's TENorm as its final norm whatever its spec: a "
+        "HybridModel cannot be built without Transformer Engine (every CPU run)",
+        "tests/distributed/test_hybrid.py",
+    ),
+    Workaround(
+        "tst_megatron.training.checks.model.hybrid_stage_problems",
+        "a hybrid MoE pattern whose pipeline split leaves a rank without E layers hangs at the "
+        "first log line (MoEMetricsTracker.report sizes that rank's tensors by the E count, "
+        "the MoE ranks' by num_layers); refused in one line",
+        "tests/unit/test_dry_run.py",
+    ),
+    Workaround(
         "tst_megatron.upstream.distributed_optimizer_resume",
         "a --use-distributed-optimizer run without Apex/TE cannot resume (AssertionError), "
         "with fp32 parameters cannot load (in-place copy into a grad-requiring view), and "

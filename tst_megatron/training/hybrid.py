@@ -9,7 +9,7 @@ attention, ``-`` dense MLP and ``E`` MoE run on megatron-core's local modules
 Transformer Engine spec (``hybrid_stack_spec``); ``M`` (Mamba-2), ``G`` (gated delta net),
 ``D`` (DeepSeek sparse attention) and ``+`` (MLA) only on the latter
 (:data:`LOCAL_FAMILIES`; the rules refuse the others in one line,
-:func:`tst_megatron.training.checks.model.hybrid_problems`).
+:func:`tst_megatron.training.checks.model.hybrid_pattern_problems`).
 """
 
 from __future__ import annotations
@@ -55,12 +55,19 @@ class TSTHybridModel(TSTLossSeam, PhaseOneMTPSkip, HybridModel):
     """
 
     def forward(
-        self, input_ids, position_ids, attention_mask, decoder_input=None, labels=None, **kwargs
+        self,
+        input_ids,
+        position_ids,
+        attention_mask,
+        decoder_input=None,
+        labels=None,
+        *rest,
+        **kwargs,
     ):
         """``HybridModel.forward``, except with ``[b, T, S]`` labels on a stage that runs MTP:
         the MTP block is skipped (``HybridModel`` runs it on ``input_ids``, which phase 1's
         bag inputs lack) and the MTP-only parameters get an exactly zero gradient."""
-        args = (input_ids, position_ids, attention_mask, decoder_input, labels)
+        args = (input_ids, position_ids, attention_mask, decoder_input, labels, *rest)
         if labels is None or labels.dim() != 3 or not getattr(self, "mtp_process", False):
             return super().forward(*args, **kwargs)
         idle = self._idle_mtp()
@@ -74,9 +81,11 @@ class TSTHybridModel(TSTLossSeam, PhaseOneMTPSkip, HybridModel):
 
 class LocalHybridStack(HybridStack):
     """megatron-core's ``HybridStack`` with its final norm a
-    :class:`~tst_megatron.runtime.norm.SequenceParallelNorm`: ``HybridStack`` builds
-    Transformer Engine's ``TENorm`` whatever its spec (megatron-core 0.19.2,
-    ``hybrid_block.py``). Same parameter names (``final_norm.weight``, ``final_norm.bias``).
+    :class:`~tst_megatron.runtime.norm.SequenceParallelNorm`. Same parameter names
+    (``final_norm.weight``, ``final_norm.bias``).
+
+    Workaround: ``HybridStack`` builds Transformer Engine's ``TENorm`` whatever its spec
+    (megatron-core 0.19.2, ``hybrid_block.py``), which a run without TE cannot build.
     """
 
     def __init__(self, config: TransformerConfig, submodules, *args, **kwargs):

@@ -176,11 +176,13 @@ def stage_layers(pattern: str, pp: int) -> list[str]:
 
 
 def hybrid_stage_problems(args) -> list[str]:
-    """A pipeline rank without MoE layers in a hybrid MoE run: megatron-core 0.19.2's MoE
-    metrics (``training_log``: ``MoEMetricsTracker.report`` with ``force_initialize``) size
-    that rank's tensors by the pattern's MoE layer count while the MoE ranks size theirs by
-    ``num_layers``, and the all-reduce over the pipeline group hangs or fails at the first log
-    line (found on CPU: ``*|E|*|E`` at PP 2)."""
+    """A pipeline rank without MoE layers in a hybrid MoE run.
+
+    Workaround: megatron-core 0.19.2's MoE metrics (``training_log``:
+    ``MoEMetricsTracker.report`` with ``force_initialize``) size that rank's tensors by the
+    pattern's MoE layer count while the MoE ranks size theirs by ``num_layers``, and the
+    all-reduce over the pipeline group hangs or fails at the first log line (found on CPU:
+    ``*|E|*|E`` at PP 2)."""
     pattern, pp = args.hybrid_layer_pattern or "", args.pipeline_model_parallel_size
     main = pattern.split("/")[0]
     if pp < 2 or "E" not in main or not set(main.replace("|", "")) - {"E"}:
