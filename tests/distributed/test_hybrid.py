@@ -414,3 +414,12 @@ def test_a_gpt_switch_checkpoint_continues_as_the_equivalent_hybrid(tmp_path, hy
     errors = [x for x in back.stderr.splitlines() if x.startswith("error:")]
     assert len(errors) == 1 and "saved by a HybridModel run" in errors[0], back.stderr
     assert "examples/pretrain_hybrid_tst.py" in errors[0]
+    # the same two with --use-checkpoint-args (the model flags then come from the checkpoint)
+    wrong = dry(HYBRID_MOE + ["--load", gpt, "--hybrid-layer-pattern", "*E*E*E",
+                              "--use-checkpoint-args"], model="hybrid")  # fmt: skip
+    errors = [x for x in wrong.stderr.splitlines() if x.startswith("error:")]
+    assert len(errors) == 1 and "a GPTModel's of 2 layers" in errors[0], wrong.stderr
+    back = dry(_gpt_line() + ["--load", hybrid_checkpoint, "--use-checkpoint-args"])
+    errors = [x for x in back.stderr.splitlines() if x.startswith("error:")]
+    assert errors and all("HybridModel" in e for e in errors), back.stderr
+    assert any("examples/pretrain_hybrid_tst.py" in e for e in errors), errors

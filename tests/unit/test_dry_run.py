@@ -505,6 +505,11 @@ HYBRID = _without(_without(SMALL, "--num-layers"), "--tst-bag-size") + [
         (("--use-rope-scaling", ""), "--use-rope-scaling (HybridModel takes no RoPE scaling)"),
         (("--mtp-num-layers", "1"), "without an MTP pattern"),
         (("--hybrid-layer-pattern", "*|E|*|E"), "pipeline rank(s) 0 without MoE (E) layers"),
+        (("--hybrid-layer-pattern", "**EE"), "give every rank an E layer in its share"),
+        (("--hybrid-layer-pattern", "*E*E-"), "5 layers do not split evenly"),
+        (("--hybrid-layer-pattern", ""), "TransformerConfig: ZeroDivisionError"),
+        (("--hybrid-layer-pattern", "*E*E/"), "without an MTP pattern"),
+        (("--transformer-impl", "inference_optimized"), "--transformer-impl inference_optimized"),
     ],
 )
 def test_the_hybrid_launcher_refuses_what_its_model_cannot_run_in_one_line(change, expected):
@@ -522,11 +527,16 @@ def test_the_hybrid_launcher_refuses_what_its_model_cannot_run_in_one_line(chang
             argv += ["--num-layers", "4"] if flag == "--hybrid-layer-pattern" else []
     else:
         argv += [flag] + ([value] if value else [])
-    if "|" in (value or ""):
+    staged = "|" in (value or "") or value in ("**EE", "*E*E-")
+    if staged:
         argv += ["--pipeline-model-parallel-size", "2", "--untie-embeddings-and-output-weights"]
     if "/" in (value or "") or flag == "--mtp-num-layers":
         argv += ["--position-embedding-type", "rope"]  # Megatron-LM's MTP rule
-    env = {"WORLD_SIZE": "2"} if "|" in (value or "") else None
+    if value == "*E*E/":
+        argv += ["--mtp-num-layers", "1"]
+    if value == "inference_optimized":
+        argv += ["--normalization", "RMSNorm", "--moe-router-dtype", "fp32"]  # Megatron-LM's
+    env = {"WORLD_SIZE": "2"} if staged else None
     result = dry(argv, env=env, model="hybrid")
     errors = _errors(result.stderr)
     assert result.returncode == 2 and len(errors) == 1, result.stderr

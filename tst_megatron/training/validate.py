@@ -148,7 +148,7 @@ def check(argv: Sequence[str], *, dry_run: bool = False, model: str = "gpt") -> 
             config = core_transformer_config_from_args(
                 assumed.without_te_kernels(args, assumptions) if dry_run else args
             )
-        except (AssertionError, ValueError) as exc:
+        except Exception as exc:  # AssertionError, ValueError; ZeroDivisionError (no layers)
             problem = validation_error(exc, "TransformerConfig")
             return Checked(args, device, [problem], [], assumed=assumptions)
     try:

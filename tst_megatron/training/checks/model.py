@@ -152,12 +152,24 @@ def problems(launch) -> list[str]:
     """The model rules of a :class:`~tst_megatron.training.checks.Launch`, by the model class
     its launcher builds."""
     found = model_problems(launch.args)
+    if launch.model == "gpt" and launch.args.hybrid_layer_pattern:  # --use-checkpoint-args
+        found.append(
+            f"--hybrid-layer-pattern {launch.args.hybrid_layer_pattern} (from the checkpoint's "
+            "arguments): a HybridModel run; this launcher builds a GPTModel: launch "
+            f"{LAUNCHERS['hybrid']}"
+        )
     if launch.model == "hybrid":
         found += hybrid_pattern_problems(launch.args, launch.device)
         if launch.launch:
             found += hybrid_package_problems(launch.args, launch.device)
         found += hybrid_mtp_problems(launch.args)
         found += hybrid_stage_problems(launch.args)
+        if launch.args.transformer_impl == "inference_optimized":
+            found.append(
+                "--transformer-impl inference_optimized: megatron-core's inference stack spec; "
+                "this training launcher builds the training specs (give transformer_engine or "
+                "local)"
+            )
         found += gpt_only_problems(launch.args)
     return found
 
@@ -176,7 +188,9 @@ def stage_layers(pattern: str, pp: int) -> list[str]:
 
 
 def hybrid_stage_problems(args) -> list[str]:
-    """A pipeline rank without MoE layers in a hybrid MoE run.
+    """A pattern without ``|`` whose layers do not split evenly over PP (megatron-core's
+    ``select_pipeline_segment`` raises while building the model), and a pipeline rank without
+    MoE layers in a hybrid MoE run.
 
     Workaround: megatron-core 0.19.2's MoE metrics (``training_log``:
     ``MoEMetricsTracker.report`` with ``force_initialize``) size that rank's tensors by the
@@ -185,28 +199,38 @@ def hybrid_stage_problems(args) -> list[str]:
     ``*|E|*|E`` at PP 2)."""
     pattern, pp = args.hybrid_layer_pattern or "", args.pipeline_model_parallel_size
     main = pattern.split("/")[0]
-    if pp < 2 or "E" not in main or not set(main.replace("|", "")) - {"E"}:
-        return []
-    if "|" not in main and (
-        args.decoder_first_pipeline_num_layers or args.decoder_last_pipeline_num_layers
+    if pp < 2 or (
+        "|" not in main
+        and (args.decoder_first_pipeline_num_layers or args.decoder_last_pipeline_num_layers)
     ):
+        return []  # the first/last stage sizes are not modelled (megatron-core checks them)
+    if "|" not in main and len(main) % pp:
+        return [
+            f"--hybrid-layer-pattern {pattern}: {len(main)} layers do not split evenly over "
+            f"--pipeline-model-parallel-size {pp} (megatron-core raises while building the "
+            "model); give the stages with '|'"
+        ]
+    if "E" not in main or not set(main.replace("|", "")) - {"E"}:
         return []
     empty = [r for r, layers in enumerate(stage_layers(main, pp)) if "E" not in layers]
     if not empty:
         return []
+    where = "its '|' segments" if "|" in main else "its share of the layers (or split with '|')"
     return [
         f"--hybrid-layer-pattern {pattern} at --pipeline-model-parallel-size {pp} leaves "
         f"pipeline rank(s) {', '.join(map(str, empty))} without MoE (E) layers: megatron-core "
         "0.19's MoE logging then all-reduces tensors of another size there and the run hangs "
-        "at its first log line; place an E layer in every rank's '|' segments"
+        f"at its first log line; give every rank an E layer in {where}"
     ]
 
 
 def hybrid_mtp_problems(args) -> list[str]:
     """``--mtp-num-layers`` on a ``HybridModel`` without an MTP pattern: Megatron-LM 0.19 only
     warns and builds no MTP layer."""
+    from megatron.core.models.hybrid.hybrid_layer_allocation import parse_hybrid_pattern
+
     pattern = args.hybrid_layer_pattern or ""
-    if not getattr(args, "mtp_num_layers", None) or "/" in pattern:
+    if not getattr(args, "mtp_num_layers", None) or parse_hybrid_pattern(pattern).mtp_pattern:
         return []
     return [
         f"--mtp-num-layers {args.mtp_num_layers} without an MTP pattern: a HybridModel "

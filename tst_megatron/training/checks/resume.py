@@ -301,11 +301,9 @@ def model_class_problems(args, saved) -> tuple[list[str], set]:
 def architecture_problems(args, saved) -> list[str]:
     """One line naming each :data:`ARCHITECTURE` flag of ``args`` that differs from the
     checkpoint's ``saved`` arguments (empty: none, or ``--use-checkpoint-args``), after
-    :func:`model_class_problems`."""
-    if getattr(args, "use_checkpoint_args", False):
-        return []
+    :func:`model_class_problems` (which runs with ``--use-checkpoint-args`` too)."""
     problems, skip = model_class_problems(args, saved)
-    if problems:
+    if problems or getattr(args, "use_checkpoint_args", False):
         return problems
     changed = []
     for name in ARCHITECTURE:
