@@ -150,18 +150,6 @@ def describe(args, plan) -> list[str]:
     return lines + parameter_lines(args) + _tst_lines(args, plan)
 
 
-#: Megatron-LM's names of the layer families of ``--hybrid-layer-pattern``.
-HYBRID_FAMILIES = {
-    "M": "Mamba-2",
-    "G": "gated delta net",
-    "*": "attention",
-    "D": "DeepSeek sparse attention",
-    "+": "MLA",
-    "-": "MLP",
-    "E": "MoE",
-}
-
-
 def _hybrid_lines(args) -> list[str]:
     """A ``HybridModel``'s layers by family (megatron-core's ``get_hybrid_layer_counts``), its
     widths and experts. Megatron-LM 0.19's parameter and memory arithmetic covers GPT models
@@ -171,11 +159,13 @@ def _hybrid_lines(args) -> list[str]:
         parse_hybrid_pattern,
     )
 
+    from tst_megatron.training.hybrid import FAMILIES
+
     pattern = args.hybrid_layer_pattern
     counts = get_hybrid_layer_counts(pattern)
     families = ", ".join(
         f"{counts[symbol]} {name} ({symbol})"
-        for symbol, name in HYBRID_FAMILIES.items()
+        for symbol, name in FAMILIES.items()
         if counts.get(symbol)
     )
     parsed = parse_hybrid_pattern(pattern)

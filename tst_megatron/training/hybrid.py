@@ -8,7 +8,7 @@ attention, ``-`` dense MLP and ``E`` MoE run on megatron-core's local modules
 (:func:`local_hybrid_stack_spec`, ``--transformer-impl local``, every CPU run) or its
 Transformer Engine spec (``hybrid_stack_spec``); ``M`` (Mamba-2), ``G`` (gated delta net),
 ``D`` (DeepSeek sparse attention) and ``+`` (MLA) only on the latter
-(:data:`LOCAL_FAMILIES`; the rules refuse the others in one line,
+(:data:`KERNEL_FAMILIES`; the rules refuse them in one line,
 :func:`tst_megatron.training.checks.model.hybrid_pattern_problems`).
 """
 
@@ -30,15 +30,24 @@ from megatron.core.transformer.transformer_layer import (
 from tst_megatron.runtime.norm import SequenceParallelNorm
 from tst_megatron.training.seams import PhaseOneMTPSkip, TSTLossSeam, idle_gradient
 
-#: The layer symbols :func:`local_hybrid_stack_spec` builds: attention, dense MLP, MoE.
-LOCAL_FAMILIES = "*-E"
+#: The layer families of ``--hybrid-layer-pattern`` by megatron-core's symbol.
+FAMILIES = {
+    "M": "Mamba-2",
+    "G": "gated delta net",
+    "*": "attention",
+    "D": "DeepSeek sparse attention",
+    "+": "MLA",
+    "-": "MLP",
+    "E": "MoE",
+}
 
-#: What each other family needs: ``{symbol: (family, what it needs)}``.
+#: What each family :func:`local_hybrid_stack_spec` does not build needs (the others: ``*``,
+#: ``-``, ``E``).
 KERNEL_FAMILIES = {
-    "M": ("Mamba-2", "the mamba_ssm package (its Triton kernels need a GPU)"),
-    "G": ("gated delta net", "the fla package (flash-linear-attention; Triton, a GPU)"),
-    "D": ("DeepSeek sparse attention", "Transformer Engine (megatron-core's TE spec)"),
-    "+": ("MLA", "Transformer Engine (megatron-core's TE spec; its local MLA does not run)"),
+    "M": "the mamba_ssm package (its Triton kernels need a GPU)",
+    "G": "the fla package (flash-linear-attention; Triton, a GPU)",
+    "D": "Transformer Engine (megatron-core's TE spec)",
+    "+": "Transformer Engine (megatron-core's TE spec; its local MLA does not run)",
 }
 
 
@@ -99,8 +108,7 @@ class LocalHybridStack(HybridStack):
 
 
 def local_hybrid_stack_spec(config: TransformerConfig) -> ModuleSpec:
-    """A ``HybridStack`` spec of megatron-core's local modules for ``*``, ``-`` and ``E``
-    (:data:`LOCAL_FAMILIES`), from the local GPT layer specs
+    """A ``HybridStack`` spec of megatron-core's local modules for ``*``, ``-`` and ``E``, from the local GPT layer specs
     (:func:`tst_megatron.training.model.local_layer_specs`: the same attention, MLP and MoE
     modules and norms as a GPT layer), split as megatron-core's TE ``hybrid_stack_spec``
     splits them: the attention layer keeps ``input_layernorm`` and ``self_attention``, the

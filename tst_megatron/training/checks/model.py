@@ -74,7 +74,7 @@ def hybrid_pattern_problems(args, device: str) -> list[str]:
     needs (:data:`~tst_megatron.training.hybrid.KERNEL_FAMILIES`)."""
     from megatron.core.models.hybrid.hybrid_layer_allocation import parse_hybrid_pattern
 
-    from tst_megatron.training.hybrid import KERNEL_FAMILIES
+    from tst_megatron.training.hybrid import FAMILIES, KERNEL_FAMILIES
 
     pattern = args.hybrid_layer_pattern
     if not pattern:
@@ -88,8 +88,9 @@ def hybrid_pattern_problems(args, device: str) -> list[str]:
     if "E" in layers and not args.num_experts:
         found.append(f"--hybrid-layer-pattern {pattern} has MoE layers (E): give --num-experts")
     local = device == "cpu" or args.transformer_impl == "local"
-    for symbol, (family, needs) in KERNEL_FAMILIES.items():
+    for symbol, needs in KERNEL_FAMILIES.items():
         if local and symbol in layers:
+            family = FAMILIES[symbol]
             where = "a CPU run" if device == "cpu" else "--transformer-impl local"
             found.append(
                 f"--hybrid-layer-pattern {pattern}: {family} layers ({symbol}) need {needs}; "
@@ -178,7 +179,7 @@ def stage_layers(pattern: str, pp: int) -> list[str]:
     """The layer symbols of each pipeline rank under ``--hybrid-layer-pattern`` (its main part)
     at PP ``pp``, as megatron-core 0.19.2's ``select_pipeline_segment`` assigns them: with
     ``|``, segment ``v * pp + r`` to rank ``r`` (virtual stage ``v``); without, an even split of
-    the layers (``--decoder-first/last-pipeline-num-layers`` are not modelled: None)."""
+    the layers (``--decoder-first/last-pipeline-num-layers`` are not modelled)."""
     main = pattern.split("/")[0]
     segments = main.split("|")
     if len(segments) > 1:
@@ -210,7 +211,7 @@ def hybrid_stage_problems(args) -> list[str]:
             f"--pipeline-model-parallel-size {pp} (megatron-core raises while building the "
             "model); give the stages with '|'"
         ]
-    if "E" not in main or not set(main.replace("|", "")) - {"E"}:
+    if "E" not in main:
         return []
     empty = [r for r, layers in enumerate(stage_layers(main, pp)) if "E" not in layers]
     if not empty:

@@ -265,20 +265,20 @@ def _pattern(ns) -> Optional[str]:
     return getattr(ns, "hybrid_layer_pattern", None) or getattr(ns, "hybrid_override_pattern", None)
 
 
-def model_class_problems(args, saved) -> tuple[list[str], set]:
+def model_class_problems(args, saved) -> list[str]:
     """A checkpoint of the other model class: a ``HybridModel``'s under the GPT launcher is
     refused; a ``GPTModel``'s under the hybrid launcher loads through megatron-core's
     load-time translation (``dist_checkpointing.gpt_checkpoint_interop``: each GPT layer feeds
     one attention and one MLP/MoE position of the pattern), so its ``--num-layers`` is compared
-    with the pattern's GPT layer count. Returns ``(problems, flags not to compare further)``."""
+    with the pattern's GPT layer count."""
     now, was = _pattern(args), _pattern(saved)
     if was and not now:
         return [
             f"the checkpoint in --load {args.load} was saved by a HybridModel run "
             f"(--hybrid-layer-pattern {was}): resume it with examples/pretrain_hybrid_tst.py"
-        ], set(ARCHITECTURE)
+        ]
     if not now or was:
-        return [], set()
+        return []
     from megatron.core.dist_checkpointing.gpt_checkpoint_interop import gpt_compatible_layer_maps
 
     try:
@@ -288,23 +288,25 @@ def model_class_problems(args, saved) -> tuple[list[str], set]:
         return [
             f"the checkpoint in --load {args.load} is a GPTModel's, which megatron-core loads "
             f"into a HybridModel only layer for layer: {message}"
-        ], set(ARCHITECTURE)
+        ]
     if getattr(saved, "num_layers", layers) != layers:
         return [
             f"the checkpoint in --load {args.load} is a GPTModel's of {saved.num_layers} layers; "
             f"--hybrid-layer-pattern {now} pairs with one of {layers} (one attention and one "
             "MLP or MoE position per GPT layer)"
-        ], set(ARCHITECTURE)
-    return [], {"num_layers", "hybrid_layer_pattern"}
+        ]
+    return []
 
 
 def architecture_problems(args, saved) -> list[str]:
     """One line naming each :data:`ARCHITECTURE` flag of ``args`` that differs from the
     checkpoint's ``saved`` arguments (empty: none, or ``--use-checkpoint-args``), after
     :func:`model_class_problems` (which runs with ``--use-checkpoint-args`` too)."""
-    problems, skip = model_class_problems(args, saved)
+    problems = model_class_problems(args, saved)
     if problems or getattr(args, "use_checkpoint_args", False):
         return problems
+    # a GPT checkpoint in a hybrid run: its layers pair by model_class_problems' rule
+    skip = {"num_layers", "hybrid_layer_pattern"} if _pattern(args) and not _pattern(saved) else ()
     changed = []
     for name in ARCHITECTURE:
         if not hasattr(saved, name) or name in skip:
