@@ -8,8 +8,8 @@
 # PYTHON: the interpreter with torch (CUDA), megatron-core and Transformer Engine (default:
 # .venv/bin/python when it exists, else python3). Where that interpreter has no megatron-core
 # and a gpu-wheels/ folder is here (scripts/fetch_gpu_wheels.sh, for a machine without
-# network), .venv-gpu is made over it (--system-site-packages: its torch is used) and the
-# wheels are installed there without network. Without Transformer Engine the TE and FP8 rows
+# network), the wheels of the packages it lacks are installed without network into
+# .gpu-site (git-ignored), put on PYTHONPATH: its own torch and packages are used. Without Transformer Engine the TE and FP8 rows
 # say "skipped: Transformer Engine not installed". Extra arguments go to
 # tests/gpu/gpu_check.py (e.g. --output FILE). Without a GPU it exits at once with status 1,
 # checking nothing.
@@ -23,10 +23,15 @@ if [ -z "${PYTHON:-}" ]; then
     if [ -x .venv/bin/python ]; then PYTHON=.venv/bin/python; else PYTHON=python3; fi
 fi
 if ! "$PYTHON" -c "import megatron.core" 2>/dev/null && [ -d gpu-wheels ]; then
-    [ -x .venv-gpu/bin/python ] || "$PYTHON" -m venv --system-site-packages .venv-gpu
-    .venv-gpu/bin/python -m pip install --quiet --no-index --find-links gpu-wheels \
-        megatron-core numpy packaging pyyaml sentencepiece psutil tqdm
-    PYTHON=.venv-gpu/bin/python
+    # only what that interpreter lacks (its own numpy etc. stay), into .gpu-site (git-ignored)
+    wheels=()
+    for pair in megatron_core:megatron.core numpy:numpy packaging:packaging pyyaml:yaml \
+        sentencepiece:sentencepiece psutil:psutil tqdm:tqdm; do
+        "$PYTHON" -c "import ${pair#*:}" 2>/dev/null || wheels+=(gpu-wheels/"${pair%%:*}"-*.whl)
+    done
+    "$PYTHON" -m pip install --quiet --no-index --no-deps --no-compile --upgrade \
+        --target .gpu-site "${wheels[@]}"
+    export PYTHONPATH="$PWD/.gpu-site${PYTHONPATH:+:$PYTHONPATH}"
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # tst_megatron from this checkout
 exec "$PYTHON" tests/gpu/gpu_check.py "$@"

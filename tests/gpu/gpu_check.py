@@ -32,6 +32,7 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 from step_cost import LOCAL_CUDA_FLAGS  # noqa: E402
 
 LAUNCHER = "examples/pretrain_gpt_tst.py"
+HYBRID_LAUNCHER = "examples/pretrain_hybrid_tst.py"
 N, N1 = 20, 8  # iterations; the switch at N1
 #: Small but FP8-valid: 128 * 4 = 512 tokens per micro-batch, every width a multiple of 32.
 BASE = [
@@ -53,6 +54,15 @@ BASE = [
 LOCAL = LOCAL_CUDA_FLAGS
 TE = ["--transformer-impl", "transformer_engine"]
 FP8 = TE + ["--fp8-format", "hybrid"]
+#: The GPT runs' 2 MoE blocks as 4 HybridModel layers (attention, MoE, attention, MoE): run by
+#: :data:`HYBRID_LAUNCHER`, without ``--num-layers`` (the pattern sets it).
+HYBRID_MOE = ["--hybrid-layer-pattern", "*E*E"]
+#: Mamba-2 layers (megatron-core's Transformer Engine hybrid spec and ``mamba_ssm``'s Triton
+#: kernels): 8 heads of 64 over the 2 x 256 inner width, 2 groups, state 64.
+HYBRID_MAMBA = [
+    "--hybrid-layer-pattern", "M*ME", "--mamba-num-heads", "8", "--mamba-head-dim", "64",
+    "--mamba-num-groups", "2", "--mamba-state-dim", "64",
+]  # fmt: skip
 
 #: name -> (extra flags, the run it is compared with or None, what is checked)
 RUNS = {
@@ -89,6 +99,16 @@ RUNS = {
         "TE bf16",
         "distributed optimizer + alltoall dispatcher + --moe-grouped-gemm, close to TE bf16",
     ),
+    "hybrid local bf16": (
+        LOCAL + HYBRID_MOE,
+        "local bf16",
+        f"HybridModel `*E*E` ({HYBRID_LAUNCHER}), local spec: close to the GPT run's losses",
+    ),
+    "hybrid TE Mamba": (
+        TE + HYBRID_MAMBA,
+        None,
+        "HybridModel `M*ME` (Mamba-2, TE hybrid spec, mamba_ssm kernels) through the switch",
+    ),
 }
 RESUME_AT = 10
 
@@ -99,8 +119,21 @@ TOL_FIRST, TOL_LAST5 = 0.05, 0.15
 
 
 def argv_of(name: str) -> list:
-    """The launcher flags of run ``name``."""
+    """The launcher flags of run ``name`` (a hybrid run's without ``--num-layers``)."""
+    if is_hybrid(name):
+        at = BASE.index("--num-layers")
+        return BASE[:at] + BASE[at + 2 :] + RUNS[name][0]
     return BASE + RUNS[name][0]
+
+
+def is_hybrid(name: str) -> bool:
+    """Whether run ``name`` runs :data:`HYBRID_LAUNCHER` (a ``HybridModel``)."""
+    return name.startswith("hybrid")
+
+
+def launcher_of(name: str) -> str:
+    """The script run ``name`` runs."""
+    return HYBRID_LAUNCHER if is_hybrid(name) else LAUNCHER
 
 
 def validate_all(world_size: int = 1) -> None:
@@ -122,7 +155,8 @@ def validate_all(world_size: int = 1) -> None:
         }
         for name in [*RUNS, *saves]:
             argv = saves[name] if name in saves else argv_of(name)
-            problems = check(argv, dry_run=True).problems
+            model = "hybrid" if name in RUNS and is_hybrid(name) else "gpt"
+            problems = check(argv, dry_run=True, model=model).problems
             if problems:
                 raise ConfigError(f"{name}: " + "\n".join(problems))
     finally:
@@ -171,8 +205,17 @@ def parse_losses(text: str) -> dict:
     return losses
 
 
-def _train(argv: list, log: str) -> dict:
-    """Run the launcher on 1 GPU with ``argv``; return ``{"train": {iteration: loss}}``."""
+#: Seconds one training child may take (20 small iterations take well under a minute on an
+#: H100; a hang must not eat the whole check).
+RUN_TIMEOUT = 180
+
+
+def _train(argv: list, log: str, launcher: str = LAUNCHER) -> dict:
+    """Run ``launcher`` on 1 GPU with ``argv``; return ``{"train": {iteration: loss}}``.
+
+    Raises:
+        RuntimeError: the child exited non-zero or ran past :data:`RUN_TIMEOUT`.
+    """
     from tst_megatron.runtime.distributed import free_port
 
     env = dict(
@@ -185,11 +228,24 @@ def _train(argv: list, log: str) -> dict:
         CUDA_DEVICE_MAX_CONNECTIONS="1",
         PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])),
     )
-    result = subprocess.run(
-        [sys.executable, LAUNCHER, *argv], cwd=ROOT, env=env, capture_output=True, text=True
-    )
+    try:
+        result = subprocess.run(
+            [sys.executable, launcher, *argv],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=RUN_TIMEOUT,
+        )
+    except subprocess.TimeoutExpired as exc:
+        out = b"".join(
+            x if isinstance(x, bytes) else x.encode() for x in (exc.stdout, exc.stderr) if x
+        )
+        with open(log, "a") as f:
+            f.write(f"\n$ {launcher} {' '.join(argv)}\n{out.decode(errors='replace')}")
+        raise RuntimeError(f"launcher ran past {RUN_TIMEOUT} s; see {log}") from None
     with open(log, "a") as f:
-        f.write(f"\n$ {' '.join(argv)}\n{result.stdout}{result.stderr}")
+        f.write(f"\n$ {launcher} {' '.join(argv)}\n{result.stdout}{result.stderr}")
     if result.returncode != 0:
         raise RuntimeError(f"launcher exited {result.returncode}; see {log}")
     return {"train": parse_losses(result.stdout)}
@@ -229,17 +285,49 @@ def te_installed() -> bool:
 NO_TE = "skipped: Transformer Engine not installed"
 
 
+def mamba_ssm_installed() -> bool:
+    """Whether megatron-core's Mamba mixer finds ``mamba_ssm``'s kernels (``HAVE_MAMBA_SSM``:
+    ``mamba_ssm`` imports ``selective_scan_cuda``, its compiled extension, on import)."""
+    try:
+        from megatron.core.ssm.mamba_mixer import HAVE_MAMBA_SSM
+    except Exception:  # noqa: BLE001
+        return False
+    return bool(HAVE_MAMBA_SSM)
+
+
+NO_MAMBA = "skipped: mamba_ssm (with its CUDA extension) not installed"
+
+
+def skip_reason(name: str):
+    """Why run ``name`` cannot run here (a row's result), or None."""
+    if name.startswith("TE") or name == "hybrid TE Mamba":
+        if not te_installed():
+            return NO_TE
+    if name == "TE FP8 current" and not _te_has("Float8CurrentScaling"):
+        return "skipped: this Transformer Engine has no current scaling"
+    if name == "hybrid TE Mamba" and not mamba_ssm_installed():
+        return NO_MAMBA
+    return None
+
+
 def check_training(rows: list, log: str) -> dict:
+    """One row per :data:`RUNS` entry: the run trains through the switch (every iteration
+    logged, finite) or stays close to its reference run. A run that fails or is skipped is a
+    row, and the check goes on. Returns ``{name: {iteration: loss}}`` of the runs that ran."""
     results = {}
     for name, (_, reference, what) in RUNS.items():
-        if name.startswith("TE") and not te_installed():
-            rows.append((what, NO_TE, "-"))
+        if reason := skip_reason(name):
+            rows.append((what, reason, "-"))
             continue
-        if name == "TE FP8 current" and not _te_has("Float8CurrentScaling"):
-            rows.append((what, "skipped: this Transformer Engine has no current scaling", "-"))
+        if reference is not None and reference not in results:
+            rows.append((what, f"skipped: its reference run {reference!r} did not run", "FAIL"))
             continue
         start = time.time()
-        results[name] = _train(argv_of(name), log)["train"]
+        try:
+            results[name] = _train(argv_of(name), log, launcher_of(name))["train"]
+        except RuntimeError as exc:
+            rows.append((what, str(exc), "FAIL"))
+            continue
         losses = results[name]
         at = {i: losses.get(i, math.nan) for i in (1, N1, N1 + 1, N)}  # nan: not logged
         summary = (
@@ -459,18 +547,32 @@ def main() -> int:
     validate_all()
     os.makedirs(os.path.dirname(args.log), exist_ok=True)
     open(args.log, "w").close()
-    start, rows, sections = time.time(), [], []
-    results = check_training(rows, args.log)
-    check_fp8_resume(rows, args.log, results)
-    check_distopt_resume(rows, args.log)
-    check_memory_history(rows, args.log)
-    check_mce_vs_fused_ce(rows)
-    check_step_cost(rows, sections, args.log)
-    text = report(rows, sections, time.time() - start, machine())
-    os.makedirs(os.path.dirname(args.output), exist_ok=True)
-    with open(args.output, "w") as f:
-        f.write(text)
-    print(text)
+    start, rows, sections, results = time.time(), [], [], {}
+    machine_text = machine()
+
+    def write() -> None:  # after every check: a check that hangs past a limit loses only itself
+        text = report(rows, sections, time.time() - start, machine_text)
+        os.makedirs(os.path.dirname(args.output), exist_ok=True)
+        with open(args.output + ".tmp", "w") as f:
+            f.write(text)
+        os.replace(args.output + ".tmp", args.output)
+
+    checks = [
+        ("training runs", lambda: results.update(check_training(rows, args.log))),
+        ("MCE vs fused CE", lambda: check_mce_vs_fused_ce(rows)),
+        ("distributed-optimizer resume", lambda: check_distopt_resume(rows, args.log)),
+        ("FP8 resume", lambda: check_fp8_resume(rows, args.log, results)),
+        ("memory history", lambda: check_memory_history(rows, args.log)),
+        ("step cost", lambda: check_step_cost(rows, sections, args.log)),
+    ]
+    for name, run_check in checks:
+        try:
+            run_check()
+        except Exception as exc:  # noqa: BLE001 (a row, and the other checks still run)
+            rows.append((name, f"raised {type(exc).__name__}: {exc}", "FAIL"))
+        write()
+        print(f"gpu_check: {name} done ({time.time() - start:.0f} s)", flush=True)
+    print(open(args.output).read())
     print(f"written to {args.output}; training logs in {args.log}")
     return 0 if all(verdict != "FAIL" for _, _, verdict in rows) else 1
 

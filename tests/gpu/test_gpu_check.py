@@ -69,7 +69,22 @@ def test_its_launch_lines_pass_the_launchers_checks():
         assert argv[:2] == ["--device", "cuda"] and "--bf16" in argv
         assert ("--fp8-format" in argv) == ("FP8" in name)
         impl = argv[len(argv) - 1 - argv[::-1].index("--transformer-impl") + 1]
-        assert impl == ("transformer_engine" if name.startswith("TE") else "local")
+        assert impl == ("transformer_engine" if "TE" in name.split() else "local")
+        hybrid = "--hybrid-layer-pattern" in argv
+        assert hybrid == name.startswith("hybrid") == ("--num-layers" not in argv)
+        assert gpu_check.launcher_of(name) == (
+            gpu_check.HYBRID_LAUNCHER if hybrid else gpu_check.LAUNCHER
+        )
+    # the hybrid MoE run is the GPT reference run's 2 MoE blocks as 4 hybrid layers
+    assert gpu_check.RUNS["hybrid local bf16"][1] == "local bf16"
+    pattern = gpu_check.argv_of("hybrid local bf16")
+    assert pattern[pattern.index("--hybrid-layer-pattern") + 1] == "*E*E"
+    gpt = gpu_check.argv_of("local bf16")
+    at = gpt.index("--num-layers")
+    hybrid_moe = gpu_check.argv_of("hybrid local bf16")
+    assert hybrid_moe == gpt[:at] + gpt[at + 2 :] + gpu_check.HYBRID_MOE
+    mamba = gpu_check.argv_of("hybrid TE Mamba")
+    assert "M" in mamba[mamba.index("--hybrid-layer-pattern") + 1]
     local = gpu_check.argv_of("local bf16")
     assert "--no-rope-fusion" in local and "--no-gradient-accumulation-fusion" in local
     grouped = gpu_check.argv_of("TE distopt alltoall grouped")
@@ -152,7 +167,7 @@ def test_without_transformer_engine_its_rows_say_skipped(monkeypatch):
     module = _load()
     trained = []
 
-    def fake_train(argv, log):
+    def fake_train(argv, log, launcher=None):
         trained.append(argv)
         return {"train": {i: 5.0 for i in range(1, module.N + 1)}}
 
@@ -161,19 +176,44 @@ def test_without_transformer_engine_its_rows_say_skipped(monkeypatch):
     rows = []
     results = module.check_training(rows, "log")
     module.check_fp8_resume(rows, "log", results)
-    local = [n for n in module.RUNS if not n.startswith("TE")]
-    assert local == ["local bf16", "local distopt alltoall"]
+    local = [n for n in module.RUNS if "TE" not in n.split()]
+    assert local == ["local bf16", "local distopt alltoall", "hybrid local bf16"]
     assert list(results) == local and trained == [module.argv_of(n) for n in local]
-    assert [r[2] for r in rows if r[1] != module.NO_TE] == ["pass", "pass"]
+    assert [r[2] for r in rows if r[1] != module.NO_TE] == ["pass", "pass", "pass"]
     te_rows = [r for r in rows if r[1] == module.NO_TE]
     assert len(te_rows) == len(module.RUNS) - len(local) + 1  # every TE run, the FP8 resume
     assert all(r[2] == "-" for r in te_rows)
     assert module.NO_TE == "skipped: Transformer Engine not installed"
     # a run that misses iterations (no switch reached) or goes NaN fails
-    monkeypatch.setattr(module, "_train", lambda argv, log: {"train": {1: 5.0, 2: math.nan}})
+    monkeypatch.setattr(module, "_train", lambda *a: {"train": {1: 5.0, 2: math.nan}})
     rows = []
     module.check_training(rows, "log")
     assert rows[0][2] == "FAIL"
+    # a run whose launcher fails is a FAIL row, and the runs after it still run
+    calls = []
+
+    def failing(argv, log, launcher=None):
+        calls.append(argv)
+        raise RuntimeError("launcher exited 1; see log")
+
+    monkeypatch.setattr(module, "_train", failing)
+    rows = []
+    assert module.check_training(rows, "log") == {}
+    assert len(calls) == 1  # the reference failed: the runs compared with it are not started
+    assert rows[0] == (module.RUNS["local bf16"][2], "launcher exited 1; see log", "FAIL")
+    assert all(r[2] in ("FAIL", "-") for r in rows) and len(rows) == len(module.RUNS)
+
+
+def test_the_mamba_row_is_skipped_without_mamba_ssm(monkeypatch):
+    module = _load()
+    monkeypatch.setattr(module, "te_installed", lambda: True)
+    monkeypatch.setattr(module, "mamba_ssm_installed", lambda: False)
+    assert module.skip_reason("hybrid TE Mamba") == module.NO_MAMBA
+    assert module.skip_reason("hybrid local bf16") is None
+    monkeypatch.setattr(module, "mamba_ssm_installed", lambda: True)
+    assert module.skip_reason("hybrid TE Mamba") is None
+    monkeypatch.setattr(module, "te_installed", lambda: False)
+    assert module.skip_reason("hybrid TE Mamba") == module.NO_TE
 
 
 def test_the_report_is_a_table_of_every_row():
@@ -196,12 +236,17 @@ def test_the_local_run_trains_through_the_switch_on_a_cpu(tmp_path):
     # the reference run's launch line, shortened and on the CPU, through the real launcher:
     # every iteration is logged in both phases and starts near ln V (uniform logits)
     module = _load()
-    argv = [a for a in module.argv_of("local bf16") if a != "--bf16"]
-    argv += ["--device", "cpu", "--train-iters", "4", "--tst-phase1-iters", "2"]
-    argv += ["--eval-interval", "4", "--lr-warmup-iters", "1", "--lr-wsd-decay-iters", "1"]
-    argv += ["--num-layers", "1", "--hidden-size", "64", "--ffn-hidden-size", "128"]
-    argv += ["--moe-ffn-hidden-size", "64"]
+    shrink = ["--device", "cpu", "--train-iters", "4", "--tst-phase1-iters", "2"]
+    shrink += ["--eval-interval", "4", "--lr-warmup-iters", "1", "--lr-wsd-decay-iters", "1"]
+    shrink += ["--hidden-size", "64", "--ffn-hidden-size", "128", "--moe-ffn-hidden-size", "64"]
+    argv = [a for a in module.argv_of("local bf16") if a != "--bf16"] + shrink
     losses = module._train(argv, str(tmp_path / "log"))["train"]
     assert sorted(losses) == [1, 2, 3, 4], open(tmp_path / "log").read()[-3000:]
     assert all(math.isfinite(v) for v in losses.values())
     assert abs(losses[1] - math.log(1024)) < 0.5
+    # the hybrid row's launch line, shortened the same way: the same seed builds the same
+    # weights as 4 hybrid layers, so the losses it is compared with on the GPU are equal here
+    name = "hybrid local bf16"
+    argv = [a for a in module.argv_of(name) if a != "--bf16"] + shrink
+    hybrid = module._train(argv, str(tmp_path / "log"), module.launcher_of(name))["train"]
+    assert hybrid == losses, open(tmp_path / "log").read()[-3000:]
