@@ -216,6 +216,28 @@ def test_the_mamba_row_is_skipped_without_mamba_ssm(monkeypatch):
     assert module.skip_reason("hybrid TE Mamba") == module.NO_TE
 
 
+def test_a_resume_is_compared_without_megatron_lms_halved_line():
+    # after a restart at N1 - 1 Megatron-LM 0.19.2 logs iteration N1 + 1 halved (the H200 run:
+    # lm loss 3.2036 where the uninterrupted run logged 6.4072, same grad norm)
+    module = _load()
+    at = module.N1 - 1
+    assert module.compared_iterations(at) == [
+        i for i in range(at + 2, module.N + 1) if i != module.N1 + 1
+    ]
+    assert module.compared_iterations(module.RESUME_AT) == list(
+        range(module.RESUME_AT + 2, module.N + 1)
+    )
+
+
+def test_the_mce_row_passes_on_a_cpu():
+    # the row's references: a float64 CE (tight) and megatron-core's fused CE, whose gradient
+    # is cast to bf16 (the H200's first run failed a 1e-6 bound against it: 3.9e-3)
+    module = _load()
+    rows = []
+    module.check_mce_vs_fused_ce(rows, device="cpu")
+    assert len(rows) == 1 and rows[0][2] == "pass", rows
+
+
 def test_the_report_is_a_table_of_every_row():
     module = _load()
     rows = [("a check", "loss it 1 6.9", "pass"), ("TE bf16", module.NO_TE, "-")]
