@@ -488,7 +488,7 @@ def check_mce_vs_fused_ce(rows: list, device: str = "cuda") -> None:
             errors["loss vs fp64"] <= 1e-4
             and errors["grad vs fp64"] <= 1e-6
             and errors["loss vs fused"] <= 1e-4
-            and errors["grad vs fused / bf16 bound"] <= 1.0
+            and errors["grad vs fused / bf16 bound"] <= 1.01  # + fp32 differences
         )
         rows.append(
             (
