@@ -542,7 +542,8 @@ def check_step_cost(rows: list, sections: list, log: str) -> None:
 
 def machine() -> str:
     """The GPU, Python, torch, megatron-core and Transformer Engine versions (needs CUDA)."""
-    import megatron.core
+    from importlib.metadata import version
+
     import torch
 
     try:
@@ -553,7 +554,7 @@ def machine() -> str:
         te = f"not importable ({type(exc).__name__})"
     return (
         f"{torch.cuda.get_device_name()}, Python {platform.python_version()}, torch "
-        f"{torch.__version__}, megatron-core {megatron.core.__version__}, Transformer Engine {te}"
+        f"{torch.__version__}, megatron-core {version('megatron-core')}, Transformer Engine {te}"
     )
 
 
