@@ -197,6 +197,10 @@ LAYOUTS = {
 }
 
 
+#: :data:`HYBRID_MOE` with RMSNorm and SwiGLU, as the Hugging Face targets hold them.
+EXPORTABLE = HYBRID_MOE + ["--normalization", "RMSNorm", "--swiglu"]
+
+
 def _dense(argv):
     """``argv`` as the dense hybrid ``*-*-*-*-`` (no MoE flags): 8 layers, so that PP = 2 with
     virtual stages (``*-|*-|*-|*-``) gives every stage layers of both kinds."""
@@ -253,6 +257,9 @@ def hybrid_runs(tmp_path_factory):
     dense = _dense(HYBRID_MOE)
     ones["dense_scratch"] = argv("dense_scratch", every, dense)
     ones["dense_one"] = argv("dense_one", start("dense_scratch"), dense)
+    # RMSNorm + SwiGLU (what the Hugging Face targets hold), for the export: dense on 1
+    # process, MoE at PP = 2
+    ones["export_dense"] = argv("export_dense", ["--save-interval", "3"], _dense(EXPORTABLE))
     ((*printed,),) = run_distributed(child, 1, runs=list(ones.values()), model="hybrid")
     twos = {name: argv(name, start("scratch") + flags) for name, flags in LAYOUTS.items()}
     for name, flags in DENSE_LAYOUTS.items():
@@ -262,6 +269,7 @@ def hybrid_runs(tmp_path_factory):
             "--tensorboard-dir", str(root / f"tb_ep2@{at}"),
             "--load", str(root / "ep2"), "--ckpt-step", str(at),
         ]  # fmt: skip
+    twos["export_pp2"] = argv("export_pp2", LAYOUTS["pp2"] + ["--save-interval", "3"], EXPORTABLE)
     _, (*last,) = run_distributed(child, 2, runs=list(twos.values()), model="hybrid")
     texts = dict(zip([*ones, *twos], [*printed, *last]))
     return {
@@ -423,3 +431,130 @@ def test_a_gpt_switch_checkpoint_continues_as_the_equivalent_hybrid(tmp_path, hy
     errors = [x for x in back.stderr.splitlines() if x.startswith("error:")]
     assert errors and all("HybridModel" in e for e in errors), back.stderr
     assert any("examples/pretrain_hybrid_tst.py" in e for e in errors), errors
+
+
+def _export_child(rank, world, *, cases, out_root):
+    """1 process: for each ``{name: checkpoint}`` of ``cases``, export its last checkpoint to
+    Hugging Face with ``tools/convert_checkpoint.py`` (``(status, stdout, stderr)``) and,
+    where that worked, the logits ``[2, 16, V]`` (float64) on :data:`EXPORT_TOKENS` of a
+    1-process megatron-core ``HybridModel`` (this project's local hybrid stack spec) built
+    from the checkpoint's ``args`` by Megatron-LM's ``hybrid_config_from_args``, its weights
+    read by ``dist_checkpointing``."""
+    import copy
+    import importlib.util
+
+    from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
+    from megatron.core.models.hybrid.hybrid_model import HybridModel
+    from megatron.training.argument_utils import hybrid_config_from_args
+
+    from tst_megatron.conversion.megatron import resolve_checkpoint
+    from tst_megatron.training.hybrid import local_hybrid_stack_spec
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    spec = importlib.util.spec_from_file_location(
+        "convert_checkpoint", os.path.join(root, "tools", "convert_checkpoint.py")
+    )
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    results = {}
+    for name, save in cases.items():
+        import contextlib
+        import io
+
+        out, err = io.StringIO(), io.StringIO()
+        hf_dir = os.path.join(out_root, name)
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            status = tool.main(["export", "--load", save, "--save", hf_dir])
+        results[name] = {"cli": (status, out.getvalue(), err.getvalue())}
+        if status != 0:
+            continue
+        path = resolve_checkpoint(save)
+        args = copy.copy(dist_checkpointing.load_common_state_dict(path)["args"])
+        args.tensor_model_parallel_size = args.pipeline_model_parallel_size = 1
+        args.expert_model_parallel_size = args.expert_tensor_parallel_size = 1
+        args.sequence_parallel = False
+        args.hybrid_layer_pattern = args.hybrid_layer_pattern.replace("|", "")
+        if parallel_state.model_parallel_is_initialized():
+            parallel_state.destroy_model_parallel()
+        parallel_state.initialize_model_parallel()
+        tensor_parallel.model_parallel_cuda_manual_seed(0)
+        try:
+            cfg = hybrid_config_from_args(args)
+            model = HybridModel(
+                config=cfg.transformer,
+                hybrid_stack_spec=local_hybrid_stack_spec(cfg.transformer),
+                vocab_size=args.padded_vocab_size,
+                max_sequence_length=cfg.seq_length,
+                hybrid_layer_pattern=cfg.hybrid_layer_pattern,
+                share_embeddings_and_output_weights=cfg.share_embeddings_and_output_weights,
+                position_embedding_type=cfg.position_embedding_type,
+                rotary_base=cfg.rotary_base,
+            ).eval()
+            state = dist_checkpointing.load({"model": model.sharded_state_dict()}, path)
+            model.load_state_dict(state["model"])
+            ids = EXPORT_TOKENS
+            positions = torch.arange(ids.shape[1]).unsqueeze(0).expand_as(ids)
+            with torch.no_grad():
+                logits = model(ids, positions, None)[..., : args.vocab_size].double()
+            results[name]["logits"] = logits
+        finally:
+            parallel_state.destroy_model_parallel()
+    return results
+
+
+EXPORT_TOKENS = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+
+
+@pytest.fixture(scope="module")
+def exported(hybrid_runs, tmp_path_factory):
+    """The Hugging Face exports of the ``*E|*E`` (PP = 2), ``*-*-*-*-`` (RMSNorm, SwiGLU),
+    ``*E*E/*E`` (MTP) and ``*E*E`` (LayerNorm) hybrid checkpoints: ``(Hugging Face root,
+    {name: {"cli": ..., "logits": ...}})``."""
+    out_root = str(tmp_path_factory.mktemp("hybrid_hf"))
+    cases = {name: hybrid_runs[name][2] for name in ("export_pp2", "export_dense", "mtp", "one")}
+    (results,) = run_distributed(_export_child, 1, cases=cases, out_root=out_root)
+    return out_root, results
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "name, architecture",
+    [("export_pp2", "MixtralForCausalLM"), ("export_dense", "LlamaForCausalLM")],
+)
+def test_a_gpt_shaped_hybrid_exports_to_hugging_face_with_its_logits(exported, name, architecture):
+    # *E|*E (saved at PP = 2) is a 2-layer MoE GPT, *-*-*-*- a 4-layer dense one: they export
+    # to the GPT families, and transformers' model computes the hybrid model's logits
+    transformers = pytest.importorskip("transformers")
+    import json
+
+    out_root, results = exported
+    status, out, err = results[name]["cli"]
+    assert status == 0, err
+    hf_dir = os.path.join(out_root, name)
+    config = json.load(open(os.path.join(hf_dir, "config.json")))
+    assert config["architectures"] == [architecture]
+    assert config["num_hidden_layers"] == {"export_pp2": 2, "export_dense": 4}[name]
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        hf_dir, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+    with torch.no_grad():
+        theirs = model(EXPORT_TOKENS).logits.double()
+    ours = results[name]["logits"]
+    assert theirs.shape == ours.shape == (2, 16, 128)
+    assert ours.abs().max().item() > 0.1  # not a degenerate model
+    assert (theirs - ours).abs().max().item() <= 1e-5
+
+
+@pytest.mark.slow
+def test_a_hybrid_the_targets_cannot_hold_is_refused_by_the_export_in_one_line(exported):
+    # MTP layers; LayerNorm (the targets use RMSNorm): one error line each, nothing written
+    out_root, results = exported
+    for name, words in (
+        ("mtp", ("--hybrid-layer-pattern *E*E/*E", "multi-token prediction")),
+        ("one", ("--normalization LayerNorm", "RMSNorm")),
+    ):
+        status, out, err = results[name]["cli"]
+        lines = [line for line in err.splitlines() if line.startswith("error:")]
+        assert status == 2 and len(lines) == 1, err
+        assert all(w in lines[0] for w in words), lines
+        assert not os.path.exists(os.path.join(out_root, name))

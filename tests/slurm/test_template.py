@@ -1,7 +1,8 @@
 """The sbatch template's launcher command line, without Slurm (``TST_DRY_RUN=1``): the H100
-defaults, a dense variant, a bigger layout and the CPU variant each pass the launcher's dry run
-(Megatron-LM's parser and ``validate_args``, its ``TransformerConfig``, the TST checks) for
-their world size, and carry what preemption needs."""
+defaults, a dense variant, a bigger layout, a HybridModel (``HYBRID_LAYER_PATTERN``: the hybrid
+launcher) and the CPU variant each pass the launcher's dry run (Megatron-LM's parser and
+``validate_args``, its ``TransformerConfig``, the TST checks) for their world size, and carry
+what preemption needs."""
 
 import shlex
 import subprocess
@@ -27,6 +28,26 @@ CASES = {  # name: (variables, world size, device)
         16,
         "cuda",
     ),
+    "hybrid_moe_2x8_h100": (DATA | {"HYBRID_LAYER_PATTERN": "*E" * 16}, 16, "cuda"),
+    "hybrid_cpu_variant": (
+        {
+            "TST_DEVICE": "cpu",
+            "VOCAB_SIZE": "128",
+            "HYBRID_LAYER_PATTERN": "*E*E",
+            "HIDDEN_SIZE": "64",
+            "FFN_HIDDEN_SIZE": "128",
+            "SEQ_LENGTH": "64",
+            "NUM_EXPERTS": "4",
+            "MOE_FFN_HIDDEN_SIZE": "64",
+            "MOE_ROUTER_TOPK": "2",
+            "EP": "2",
+            "GLOBAL_BATCH_SIZE": "4",
+            "TRAIN_ITERS": "40",
+            "LR_WARMUP_ITERS": "2",
+        },  # fmt: skip
+        2,
+        "cpu",
+    ),
     "cpu_variant": (
         {
             "TST_DEVICE": "cpu",
@@ -50,6 +71,8 @@ CASES = {  # name: (variables, world size, device)
 
 
 def dry_run(tmp_path, variables: dict) -> list:
+    """The launcher flags the template would run with ``variables`` (its script checked: the
+    hybrid launcher where ``HYBRID_LAYER_PATTERN`` is set, else the GPT one)."""
     env = {
         "PATH": "/usr/bin:/bin",
         "SLURM_JOB_NAME": "tst-job",
@@ -62,19 +85,21 @@ def dry_run(tmp_path, variables: dict) -> list:
         ["bash", str(TEMPLATE)], env=env, capture_output=True, text=True, check=True
     )
     argv = shlex.split(out.stdout)
-    assert argv[:2] == [
-        str(REPO / ".venv" / "bin" / "python"),
-        str(REPO / "examples" / "pretrain_gpt_tst.py"),
-    ]
+    script = (
+        "pretrain_hybrid_tst.py" if variables.get("HYBRID_LAYER_PATTERN") else "pretrain_gpt_tst.py"
+    )
+    assert argv[:2] == [str(REPO / ".venv" / "bin" / "python"), str(REPO / "examples" / script)]
     return argv[2:]
 
 
 def checked(argv: list, world: int, monkeypatch) -> object:
     """The launcher's dry-run check of ``argv`` at ``world`` processes (as the template's
-    environment sets it for a CUDA run); fails with every problem found."""
+    environment sets it for a CUDA run; the hybrid launcher's for a hybrid pattern); fails
+    with every problem found."""
     monkeypatch.setenv("WORLD_SIZE", str(world))
     monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")
-    checked = check(argv, dry_run=True)
+    model = "hybrid" if "--hybrid-layer-pattern" in argv else "gpt"
+    checked = check(argv, dry_run=True, model=model)
     args, problems = checked.args, checked.problems
     assert not problems, problems
     return args
@@ -99,6 +124,11 @@ def test_template_command_line_is_valid(case, tmp_path, monkeypatch):
     assert bool(gpu_flags & set(argv)) == (device == "cuda")
     assert ("--num-experts" in argv) == (variables.get("NUM_EXPERTS") != "0")
     assert (tmp_path / "runs" / "tst-job" / "tensorboard").is_dir()
+    pattern = variables.get("HYBRID_LAYER_PATTERN")
+    assert ("--num-layers" in argv) == (pattern is None)
+    if pattern:  # the pattern sets the layer count: one per symbol
+        assert argv[argv.index("--hybrid-layer-pattern") + 1] == pattern
+        assert args.num_layers == len(pattern)
 
 
 def test_extra_args_reach_the_launcher(tmp_path, monkeypatch):

@@ -268,3 +268,77 @@ def test_tokenizer_files_load_in_transformers(tmp_path):
     text = "def f7(x):\n    return x * 7  # héllo"
     assert tok(text, add_special_tokens=False)["input_ids"] == sp.encode(text)
     assert tok.eos_token_id == sp.eos_id() == hf.special_ids(model, 300)["eos_token_id"]
+
+
+def _hybrid_args(pattern):
+    """:data:`FLAGS` as a ``HybridModel`` checkpoint's ``args``: the pattern instead of
+    ``--num-layers``."""
+    args = _args()
+    args.hybrid_layer_pattern = pattern
+    args.num_layers = len(pattern.split("/")[0].replace("|", ""))  # as Megatron-LM sets it
+    return args
+
+
+@pytest.mark.parametrize(
+    "pattern, message",
+    [
+        ("**EE", r"each an attention layer '\*' followed by its MLP '-' or MoE 'E' layer"),
+        ("*EE*", "'\\*EE\\*' does not pair up that way"),
+        ("*-*", "does not pair up"),
+        ("M*ME", r"M \(Mamba-2\) layers have no place"),
+        ("*EG*", r"G \(gated delta net\) layers have no place"),
+        ("*E*E/*E", r"multi-token prediction layers \(after '/'\) have no place"),
+    ],
+)
+def test_a_hybrid_pattern_that_is_no_gpt_is_refused_in_one_line(pattern, message):
+    with pytest.raises(ValueError, match=message) as info:
+        mlm.check_supported(_hybrid_args(pattern))
+    assert "\n" not in str(info.value)
+    assert str(info.value).startswith(f"--hybrid-layer-pattern {pattern}: ")
+
+
+def test_a_gpt_shaped_hybrid_is_the_gpt_of_its_pairs():
+    # every '*X' pair is one GPT layer; 'E' positions are the MoE layers
+    for pattern, layers, freq in [
+        ("*E*E", 2, [1, 1]),
+        ("*E|*E", 2, [1, 1]),
+        ("*E*-*E*-", 4, [1, 0, 1, 0]),
+    ]:
+        args = _hybrid_args(pattern)
+        mlm.check_supported(args)
+        gpt = mlm.gpt_equivalent(args)
+        assert gpt.hybrid_layer_pattern is None and gpt.num_layers == layers
+        assert gpt.moe_layer_freq == freq and gpt.num_experts == 3
+        assert args.hybrid_layer_pattern == pattern  # the checkpoint's args are left alone
+    assert hf.target_architecture(mlm.gpt_equivalent(_hybrid_args("*E*-*E*-"))).name == (
+        "Qwen3-MoE"
+    )
+    with pytest.raises(ValueError, match="every n-th layer"):  # MoE at layers 1 and 2 only
+        hf.target_architecture(mlm.gpt_equivalent(_hybrid_args("*-*E*E*-")))
+    dense = mlm.gpt_equivalent(_hybrid_args("*-*-*-"))
+    assert dense.num_layers == 3 and dense.num_experts is None
+    assert hf.target_architecture(dense).name == "Qwen3"
+    plain = _args()
+    assert mlm.gpt_equivalent(plain) is plain
+
+
+def test_a_hybrids_tensors_get_the_names_of_its_gpt():
+    args = _hybrid_args("*E*E")
+    gpt_state = _megatron_state(mlm.gpt_equivalent(args))
+    # the same tensors as a 4-layer hybrid names them (megatron-core's migration guide)
+    hybrid_state = {}
+    for name, tensor in gpt_state.items():
+        parts = name.split(".")
+        if name.startswith("decoder.layers."):
+            i, rest = int(parts[2]), ".".join(parts[3:])
+            attention = rest.startswith(("input_layernorm", "self_attention"))
+            name = f"decoder.layers.{2 * i + (0 if attention else 1)}.{rest}"
+        hybrid_state[name.replace("final_layernorm", "final_norm")] = tensor
+    assert "decoder.final_norm.weight" in hybrid_state
+    renamed = mlm.hybrid_to_gpt_names(hybrid_state, args)
+    assert renamed.keys() == gpt_state.keys()
+    assert all(renamed[k] is gpt_state[k] for k in gpt_state)
+    misplaced = dict(hybrid_state)
+    misplaced["decoder.layers.1.self_attention.linear_proj.weight"] = torch.zeros(1)
+    with pytest.raises(ValueError, match="decoder.layers.1.self_attention.linear_proj.weight"):
+        mlm.hybrid_to_gpt_names(misplaced, args)

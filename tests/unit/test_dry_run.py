@@ -601,3 +601,45 @@ def test_the_hybrid_launcher_script_checks_and_trains(launcher_env, tmp_path):
     assert trained.returncode == 0, trained.stderr[-3000:]
     assert "TST: phase 2 (next-token) from iteration 1 (switch at 1)" in trained.stdout
     assert re.search(r"iteration\s+2/\s+2 \|.*\| lm loss: ", trained.stdout), trained.stdout[-3000:]
+
+
+@pytest.mark.parametrize(
+    "pattern, world, gpt_flags",
+    [
+        ("*E*E", "1", []),
+        ("*E*-*E*-", "1", ["--moe-layer-freq", "([1]+[0])*2"]),
+        ("*E|*E", "2", ["--pipeline-model-parallel-size", "2"]),
+    ],
+)
+def test_a_gpt_shaped_hybrid_counts_the_parameters_of_its_gpt(pattern, world, gpt_flags):
+    # Megatron-LM's arithmetic covers GPT models: '*X' pairs are counted as the GPT they equal
+    wide = ["--hidden-size", "512", "--ffn-hidden-size", "2048", "--num-attention-heads", "8"]
+    wide += ["--moe-ffn-hidden-size", "1024"]
+    hybrid = _without(HYBRID, "--hybrid-layer-pattern") + wide
+    layout = ["--pipeline-model-parallel-size", "2"] if "|" in pattern else []
+    hybrid += ["--untie-embeddings-and-output-weights"] if layout else []
+    env = {"WORLD_SIZE": world}
+    got = dry(hybrid + layout + ["--hybrid-layer-pattern", pattern], env=env, model="hybrid")
+    gpt = hybrid + gpt_flags + ["--num-layers", str(len(pattern.replace("|", "")) // 2)]
+    want = dry(gpt, env=env)
+    assert got.returncode == want.returncode == 0, got.stderr + want.stderr
+
+    def counts(text, prefix):
+        return [x.split(prefix, 1)[1] for x in text.splitlines() if prefix in x]
+
+    ours = counts(got.stdout, "parameters (Megatron-LM, as the equivalent GPT):")
+    theirs = counts(want.stdout, "parameters (Megatron-LM):")
+    assert ours == theirs and len(ours) >= 5, got.stdout
+    assert any("Total number of parameters in billions: 0.0" in x for x in ours)
+    assert not any(x.endswith(": 0.00") for x in ours if "Total number of parameters" in x)
+
+
+@pytest.mark.parametrize("pattern", ["**EE", "*E*E/*E"])
+def test_a_hybrid_that_is_no_gpt_says_its_parameters_are_not_counted(pattern):
+    rope = ["--position-embedding-type", "rope"]  # MTP needs it
+    result = dry(
+        _without(HYBRID, "--hybrid-layer-pattern") + rope + ["--hybrid-layer-pattern", pattern],
+        model="hybrid",
+    )
+    lines = [x for x in result.stdout.splitlines() if "parameters" in x]
+    assert len(lines) == 1 and "not counted" in lines[0], result.stdout + result.stderr

@@ -2,9 +2,10 @@
 
 - :func:`export_checkpoint`: a ``torch_dist`` checkpoint (any TP/PP/VPP/EP layout, TST or
   not) of Megatron-LM's own loop (``megatron.training.pretrain()``, e.g. the launcher
-  ``examples/pretrain_gpt_tst.py``; the architecture from its saved Megatron-LM ``args``,
-  :mod:`.mlm`) -> a Hugging Face directory (Qwen3-MoE, Mixtral, Qwen3 or Llama, chosen from
-  the settings).
+  ``examples/pretrain_gpt_tst.py``, or ``examples/pretrain_hybrid_tst.py`` with a GPT-shaped
+  ``*-``/``*E`` pattern; the architecture from its saved Megatron-LM ``args``, :mod:`.mlm`)
+  -> a Hugging Face directory (Qwen3-MoE, Mixtral, Qwen3 or Llama, chosen from the
+  settings).
 - :func:`import_checkpoint`: a Hugging Face directory of those architectures -> a
   weights-only ``release`` checkpoint in Megatron-LM's layout (tracker file, Megatron-LM
   ``args`` namespace, ``iteration`` 0) that Megatron-LM's ``load_checkpoint`` (the launcher's
@@ -73,7 +74,7 @@ def export_checkpoint(
         raise ValueError(f"--dtype must be auto, float32, bfloat16 or float16, got {dtype!r}")
     hf.require_transformers()
     path = resolve_checkpoint(load, ckpt_step)
-    hf.target_architecture(read_args(path))  # before the weights are read
+    hf.target_architecture(mlm.gpt_equivalent(read_args(path)))  # before the weights are read
     args, state = read_checkpoint(path)
     arch = hf.target_architecture(args)
     if dtype == "auto":

@@ -89,11 +89,15 @@ def single_process() -> Iterator[None]:
 
 def build_model(ns):
     """The whole model of checkpoint ``args`` ``ns`` in this 1-process world (eval mode, CPU):
-    :func:`~tst_megatron.training.model.build_model_from_args` on
+    :func:`~tst_megatron.training.model.build_model_from_args` (a ``HybridModel``:
+    :func:`~tst_megatron.training.hybrid.build_hybrid_model_from_args`) on
     :func:`.mlm.one_process_args`. Call inside :func:`single_process`."""
-    from tst_megatron.training.model import build_model_from_args
+    if mlm.hybrid_main_pattern(ns) is not None:
+        from tst_megatron.training.hybrid import build_hybrid_model_from_args as build
+    else:
+        from tst_megatron.training.model import build_model_from_args as build
 
-    return build_model_from_args(mlm.one_process_args(ns)).eval()
+    return build(mlm.one_process_args(ns)).eval()
 
 
 def tensor_names(model) -> Dict[str, torch.Size]:
@@ -253,7 +257,10 @@ def read_checkpoint(path: str) -> Tuple[object, Dict[str, torch.Tensor]]:
 
     Returns:
         ``(args, state)``: the stored Megatron-LM ``args`` and the model's weights
-        ``{megatron name: tensor}`` (parameter dtype).
+        ``{megatron name: tensor}`` (parameter dtype). A GPT-shaped ``HybridModel``
+        (``*-``/``*E`` pairs) comes back as the ``GPTModel`` it equals: its
+        :func:`.mlm.gpt_equivalent` ``args`` and its weights under GPT names
+        (:func:`.mlm.hybrid_to_gpt_names`).
 
     Raises:
         ValueError: see :func:`read_args`.
@@ -264,6 +271,8 @@ def read_checkpoint(path: str) -> Tuple[object, Dict[str, torch.Tensor]]:
         load_weights(path, model)
         weights = model.state_dict()
         state = {name: weights[name].detach().clone() for name in tensor_names(model)}
+    if mlm.hybrid_main_pattern(args) is not None:
+        state, args = mlm.hybrid_to_gpt_names(state, args), mlm.gpt_equivalent(args)
     return args, state
 
 

@@ -10,7 +10,11 @@ whole ``argparse.Namespace`` as ``args`` in its common state
 
 - :func:`check_supported`: refuses (one line naming the flag) every Megatron-LM setting that
   changes the model's function but has no place in a Hugging Face target, so nothing is
-  dropped silently.
+  dropped silently; a ``HybridModel`` checkpoint only where its pattern is GPT-shaped
+  (:func:`check_hybrid`).
+- :func:`gpt_equivalent` / :func:`hybrid_to_gpt_names`: a GPT-shaped ``HybridModel``
+  (``*-`` / ``*E`` pairs, ``examples/pretrain_hybrid_tst.py``) as the ``GPTModel`` it equals,
+  so that it exports to the same Hugging Face families.
 - :func:`one_process_args` / :func:`transformer_config`: the namespace of the same model in
   one CPU process, and its ``TransformerConfig`` by Megatron-LM's own
   ``core_transformer_config_from_args`` (the shapes the Hugging Face side needs are read
@@ -60,7 +64,6 @@ UNSUPPORTED = (
     ("heterogeneous_layers_config_path", None, "--heterogeneous-layers-config-path"),
     ("heterogeneous_layers_config_encoded_json", None,
      "--heterogeneous-layers-config-encoded-json"),
-    ("hybrid_layer_pattern", None, "--hybrid-layer-pattern"),
     ("spec", None, "--spec"),
     ("use_mup", False, "--use-mup"),
     ("moe_router_enable_expert_bias", False, "--moe-router-enable-expert-bias"),
@@ -138,13 +141,111 @@ _ONE_PROCESS = dict(
 )
 
 
+#: A ``HybridModel`` pattern that is a ``GPTModel``: each attention layer ``*`` followed by its
+#: MLP (``-``) or MoE (``E``) layer. megatron-core's migration guide
+#: (``docs/user-guide/hybrid-model-migration.md``) maps a GPT block onto ``*-`` / ``*E``, and
+#: ``dist_checkpointing.gpt_checkpoint_interop.gpt_compatible_layer_maps`` pairs the i-th
+#: ``*`` and the i-th MLP layer with GPT layer i; adjacent pairs compute what the GPT layer
+#: computes (a pre-norm residual attention block, then a pre-norm residual MLP block).
+GPT_SHAPED_PATTERN = re.compile(r"(\*[-E])+")
+
+#: Hybrid layer symbols with no place in the Hugging Face targets (megatron-core 0.19.2's
+#: ``hybrid_layer_allocation.Symbols``).
+_NO_PLACE = {"M": "Mamba-2", "G": "gated delta net", "D": "DeepSeek sparse attention",
+             "+": "multi-latent attention"}  # fmt: skip
+
+
+def hybrid_main_pattern(ns) -> Optional[str]:
+    """The layer pattern of a ``HybridModel`` checkpoint's ``args`` ``ns`` without pipeline
+    separators (``|``) and without its MTP part (after ``/``); None for a ``GPTModel``."""
+    pattern = getattr(ns, "hybrid_layer_pattern", None)
+    if not pattern:
+        return None
+    return pattern.split("/")[0].replace("|", "")
+
+
+def check_hybrid(ns) -> None:
+    """Refuse a ``HybridModel`` checkpoint's ``args`` ``ns`` whose pattern is not
+    GPT-shaped (:data:`GPT_SHAPED_PATTERN`): the Hugging Face targets hold GPT layers.
+
+    Raises:
+        ValueError: one line naming the pattern and what has no place.
+    """
+    main = hybrid_main_pattern(ns)
+    if main is None:
+        return
+    pattern = ns.hybrid_layer_pattern
+    head = f"--hybrid-layer-pattern {pattern}: the Hugging Face targets hold GPT layers"
+    if "/" in pattern:
+        raise ValueError(f"{head}; its multi-token prediction layers (after '/') have no place")
+    families = sorted({c for c in main if c in _NO_PLACE})
+    if families:
+        names = ", ".join(f"{c} ({_NO_PLACE[c]})" for c in families)
+        raise ValueError(f"{head}; its {names} layers have no place")
+    if not GPT_SHAPED_PATTERN.fullmatch(main):
+        raise ValueError(
+            f"{head}, each an attention layer '*' followed by its MLP '-' or MoE 'E' layer; "
+            f"{main!r} does not pair up that way"
+        )
+
+
+def gpt_equivalent(ns):
+    """The ``args`` of the ``GPTModel`` a GPT-shaped ``HybridModel`` checkpoint's ``ns``
+    equals (``ns`` itself for a ``GPTModel``): no pattern, one layer per ``*X`` pair, MoE
+    layers where the pattern has ``E`` (``--moe-layer-freq`` as a 0/1 list), no experts
+    without any ``E``. Call :func:`check_hybrid` first."""
+    main = hybrid_main_pattern(ns)
+    if main is None:
+        return ns
+    out = copy.copy(ns)
+    out.hybrid_layer_pattern = None
+    kinds = main[1::2]
+    out.num_layers = len(kinds)
+    if "E" in kinds:
+        out.moe_layer_freq = [int(k == "E") for k in kinds]
+    else:
+        out.num_experts = None
+        out.moe_layer_freq = 1
+    return out
+
+
+_LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.*)")
+
+
+def hybrid_to_gpt_names(state: dict, ns) -> dict:
+    """``state`` (``{name: tensor}`` of a 1-process GPT-shaped ``HybridModel``) under the
+    names of the ``GPTModel`` it equals (:func:`gpt_equivalent`): hybrid layer ``2i``
+    (attention: ``input_layernorm``, ``self_attention``) and ``2i + 1`` (``pre_mlp_layernorm``,
+    ``mlp``) are GPT layer ``i``; ``decoder.final_norm`` is ``decoder.final_layernorm``
+    (``gpt_checkpoint_interop``'s ``_GPT_FINAL_NORM_KEY_MAP``).
+
+    Raises:
+        ValueError: a tensor not where the pattern puts it (named).
+    """
+    out = {}
+    for name, tensor in state.items():
+        m = _LAYER.match(name)
+        if m:
+            h, rest = int(m.group(1)), m.group(2)
+            attention = rest.startswith(("input_layernorm.", "self_attention."))
+            mlp = rest.startswith(("pre_mlp_layernorm.", "mlp."))
+            if not (attention and h % 2 == 0) and not (mlp and h % 2 == 1):
+                raise ValueError(f"{name}: not an attention/MLP tensor of a '*X' pair")
+            name = f"decoder.layers.{h // 2}.{rest}"
+        elif name.startswith("decoder.final_norm."):
+            name = name.replace("decoder.final_norm.", "decoder.final_layernorm.", 1)
+        out[name] = tensor
+    return out
+
+
 def check_supported(ns) -> None:
     """Refuse a checkpoint's ``args`` ``ns`` with a setting of :data:`UNSUPPORTED` away from
-    its default.
+    its default, or a ``HybridModel`` pattern that is not GPT-shaped (:func:`check_hybrid`).
 
     Raises:
         ValueError: one line naming the flag and its value.
     """
+    check_hybrid(ns)
     for dest, default, flag in UNSUPPORTED:
         value = getattr(ns, dest, default)
         if value != default and not (default is False and value is None):
@@ -164,6 +265,8 @@ def one_process_args(ns) -> argparse.Namespace:
     out = copy.copy(ns)
     for name, value in _ONE_PROCESS.items():
         setattr(out, name, value)
+    if getattr(out, "hybrid_layer_pattern", None):  # one pipeline stage: no '|'
+        out.hybrid_layer_pattern = out.hybrid_layer_pattern.replace("|", "")
     for name in ("tensor_parallel_num_weight_shards", "expert_tensor_parallel_num_weight_shards"):
         setattr(out, name, None)  # megatron-core derives them from the sizes (no GTP)
     out.gtp_weight_remat_size = out.expert_gtp_weight_remat_size = 1

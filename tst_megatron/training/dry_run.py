@@ -152,8 +152,11 @@ def describe(args, plan) -> list[str]:
 
 def _hybrid_lines(args) -> list[str]:
     """A ``HybridModel``'s layers by family (megatron-core's ``get_hybrid_layer_counts``), its
-    widths and experts. Megatron-LM 0.19's parameter and memory arithmetic covers GPT models
-    only (``theoretical_memory_usage``), so none is printed."""
+    widths and experts, and its parameters: Megatron-LM 0.19's arithmetic
+    (:func:`parameter_lines`) covers GPT models only, so a GPT-shaped pattern (``*-``/``*E``
+    pairs, :data:`~tst_megatron.conversion.mlm.GPT_SHAPED_PATTERN`; no MTP; pipeline segments
+    of equal length) is counted as the ``GPTModel`` it equals
+    (:func:`~tst_megatron.conversion.mlm.gpt_equivalent`), any other pattern not at all."""
     from megatron.core.models.hybrid.hybrid_layer_allocation import (
         get_hybrid_layer_counts,
         parse_hybrid_pattern,
@@ -184,7 +187,27 @@ def _hybrid_lines(args) -> list[str]:
         f"{args.num_attention_heads} heads{experts}; {args.normalization}, "
         f"{args.position_embedding_type} positions, {args.transformer_impl}, "
         f"{args.params_dtype}",
-        "parameters: not counted (Megatron-LM 0.19's arithmetic covers GPT models only)",
+        *_hybrid_parameter_lines(args),
+    ]
+
+
+def _hybrid_parameter_lines(args) -> list[str]:
+    """See :func:`_hybrid_lines`."""
+    from tst_megatron.conversion.mlm import GPT_SHAPED_PATTERN, gpt_equivalent
+
+    segments = args.hybrid_layer_pattern.split("|")
+    gpt_shaped = "/" not in args.hybrid_layer_pattern and all(
+        GPT_SHAPED_PATTERN.fullmatch(s) for s in segments
+    )
+    if not (gpt_shaped and len({len(s) for s in segments}) == 1):
+        return [
+            "parameters: not counted (Megatron-LM 0.19's arithmetic covers GPT models; this "
+            "pattern is not '*-'/'*E' pairs split evenly, without MTP)"
+        ]
+    prefix = "parameters (Megatron-LM):"
+    return [
+        line.replace(prefix, "parameters (Megatron-LM, as the equivalent GPT):", 1)
+        for line in parameter_lines(gpt_equivalent(args))
     ]
 
 
