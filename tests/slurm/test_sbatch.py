@@ -88,11 +88,13 @@ def cluster(tmp_path_factory):
     slurm.stop()
 
 
-#: The template's settings per variant: as it is, and with megatron-core's distributed optimizer
+#: The template's settings per variant: as it is, as a HybridModel, and with megatron-core's distributed optimizer
 #: (every published MoE recipe's setting; its resume is megatron-core's ``dp_reshardable``
 #: checkpoint, mended by ``tst_megatron.upstream.distributed_optimizer_resume``).
 VARIANTS = {
     "plain": {},
+    # megatron-core's HybridModel: the same 2 MoE blocks as 4 layers, the hybrid launcher
+    "hybrid": {"HYBRID_LAYER_PATTERN": "*E*E"},
     "distopt": {
         "EXTRA_ARGS": TINY["EXTRA_ARGS"]
         + " --use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather"
@@ -169,6 +171,9 @@ def test_tst_run_through_the_switch(cluster, uninterrupted):
     print(f"uninterrupted job ({variant}): {seconds:.1f} s")
     # both srun tasks joined one world (Slurm's variables exported under torchrun's names)
     assert "using world size: 2, data-parallel size: 2," in text
+    script = "pretrain_hybrid_tst.py" if variant == "hybrid" else "pretrain_gpt_tst.py"
+    assert f"launcher examples/{script}," in text
+    assert ("GPTModel IS DEPRECATED" in text) == (variant != "hybrid")  # megatron-core's warning
     steps = iterations(text)
     assert sorted(steps) == list(range(1, N + 1))
     assert steps[N][0] == N * 4  # global batch 4
