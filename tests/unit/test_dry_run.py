@@ -630,6 +630,9 @@ def test_a_gpt_shaped_hybrid_counts_the_parameters_of_its_gpt(pattern, world, gp
     ours = counts(got.stdout, "parameters (Megatron-LM, as the equivalent GPT):")
     theirs = counts(want.stdout, "parameters (Megatron-LM):")
     assert ours == theirs and len(ours) >= 5, got.stdout
+    memory = "memory (Megatron-LM, as the equivalent GPT):"
+    assert counts(got.stdout, memory) == counts(want.stdout, "memory (Megatron-LM):")
+    assert len(counts(got.stdout, memory)) == 1
     assert any("Total number of parameters in billions: 0.0" in x for x in ours)
     assert not any(x.endswith(": 0.00") for x in ours if "Total number of parameters" in x)
 

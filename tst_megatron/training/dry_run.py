@@ -204,9 +204,8 @@ def _hybrid_parameter_lines(args) -> list[str]:
             "parameters: not counted (Megatron-LM 0.19's arithmetic covers GPT models; this "
             "pattern is not '*-'/'*E' pairs split evenly, without MTP)"
         ]
-    prefix = "parameters (Megatron-LM):"
-    return [
-        line.replace(prefix, "parameters (Megatron-LM, as the equivalent GPT):", 1)
+    return [  # its parameter and memory lines
+        line.replace("(Megatron-LM)", "(Megatron-LM, as the equivalent GPT)", 1)
         for line in parameter_lines(gpt_equivalent(args))
     ]
 
