@@ -123,3 +123,32 @@ def test_recipe_passes_the_launchers_dry_run(name):
     # which must be the recipe's own arithmetic (recipes.Recipe.parameters), in billions
     line = next(x for x in result.stdout.splitlines() if "Total number of parameters" in x)
     assert abs(float(line.rsplit(":", 1)[1]) - recipe.parameters()["non_embedding"] / 1e9) < 0.006
+
+
+def _hybrid_recipe() -> list:
+    """The launcher flags of docs/gpu_recipe.md's hybrid command (after its marker)."""
+    import re
+    import shlex
+
+    text = open(os.path.join(ROOT, "docs", "gpu_recipe.md")).read()
+    block = re.search(r"<!-- hybrid-recipe -->\n```bash\n(.*?)```", text, re.S).group(1)
+    argv = shlex.split(block.replace("\\\n", " "))
+    assert argv[:3] == ["torchrun", "--nproc-per-node", "1"]
+    assert argv[3] == "examples/pretrain_hybrid_tst.py"
+    return argv[4:]
+
+
+def test_the_hybrid_recipe_passes_the_hybrid_launchers_checks_for_cuda(monkeypatch):
+    # the Mamba-2 hybrid of docs/gpu_recipe.md: Megatron-LM's validation, its TransformerConfig
+    # and the TST and hybrid rules, as a CUDA run on 1 GPU (the dry run assumes the kernels'
+    # packages; a real launch without mamba_ssm stops in one line)
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    flags = _hybrid_recipe()
+    checked = check(flags, dry_run=True, model="hybrid")
+    assert checked.problems == [], checked.problems
+    args = checked.args
+    assert args.hybrid_layer_pattern.count("M") == 12 and args.num_layers == 32
+    assert args.tst_bag_size == 6 and checked.plan.n1 == 600
+    baseline = flags[: flags.index("--tst-bag-size") + 1] + ["1"]
+    baseline += flags[flags.index("--tst-bag-size") + 2 :]
+    assert check(baseline, dry_run=True, model="hybrid").problems == []
