@@ -201,3 +201,37 @@ def test_blend_phase1_samples_are_contiguous_text_of_one_dataset(tmp_path):
     )
     shapes = [tuple(batch["tokens"].shape) for batch in loader]
     assert shapes == [(4, S * T), (4, T), (4, T)]
+
+
+def test_a_resume_on_other_data_reads_what_the_note_says(tmp_path):
+    """``checks.resume.order_notes``: a resume after the switch (step 3 of 6, the switch after
+    2, S = 2, global batch 8) with another ``--data-path`` reads that data's windows only,
+    none of the blocks phase 1 would have read of it in the first N1 steps, and the same
+    samples an uninterrupted run on it reads from that step. The two corpora's token ids are
+    disjoint, so a sample is known to come from one or the other."""
+    S, n1, steps, gbs, at = 2, 2, 6, 8, 3
+    switch = n1 * gbs
+    docs_x, end = index_coded_documents(400, seed=1)
+    docs_y, _ = index_coded_documents(400, first_id=end, seed=2)
+    corpus_x = _datasets(tmp_path / "x", write_dataset(tmp_path / "x.ic", docs_x), 600)
+    corpus_y = _datasets(tmp_path / "y", write_dataset(tmp_path / "y.ic", docs_y), 600)
+    y_ids = range(end, end + sum(len(d) for d in docs_y))
+
+    def run(corpus, consumed):
+        stream = TrainStream(corpus, bag_size=S, phase1_samples=switch, seed=3)
+        dataset = PhasedTrainDataset(stream, switch=switch, total=steps * gbs)
+        loader = megatron_loader(
+            dataset, consumed=consumed, micro_batch_size=2, dp_rank=0, dp_size=1, num_workers=0
+        )
+        return stream, _steps(loader, gbs // 2, consumed // gbs, steps)[0]
+
+    _, on_x = run(corpus_x, 0)
+    stream_y, resumed = run(corpus_y, at * gbs)  # the checkpoint of step 3, resumed on Y
+    _, uninterrupted_y = run(corpus_y, 0)
+    read = [t for step in resumed.values() for t in step]
+    assert all(t in y_ids for t in read) and not set(read) & {t for s in on_x.values() for t in s}
+    phase1_blocks_of_y = {
+        int(t) for i in range(switch) for t in stream_y.phase1_sample(i)["tokens"][::T]
+    }
+    assert not set(read) & phase1_blocks_of_y  # "leaving out the blocks phase 1 would have read"
+    assert resumed == {k: v for k, v in uninterrupted_y.items() if k >= at}

@@ -515,3 +515,34 @@ def test_another_seed_after_the_switch_is_refused_and_phase_1_only_advice_runs(
     assert "TST: phase 2 (next-token) from iteration 3 (switch at 3)" in cont.stdout
     # the launcher's raw-token line: iteration 6 read T = 16 tokens a sample, phase 2's
     assert re.search(r"TST: iteration\s+6 \| raw tokens per sample: 16 \|", cont.stdout)
+
+
+def test_every_input_of_the_sample_orders_has_a_resume_rule():
+    """``checks.resume.ORDER_INPUTS`` holds every key of the orders' cache description: the
+    stream's own (``stream.describe``) and megatron-core's dataset description
+    (``MegatronDataset._key_config_attributes()`` and the ``unique_identifiers`` keys
+    ``GPTDataset.__init__`` sets, read from its source, so that a megatron-core release that
+    adds one fails here); each names what a resume may do with it."""
+    import inspect
+
+    from megatron.core.datasets.gpt_dataset import GPTDataset
+    from megatron.core.datasets.megatron_dataset import MegatronDataset
+
+    from tst_megatron.data.stream import describe
+
+    class Part:
+        unique_description_hash = "h"
+
+    stream_keys = set(describe([(Part(), 1)], bag_size=2, phase1_samples=4, seed=1))
+    source = inspect.getsource(GPTDataset.__init__) + inspect.getsource(MegatronDataset.__init__)
+    set_keys = set(re.findall(r"unique_identifiers\[\"(\w+)\"\]", source))
+    assert {"class", "dataset_path", "num_samples", "index_split"} <= set_keys
+    dataset_keys = set(MegatronDataset._key_config_attributes()) | set_keys
+    dataset_keys |= set(GPTDataset._key_config_attributes())
+    assert stream_keys | dataset_keys == set(resume.ORDER_INPUTS)
+    kinds = {kind for kind, _ in resume.ORDER_INPUTS.values()}
+    assert kinds == {"refused", "noted", "plan", "fixed"}
+    for key, (kind, flags) in resume.ORDER_INPUTS.items():
+        assert bool(flags) == (kind in ("refused", "noted")), key
+    assert resume.ORDER_FLAGS_REFUSED == ("seed", "seq_length", "tokenizer_type", "vocab_size")
+    assert set(resume.ORDER_FLAGS_NOTED) == {"split", "data_path", "data_args_path", "mock_data"}

@@ -52,15 +52,48 @@ def checkpoint_to_resume(args) -> Optional[tuple[int, dict]]:
         return iteration, dist_checkpointing.load_common_state_dict(path)
 
 
-#: The launch flags TST's sample orders (:class:`tst_megatron.data.stream.TrainStream`) depend
-#: on besides N1, the switch sample and the windows per phase-1 sample, which
-#: :func:`resume_problems` compares itself: the inputs of the orders' cache description
-#: (:func:`tst_megatron.data.stream.describe`), which are the stream's seed and each part's
-#: megatron-core dataset description (random seed, sequence length, tokenizer, blend, split).
-#: Changed on a resume, the first kind make phase 1's blocks others than those it read, so
-#: phase 2 would read text phase 1 trained on (refused); the second is new data (noted).
-ORDER_FLAGS_REFUSED = ("seed", "seq_length", "tokenizer_type", "vocab_size")
-ORDER_FLAGS_NOTED = ("data_path", "data_args_path", "split", "mock_data")
+#: Every key of the sample orders' cache description (:func:`tst_megatron.data.stream.describe`:
+#: its own keys, and each part's megatron-core dataset description, ``GPTDataset``'s
+#: ``unique_identifiers``: ``MegatronDataset._key_config_attributes()`` and the keys
+#: ``GPTDataset.__init__`` adds) -> what a resume may do with the flags that set it:
+#:
+#: - ``refused``: another value draws phase 1's blocks again, so phase 2 would read text phase
+#:   1 already trained on (:func:`resume_problems`);
+#: - ``noted``: new data, which a curriculum may mean (:func:`order_notes`);
+#: - ``plan``: compared through the run plan (N1, the switch sample, the bag size; the run's
+#:   length with a blend) by :func:`resume_problems`;
+#: - ``fixed``: no flag sets it.
+#:
+#: ``tests/unit/test_megatron_lm_args.py`` checks that every key megatron-core 0.19.2 and the
+#: stream put in the description is here.
+ORDER_INPUTS = {
+    # TrainStream.describe
+    "class": ("fixed", ()),
+    "format": ("fixed", ()),
+    "parts": ("fixed", ()),  # each part's dataset description: the keys below
+    "bag_size": ("plan", ()),
+    "phase1_samples": ("plan", ()),
+    "seed": ("refused", ("seed",)),
+    # megatron-core's dataset description (GPTDataset.unique_identifiers)
+    "random_seed": ("refused", ("seed",)),
+    "sequence_length": ("refused", ("seq_length",)),
+    "tokenizer": ("refused", ("tokenizer_type", "vocab_size")),
+    "split": ("noted", ("split",)),
+    "split_matrix": ("noted", ("split",)),
+    "dataset_path": ("noted", ("data_path", "data_args_path", "mock_data")),
+    "num_samples": ("plan", ()),
+    "index_split": ("fixed", ()),
+}  # fmt: skip
+
+
+def _order_flags(kind: str) -> tuple:
+    return tuple(dict.fromkeys(f for k, flags in ORDER_INPUTS.values() if k == kind for f in flags))
+
+
+#: The ``args`` names of :data:`ORDER_INPUTS` a resume must keep, and those it may change with
+#: a note.
+ORDER_FLAGS_REFUSED = _order_flags("refused")
+ORDER_FLAGS_NOTED = _order_flags("noted")
 
 
 def _blended(args) -> bool:
