@@ -1,4 +1,4 @@
-"""The launcher's forward step (:class:`tst_megatron.training.TSTForwardStep`) on a
+"""The launcher's forward step (:class:`tst_megatron.training.forward.TSTForwardStep`) on a
 model from its model provider, against a float64 reference written here: phase 1 is the
 multi-hot cross-entropy of bag-averaged inputs, phase 2 and evaluation are next-token
 cross-entropy. One process (spawned: Megatron-LM's globals stay out of pytest's process).

@@ -10,6 +10,8 @@ per job:
   rules on top of Megatron-LM's validation, one module per subject, run from one list;
 - :mod:`.dry_run`: ``--dry-run``'s report (layout, parameter counts, TST plan);
 - :mod:`.model`: the model provider and local layer specs; :mod:`.gpt`: ``TSTGPTModel``;
+  :mod:`.hybrid`: ``TSTHybridModel`` and the local hybrid stack; :mod:`.seams`: the TST
+  seams both model classes share;
 - :mod:`.datasets`: the datasets provider (the data themselves: :mod:`tst_megatron.data`);
 - :mod:`.forward`: the forward step of both phases; :mod:`.switch`: the switch at ``N1``.
 """
