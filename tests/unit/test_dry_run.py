@@ -587,6 +587,7 @@ def test_the_hybrid_launcher_script_checks_and_trains(launcher_env, tmp_path):
     line = _without(_without(line, "--train-iters"), "--eval-interval")
     line += ["--train-iters", "2", "--eval-interval", "2", "--eval-iters", "1"]
     line += ["--tst-phase1-iters", "1"]
+    line += ["--num-layers", "8"]  # Megatron-LM ignores it (the pattern has 4): a note
 
     def run(*extra):
         return subprocess.run(
@@ -597,8 +598,13 @@ def test_the_hybrid_launcher_script_checks_and_trains(launcher_env, tmp_path):
     checked = run("--dry-run")
     assert checked.returncode == 0, checked.stderr[-3000:]
     assert "model: HybridModel '*E*E': 2 attention (*), 2 MoE (E);" in checked.stdout
+    ignored = "--num-layers 8 is not used: --hybrid-layer-pattern '*E*E' has 4 layers"
+    assert f" note: {ignored}" in checked.stdout
     trained = run()
     assert trained.returncode == 0, trained.stderr[-3000:]
+    lines = trained.stdout.splitlines()
+    first_step = next(i for i, x in enumerate(lines) if re.search(r"iteration\s+1/", x))
+    assert any(x.startswith(f"note: {ignored}") for x in lines[:first_step]), lines[:first_step]
     assert "TST: phase 2 (next-token) from iteration 1 (switch at 1)" in trained.stdout
     assert re.search(r"iteration\s+2/\s+2 \|.*\| lm loss: ", trained.stdout), trained.stdout[-3000:]
 
@@ -646,3 +652,21 @@ def test_a_hybrid_that_is_no_gpt_says_its_parameters_are_not_counted(pattern):
     )
     lines = [x for x in result.stdout.splitlines() if "parameters" in x]
     assert len(lines) == 1 and "not counted" in lines[0], result.stdout + result.stderr
+
+
+def test_flags_megatron_lm_replaces_by_the_hybrid_pattern_are_noted():
+    # Megatron-LM 0.19.2's validate_args only warns and takes the pattern's counts
+    def notes(extra, pattern="*E*E"):
+        argv = HYBRID + ["--position-embedding-type", "rope", "--hybrid-layer-pattern", pattern]
+        result = dry(argv + extra, model="hybrid")
+        assert result.returncode == 0, result.stderr
+        return [x for x in result.stdout.splitlines() if x.startswith(" note: ")], result.stdout
+
+    assert notes(["--num-layers", "4"])[0] == []  # the pattern's count: nothing to say
+    (line,), _ = notes(["--num-layers=2"])
+    assert "--num-layers 2 is not used: --hybrid-layer-pattern '*E*E' has 4 layers" in line
+    (line,), out = notes(["--mtp-num-layers", "3"], "*E*E/*E")
+    assert "--mtp-num-layers 3 is not used" in line and "has 1 MTP depth(s)" in line
+    # the family counts are the main layers'; the MTP part is listed apart
+    assert "'*E*E/*E': 2 attention (*), 2 MoE (E); MTP 1 x '*E';" in out
+    assert notes(["--mtp-num-layers", "1"], "*E*E/*E")[0] == []

@@ -165,7 +165,7 @@ def _hybrid_lines(args) -> list[str]:
     from tst_megatron.training.hybrid import FAMILIES
 
     pattern = args.hybrid_layer_pattern
-    counts = get_hybrid_layer_counts(pattern)
+    counts = get_hybrid_layer_counts(pattern.split("/")[0])  # the MTP part is listed apart
     families = ", ".join(
         f"{counts[symbol]} {name} ({symbol})"
         for symbol, name in FAMILIES.items()

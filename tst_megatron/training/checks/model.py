@@ -240,15 +240,58 @@ def hybrid_mtp_problems(args) -> list[str]:
     ]
 
 
+def _value_given(argv: Sequence[str], flag: str):
+    """The value of ``flag``'s last occurrence on the command line (``--flag v`` or
+    ``--flag=v``), or None."""
+    value = None
+    for i, word in enumerate(argv):
+        if word == flag and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif word.startswith(flag + "="):
+            value = word.split("=", 1)[1]
+    return value
+
+
+def hybrid_notes(args, argv: Sequence[str]) -> list[str]:
+    """Flags a ``HybridModel`` run gives that Megatron-LM 0.19.2's ``validate_args`` replaces by
+    what the pattern says (it only warns): ``--num-layers`` other than the pattern's layer
+    count, ``--mtp-num-layers`` other than its MTP depths."""
+    from megatron.core.models.hybrid.hybrid_layer_allocation import (
+        get_hybrid_total_layer_count,
+        parse_hybrid_pattern,
+    )
+
+    pattern = getattr(args, "hybrid_layer_pattern", None)
+    if not pattern:
+        return []
+    lines = []
+    layers = get_hybrid_total_layer_count(pattern)
+    given = _value_given(argv, "--num-layers")
+    if given is not None and given != str(layers):
+        lines.append(
+            f"--num-layers {given} is not used: --hybrid-layer-pattern '{pattern}' has {layers} "
+            "layers, and Megatron-LM takes the pattern's count"
+        )
+    parsed = parse_hybrid_pattern(pattern)
+    given = _value_given(argv, "--mtp-num-layers")
+    if parsed.mtp_pattern and given is not None and given != str(parsed.mtp_num_depths):
+        lines.append(
+            f"--mtp-num-layers {given} is not used: --hybrid-layer-pattern '{pattern}' has "
+            f"{parsed.mtp_num_depths} MTP depth(s), and Megatron-LM takes the pattern's"
+        )
+    return lines
+
+
 def notes(launch) -> list[str]:
-    """That megatron-core 0.19's ``global_aux_loss`` counts tokens over DP and micro-batches
-    (its value depends on the layout)."""
+    """:func:`hybrid_notes`, and that megatron-core 0.19's ``global_aux_loss`` counts tokens
+    over DP and micro-batches (its value depends on the layout)."""
     args = launch.args
+    lines = hybrid_notes(args, launch.argv) if launch.model == "hybrid" else []
     kinds = args.moe_router_load_balancing_type
     kinds = [kinds] if isinstance(kinds, str) else list(kinds or [])
     if not (args.num_experts and "global_aux_loss" in kinds):
-        return []
-    return [
+        return lines
+    return lines + [
         "--moe-router-load-balancing-type global_aux_loss: megatron-core counts the tokens "
         "per expert over the data-parallel ranks and micro-batches of a step, so its value "
         "and gradient change with DP and --micro-batch-size (the same run under another "
