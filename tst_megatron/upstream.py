@@ -1,9 +1,11 @@
 """Every workaround for megatron-core / Megatron-LM 0.19.2, listed at one address
-(:data:`WORKAROUNDS`: where it lives, the symptom, the test that shows it), and the ones that
-live here: :func:`distributed_optimizer_resume`. The redirections of megatron-core's CUDA
-assumptions on a CPU are :mod:`tst_megatron.runtime.cpu`'s (one entry below).
+(:data:`WORKAROUNDS`: where it lives, the symptom, the test that shows it, the upstream code
+that causes it), and the ones that live here: :func:`distributed_optimizer_resume`. The
+redirections of megatron-core's CUDA assumptions on a CPU are :mod:`tst_megatron.runtime.cpu`'s
+(one entry below; its own version check is ``cpu.check_version``).
 
-On a megatron-core upgrade, run each entry's test; where upstream fixed the symptom, delete
+On a megatron-core upgrade, ``tests/unit/test_upstream.py`` fails for each entry whose upstream
+code changed: run that entry's test without it, and where upstream fixed the symptom, delete
 the workaround and its entry.
 """
 
@@ -11,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Iterator
+from typing import Iterator, Optional
 
 import torch
 
@@ -22,11 +24,16 @@ RELEASE = "megatron-core 0.19.2"
 @dataclasses.dataclass(frozen=True)
 class Workaround:
     """One workaround: ``where`` (a dotted path to it), the ``symptom`` in 0.19.2 without it,
-    and ``test`` (a test file that fails without it)."""
+    ``test`` (a test file that fails without it), and ``probe``: ``(dotted path of the
+    megatron-core / Megatron-LM code that causes it, a fragment of that code's source)``, which
+    ``tests/unit/test_upstream.py`` finds in the installed release. Once upstream changes that
+    code the probe fails: rerun ``test`` without the workaround, and delete it if fixed. None:
+    no line of upstream code shows the cause (the reason is in ``symptom``)."""
 
     where: str
     symptom: str
     test: str
+    probe: Optional[tuple] = None
 
 
 WORKAROUNDS = (
@@ -35,6 +42,10 @@ WORKAROUNDS = (
         "HybridStack builds Transformer Engine's TENorm as its final norm whatever its spec: a "
         "HybridModel cannot be built without Transformer Engine (every CPU run)",
         "tests/distributed/test_hybrid.py",
+        (
+            "megatron.core.models.hybrid.hybrid_block.HybridStack.__init__",
+            "self.final_norm = TENorm(",
+        ),
     ),
     Workaround(
         "tst_megatron.training.checks.model.hybrid_stage_problems",
@@ -49,22 +60,35 @@ WORKAROUNDS = (
         "with fp32 parameters cannot load (in-place copy into a grad-requiring view), and "
         "resumed with the wrong Adam step",
         "tests/distributed/test_distributed_optimizer_resume.py",
+        (
+            "megatron.core.optimizer.distrib_optimizer.DistributedOptimizer.state_dict",
+            "assert len(steps) == 1",
+        ),
     ),
     Workaround(
         "tst_megatron.data.index_cache._MaskCacheFilled",
         "GPTDataset caches the first sample's loss mask with its pad labels zeroed: every "
         "later sample loses those positions",
         "tests/unit/test_pad_token.py",
+        (
+            "megatron.core.datasets.gpt_dataset.GPTDataset.__getitem__",
+            "self.cached_loss_mask = loss_mask",
+        ),
     ),
     Workaround(
         "tst_megatron.data.index_cache._AtomicIndexCache",
         "a dataset index cache written by a killed job is read back half-written",
         "tests/distributed/test_data_caches.py",
+        (
+            "megatron.core.datasets.gpt_dataset.GPTDataset._build_document_sample_shuffle_indices",
+            "numpy.save(path_to_document_index, document_index, allow_pickle=True)",
+        ),
     ),
     Workaround(
         "tst_megatron.data.gpt_datasets.use_prebuilt_dataset_helpers",
         "initialize_megatron runs make in the wheel's datasets folder, which has no Makefile",
         "tests/distributed/test_megatron_lm_loop.py",
+        ("megatron.core.datasets.utils.compile_helpers", '["make", "-C"'),
     ),
     Workaround(
         "tst_megatron.training.model.ExpertRowParallelLinear",
@@ -82,21 +106,31 @@ WORKAROUNDS = (
         "the CE backward (softmax - onehot) * g gives nan * 0 = nan at masked positions with "
         "non-finite logits",
         "tests/distributed/test_gpt_seam.py",
+        (
+            "megatron.core.tensor_parallel.cross_entropy.VocabParallelCrossEntropy.calculate_gradients",
+            "grad_input.mul_(grad_output.unsqueeze(dim=-1))",
+        ),
     ),
     Workaround(
         "tst_megatron.training.flags._fix_help",
         "--help raises ValueError on an unescaped % in one Megatron-LM help text",
         "tests/unit/test_megatron_lm_args.py",
+        ("megatron.core.transformer.transformer_config", "(e.g. 1.10 = 10%)"),
     ),
     Workaround(
         "tst_megatron.training.checks.resume.checkpoint_to_resume",
         "Megatron-LM's read_metadata exits with status 0 on a malformed tracker file",
         "tests/unit/test_megatron_lm_args.py",
+        ("megatron.training.checkpointing.read_metadata", "sys.exit()"),
     ),
     Workaround(
         "tst_megatron.runtime.cpu.fork_checkpoint_results_queue",
         "on a CPU the first torch_dist save spawns a process that re-imports torch (about 8 s)",
         "tests/distributed/test_megatron_lm_loop.py",
+        (
+            "megatron.core.dist_checkpointing.strategies.filesystem_async.get_write_results_queue",
+            "mp_mode: str = 'spawn'",
+        ),
     ),
     Workaround(
         "tst_megatron.runtime.cpu.enable",
