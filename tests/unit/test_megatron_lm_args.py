@@ -546,3 +546,47 @@ def test_every_input_of_the_sample_orders_has_a_resume_rule():
         assert bool(flags) == (kind in ("refused", "noted")), key
     assert resume.ORDER_FLAGS_REFUSED == ("seed", "seq_length", "tokenizer_type", "vocab_size")
     assert set(resume.ORDER_FLAGS_NOTED) == {"split", "data_path", "data_args_path", "mock_data"}
+
+
+def test_a_resume_on_one_dataset_that_changes_its_epoch_layout_is_refused(tmp_path):
+    """One dataset: another run length is fine while megatron-core's GPTDataset index keeps its
+    epoch layout (the same windows in the same order: checked on the built datasets), and
+    refused in one line when the windows span another number of epochs (the documents are
+    shuffled again). The saved run: 100 iterations of 8, S = 4, N1 = 30: 240 * 4 + 560 + 4 =
+    1524 windows of 32 tokens, inside one epoch of the 50,000-token split."""
+    from tests.unit.test_data_boundary import null_tokenizer, write_dataset
+    from tst_megatron.data.gpt_datasets import DataSettings, build_datasets
+
+    prefix = write_dataset(tmp_path / "docs", [list(range(i, i + 100)) for i in range(500)])
+    saved = argparse.Namespace(
+        **{**vars(_resume_args()), "data_path": [prefix], "split": "100,0,0"}
+    )
+    saved.mock_data, saved.data_args_path = False, None
+    assert resume.train_split_tokens(prefix, "100,0,0") == 50_000
+    assert resume.train_split_tokens(prefix, "90,10,0") == 45_000
+
+    def windows(iters):  # what the datasets provider asks of the split
+        return 240 * 4 + (iters * 8 - 240) + 4
+
+    def built(n):  # megatron-core's own index, the first 1524 windows' first tokens
+        data = DataSettings(data_path=prefix, split="100,0,0", data_cache_path=str(tmp_path))
+        train, _, _ = build_datasets(data, null_tokenizer(1 << 16), seq_length=32,
+                                     samples=(n, 0, 0), seed=1234)  # fmt: skip
+        return [int(train[i]["tokens"][0]) for i in range(windows(100))]
+
+    reference = built(windows(100))
+    for iters, same in ((102, True), (105, False), (120, False)):
+        args = argparse.Namespace(**{**vars(saved), "train_iters": iters})
+        found = resume.epoch_problems(args, run_plan(args), saved, 50)
+        assert (found == []) == same, (iters, found)
+        assert (built(windows(iters)) == reference) == same, iters
+        if not same:
+            (line,) = found
+            assert "over 1 epoch(s)" in line and "over 2 epoch(s)" in line, line
+            assert f"{iters * 8:,}" in line and "800 samples" in line, line
+    # not resumed, the same length, or a blend (resume_problems' rule): nothing here
+    longer = argparse.Namespace(**{**vars(saved), "train_iters": 120})
+    assert resume.epoch_problems(longer, run_plan(longer), saved, 0) == []
+    assert resume.epoch_problems(saved, run_plan(saved), saved, 50) == []
+    blend = argparse.Namespace(**{**vars(longer), "data_path": ["0.5", prefix, "0.5", prefix]})
+    assert resume.epoch_problems(blend, run_plan(blend), saved, 50) == []

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from types import SimpleNamespace
 from typing import Optional
 
 from tst_megatron.errors import ConfigError
@@ -183,6 +184,97 @@ def resume_problems(args, plan, saved, iteration: int) -> list[str]:
     return problems
 
 
+def epoch_layout(tokens_per_epoch: int, num_samples: int, seq_length: int, extra: int = 1):
+    """``(epochs, separate final epoch)`` of the index megatron-core 0.19.2's ``GPTDataset``
+    builds for ``num_samples`` windows of ``seq_length`` tokens (+ ``extra``, its
+    ``add_extra_token_to_sequence``) over a split of ``tokens_per_epoch`` tokens: its
+    ``_get_num_epochs``, and the 0.80 threshold of ``_build_document_sample_shuffle_indices``.
+    Its documents are shuffled by these two: the same windows, in the same order, iff equal."""
+    from types import SimpleNamespace
+
+    from megatron.core.datasets.gpt_dataset import GPTDataset
+
+    config = SimpleNamespace(sequence_length=seq_length, add_extra_token_to_sequence=extra)
+    stand_in = SimpleNamespace(num_samples=num_samples, config=config)
+    epochs = GPTDataset._get_num_epochs(stand_in, tokens_per_epoch)
+    if epochs == 1:
+        return 1, False
+    sans_final = ((epochs - 1) * tokens_per_epoch - extra) // seq_length
+    per_epoch = (tokens_per_epoch - extra) // seq_length
+    return epochs, num_samples - sans_final < int(0.80 * per_epoch)
+
+
+def train_split_tokens(prefix: str, split: str) -> int:
+    """Tokens of the training split of the dataset ``prefix`` under ``--split``: its sequences
+    ``[round(a * n), round(b * n))`` of the first row of megatron-core's split matrix
+    (``BlendedMegatronDatasetBuilder``), summed from the ``.idx`` (not the ``.bin``)."""
+    from megatron.core.datasets.blended_megatron_dataset_config import (
+        convert_split_vector_to_split_matrix,
+        parse_and_normalize_split,
+    )
+    from megatron.core.datasets.indexed_dataset import _IndexReader
+
+    reader = _IndexReader(prefix + ".idx", False)  # its arrays view its mmap: keep it open
+    lengths = reader.sequence_lengths
+    n = float(lengths.shape[0])
+    (a, b), *_ = convert_split_vector_to_split_matrix(parse_and_normalize_split(split))
+    total = int(lengths[int(round(a * n)) : int(round(b * n))].sum())
+    del lengths, reader
+    return total
+
+
+def epoch_problems(args, plan, saved, iteration: int) -> list[str]:
+    """A resume of a TST run on one dataset with another run length whose windows span another
+    epoch layout (:func:`epoch_layout`): megatron-core shuffles the documents by it, so phase
+    1's blocks would be drawn again and phase 2 would read text phase 1 trained on. Reads the
+    dataset's ``.idx`` (a rule that reads files). A blend: :func:`resume_problems`."""
+    from tst_megatron.data.gpt_datasets import data_prefixes, training_windows
+
+    words = getattr(args, "data_path", None) or []
+    if (
+        not _tst_resumed(saved, iteration, plan)
+        or getattr(args, "mock_data", False)
+        or getattr(args, "data_args_path", None)
+        or len(data_prefixes(" ".join(words))) != 1
+        or list(getattr(saved, "data_path", None) or []) != list(words)
+    ):
+        return []
+    old = run_plan(saved)
+    if old.total_samples == plan.total_samples:
+        return []
+    (prefix,) = data_prefixes(" ".join(words))
+    try:
+        tokens = train_split_tokens(prefix, args.split)
+    except (OSError, ValueError, AssertionError):  # the data rules' line
+        return []
+    data = SimpleNamespace(mock_data=False, data_path=" ".join(words))
+
+    def layout(p):
+        windows = training_windows(
+            data,
+            phase1_samples=p.switch_sample,
+            phase2_samples=p.total_samples - p.switch_sample,
+            per_sample=p.tst.windows_per_sample(),
+        )
+        return epoch_layout(tokens, windows, args.seq_length)
+
+    was, now = layout(old), layout(plan)
+    if was == now:
+        return []
+
+    def text(x):
+        return f"{x[0]} epoch(s)" + (" with a separate final epoch" if x[1] else "")
+
+    return [
+        f"the checkpoint of iteration {iteration} is part of a TST run of {old.total_samples:,} "
+        f"samples that reads {prefix} over {text(was)}; this run has {plan.total_samples:,} "
+        f"(--train-iters / --train-samples), which reads it over {text(now)}: megatron-core "
+        "shuffles the documents by that, so phase 1's blocks would be drawn again and phase 2 "
+        "would read text phase 1 already trained on; resume with a length that keeps "
+        f"{text(was)}"
+    ]
+
+
 def order_notes(args, plan, saved, iteration: int) -> list[str]:
     """What phase 2 reads when a resume changes the data (:data:`ORDER_FLAGS_NOTED`), one
     line: a curriculum may mean it."""
@@ -265,6 +357,7 @@ def resume_checks(args, plan) -> list[str]:
     saved, problems = common.get("args"), []
     if saved is not None:
         problems = resume_problems(args, plan, saved, iteration)
+        problems += epoch_problems(args, plan, saved, iteration)
         problems += architecture_problems(args, saved)
     return problems + scheduler_problems(args, common.get("opt_param_scheduler"), iteration)
 
