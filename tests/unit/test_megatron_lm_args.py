@@ -444,6 +444,7 @@ def test_a_resume_that_would_draw_phase_1_s_blocks_again_is_refused_and_new_data
     1 trained on: refused before and after the switch (N1 = 30), naming both values. Other
     data is noted (a curriculum may mean it). Unchanged: nothing."""
     saved = dict(vars(_resume_args()), seed=1234, data_path=["a"], split="99,1,0", vocab_size=128)
+    saved.update(tokenizer_type="GPT2BPETokenizer", mock_data=False, data_args_path=None)
     saved = argparse.Namespace(**saved)
     plan = run_plan(saved)
     for at in (10, 30, 50):
@@ -453,12 +454,18 @@ def test_a_resume_that_would_draw_phase_1_s_blocks_again_is_refused_and_new_data
             ("seed", 99, "--seed 1234"),
             ("seq_length", 64, "--seq-length 32"),
             ("vocab_size", 512, "--vocab-size"),
+            ("tokenizer_type", "HuggingFaceTokenizer", "--tokenizer-type GPT2BPETokenizer"),
         ):
             args = argparse.Namespace(**{**vars(saved), name: value})
             (line,) = resume.resume_problems(args, run_plan(args), saved, at)
             assert f"iteration {at}" in line and f"resume with {flag}" in line, line
             assert f"this run has {flag.split()[0]} {value}" in line, line
-        for name, value in (("data_path", ["b"]), ("split", "98,2,0")):
+        for name, value in (
+            ("data_path", ["b"]),
+            ("split", "98,2,0"),
+            ("mock_data", True),
+            ("data_args_path", "paths.txt"),
+        ):
             args = argparse.Namespace(**{**vars(saved), name: value})
             assert resume.resume_problems(args, run_plan(args), saved, at) == []
             (note,) = resume.order_notes(args, run_plan(args), saved, at)
