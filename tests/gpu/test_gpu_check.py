@@ -4,6 +4,7 @@ parts of tests/gpu/gpu_check.py (the launch command, reading Megatron-LM's log l
 skipped rows without Transformer Engine, the table) work."""
 
 import importlib.util
+import json
 import math
 import os
 import shutil
@@ -232,9 +233,23 @@ def test_a_resume_is_compared_without_megatron_lms_halved_line():
 def test_the_mce_row_passes_on_a_cpu():
     # the row's references: a float64 CE (tight) and megatron-core's fused CE, whose gradient
     # is cast to bf16 (the H200's first run failed a 1e-6 bound against it: 3.9e-3)
-    module = _load()
-    rows = []
-    module.check_mce_vs_fused_ce(rows, device="cpu")
+    # in a child process: the check's process group must not outlive it in pytest's (its
+    # rendezvous port stays bound; a later Slurm test's job would meet it)
+    from tst_megatron.runtime.distributed import free_port
+
+    code = (
+        "import importlib.util, json, sys\n"
+        f"spec = importlib.util.spec_from_file_location('g', {os.path.join(ROOT, 'tests', 'gpu', 'gpu_check.py')!r})\n"
+        "m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m)\n"
+        "rows = []; m.check_mce_vs_fused_ce(rows, device='cpu'); print(json.dumps(rows))\n"
+    )
+    env = dict(os.environ, PYTHONPATH=ROOT, MASTER_PORT=str(free_port()), RANK="0")
+    env.update(WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = json.loads(result.stdout.strip().splitlines()[-1])
     assert len(rows) == 1 and rows[0][2] == "pass", rows
 
 
