@@ -516,13 +516,17 @@ def check_step_cost(rows: list, sections: list, log: str) -> None:
         MASTER_PORT=str(free_port()),
         PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])),
     )
-    result = subprocess.run(
-        [sys.executable, "benchmarks/step_cost.py", "--device", "cuda", *STEP_COST_ARGS],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-    )
+    try:
+        result = subprocess.run(
+            [sys.executable, "benchmarks/step_cost.py", "--device", "cuda", *STEP_COST_ARGS],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=2 * RUN_TIMEOUT,
+        )
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"step_cost.py ran past {2 * RUN_TIMEOUT} s") from None
     with open(log, "a") as f:
         f.write(result.stdout + result.stderr)
     ok = result.returncode == 0
@@ -552,9 +556,15 @@ def machine() -> str:
         te = getattr(transformer_engine, "__version__", "?")
     except Exception as exc:  # noqa: BLE001
         te = f"not importable ({type(exc).__name__})"
+    try:
+        mcore = version("megatron-core")
+    except Exception:  # noqa: BLE001 (a source checkout on PYTHONPATH: no dist-info)
+        import megatron.core
+
+        mcore = megatron.core.__version__
     return (
         f"{torch.cuda.get_device_name()}, Python {platform.python_version()}, torch "
-        f"{torch.__version__}, megatron-core {version('megatron-core')}, Transformer Engine {te}"
+        f"{torch.__version__}, megatron-core {mcore}, Transformer Engine {te}"
     )
 
 

@@ -318,6 +318,10 @@ def test_a_gpt_shaped_hybrid_is_the_gpt_of_its_pairs():
     dense = mlm.gpt_equivalent(_hybrid_args("*-*-*-"))
     assert dense.num_layers == 3 and dense.num_experts is None
     assert hf.target_architecture(dense).name == "Qwen3"
+    # --num-experts given but no E layer (the Slurm template's default): a dense GPT whose
+    # TransformerConfig builds (validate_args had filled --moe-ffn-hidden-size in)
+    assert dense.moe_ffn_hidden_size is None
+    assert mlm.transformer_config(dense).num_moe_experts is None
     plain = _args()
     assert mlm.gpt_equivalent(plain) is plain
 

@@ -597,3 +597,17 @@ def test_a_resume_on_one_dataset_that_changes_its_epoch_layout_is_refused(tmp_pa
     assert resume.epoch_problems(saved, run_plan(saved), saved, 50) == []
     blend = argparse.Namespace(**{**vars(longer), "data_path": ["0.5", prefix, "0.5", prefix]})
     assert resume.epoch_problems(blend, run_plan(blend), saved, 50) == []
+    # a weighted single dataset is a megatron-core BlendedDataset sized by the run's length:
+    # any other length is the blend rule's refusal (found by a review: both rules accepted it)
+    weighted = argparse.Namespace(**{**vars(saved), "data_path": ["1.0", prefix]})
+    weighted_longer = argparse.Namespace(**{**vars(weighted), "train_iters": 102})
+    (line,) = resume.resume_problems(weighted_longer, run_plan(weighted_longer), weighted, 50)
+    assert "blend of datasets" in line, line
+    # the dataset named through --data-args-path is checked too
+    listed = tmp_path / "paths.txt"
+    listed.write_text(prefix)
+    via_file = argparse.Namespace(**{**vars(saved), "data_path": None,
+                                     "data_args_path": str(listed)})  # fmt: skip
+    via_file_longer = argparse.Namespace(**{**vars(via_file), "train_iters": 120})
+    (line,) = resume.epoch_problems(via_file_longer, run_plan(via_file_longer), via_file, 50)
+    assert "over 2 epoch(s)" in line, line

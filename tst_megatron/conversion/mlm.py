@@ -203,9 +203,10 @@ def gpt_equivalent(ns):
     out.num_layers = len(kinds)
     if "E" in kinds:
         out.moe_layer_freq = [int(k == "E") for k in kinds]
-    else:
+    else:  # and what validate_args filled in for --num-experts
         out.num_experts = None
         out.moe_layer_freq = 1
+        out.moe_ffn_hidden_size = out.moe_shared_expert_intermediate_size = None
     return out
 
 

@@ -97,20 +97,32 @@ ORDER_FLAGS_REFUSED = _order_flags("refused")
 ORDER_FLAGS_NOTED = _order_flags("noted")
 
 
-def _blended(args) -> bool:
-    """``--data-path`` (or the ``--data-args-path`` file) names more than one dataset."""
-    from tst_megatron.data.gpt_datasets import data_prefixes
-
-    words = getattr(args, "data_path", None) or []
+def _data_words(args) -> list:
+    """The words of ``--data-path``, or of the ``--data-args-path`` file ([] when unreadable:
+    the data rules' line, or with ``--mock-data``)."""
+    if getattr(args, "mock_data", False):
+        return []
+    words = list(getattr(args, "data_path", None) or [])
     if getattr(args, "data_args_path", None):
         try:
             with open(args.data_args_path) as f:
                 words = f.read().split()
-        except OSError:  # the data rules' line
-            return False
-    if getattr(args, "mock_data", False) or not words:
+        except OSError:
+            return []
+    return words
+
+
+def _blended(args) -> bool:
+    """``--data-path`` (or the ``--data-args-path`` file) names more than one dataset, or gives
+    weights: megatron-core then builds a ``BlendedDataset``, whose parts are sized by the run's
+    length (``get_blend_from_list`` returns weights even for ``1.0 A``)."""
+    from megatron.core.datasets.utils import get_blend_from_list
+
+    words = _data_words(args)
+    if not words:
         return False
-    return len(data_prefixes(" ".join(words))) > 1
+    prefixes, weights = get_blend_from_list(words)
+    return len(prefixes) > 1 or weights is not None
 
 
 def _flag(name: str) -> str:
@@ -230,13 +242,12 @@ def epoch_problems(args, plan, saved, iteration: int) -> list[str]:
     dataset's ``.idx`` (a rule that reads files). A blend: :func:`resume_problems`."""
     from tst_megatron.data.gpt_datasets import data_prefixes, training_windows
 
-    words = getattr(args, "data_path", None) or []
+    words = _data_words(args)
     if (
         not _tst_resumed(saved, iteration, plan)
-        or getattr(args, "mock_data", False)
-        or getattr(args, "data_args_path", None)
-        or len(data_prefixes(" ".join(words))) != 1
-        or list(getattr(saved, "data_path", None) or []) != list(words)
+        or not words
+        or _blended(args)  # resume_problems' rule
+        or _data_words(saved) != words
     ):
         return []
     old = run_plan(saved)
@@ -245,20 +256,22 @@ def epoch_problems(args, plan, saved, iteration: int) -> list[str]:
     (prefix,) = data_prefixes(" ".join(words))
     try:
         tokens = train_split_tokens(prefix, args.split)
+        saved_split = getattr(saved, "split", args.split) or args.split
+        old_tokens = train_split_tokens(prefix, saved_split)
     except (OSError, ValueError, AssertionError):  # the data rules' line
         return []
     data = SimpleNamespace(mock_data=False, data_path=" ".join(words))
 
-    def layout(p):
+    def layout(p, split_tokens):
         windows = training_windows(
             data,
             phase1_samples=p.switch_sample,
             phase2_samples=p.total_samples - p.switch_sample,
             per_sample=p.tst.windows_per_sample(),
         )
-        return epoch_layout(tokens, windows, args.seq_length)
+        return epoch_layout(split_tokens, windows, args.seq_length)
 
-    was, now = layout(old), layout(plan)
+    was, now = layout(old, old_tokens), layout(plan, tokens)
     if was == now:
         return []
 
