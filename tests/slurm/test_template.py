@@ -29,25 +29,6 @@ CASES = {  # name: (variables, world size, device)
         "cuda",
     ),
     "hybrid_moe_2x8_h100": (DATA | {"HYBRID_LAYER_PATTERN": "*E" * 16}, 16, "cuda"),
-    "hybrid_cpu_variant": (
-        {
-            "TST_DEVICE": "cpu",
-            "VOCAB_SIZE": "128",
-            "HYBRID_LAYER_PATTERN": "*E*E",
-            "HIDDEN_SIZE": "64",
-            "FFN_HIDDEN_SIZE": "128",
-            "SEQ_LENGTH": "64",
-            "NUM_EXPERTS": "4",
-            "MOE_FFN_HIDDEN_SIZE": "64",
-            "MOE_ROUTER_TOPK": "2",
-            "EP": "2",
-            "GLOBAL_BATCH_SIZE": "4",
-            "TRAIN_ITERS": "40",
-            "LR_WARMUP_ITERS": "2",
-        },  # fmt: skip
-        2,
-        "cpu",
-    ),
     "cpu_variant": (
         {
             "TST_DEVICE": "cpu",
@@ -68,6 +49,13 @@ CASES = {  # name: (variables, world size, device)
         "cpu",
     ),
 }
+#: the CPU variant as a HybridModel: its 2 MoE blocks as the pattern, no --num-layers
+CASES["hybrid_cpu_variant"] = (
+    {k: v for k, v in CASES["cpu_variant"][0].items() if k != "NUM_LAYERS"}
+    | {"HYBRID_LAYER_PATTERN": "*E*E"},
+    2,
+    "cpu",
+)
 
 
 def dry_run(tmp_path, variables: dict) -> list:
