@@ -24,31 +24,28 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from measure import write  # noqa: E402
-from tst_vs_baseline import (  # noqa: E402
-    TORCHRUN,
-    launcher,
-    launcher_script,
-    lr_flags,
-    machine_line,
-    model_flags,
-    parse,
-    prepare_data,
-    tst_flags,
-)
+from study.definitions import Run, launcher_script, lr_flags, model_flags, tst_flags  # noqa: E402
+from study.report import machine_line  # noqa: E402
+from study.runner import TORCHRUN, launcher, prepare_data  # noqa: E402
+from tst_vs_baseline import parse  # noqa: E402
 
 _ITERATION_MS = re.compile(r"elapsed time per iteration \(ms\): ([0-9.]+)")
+
+
+def _moe_data_dir() -> str:
+    """The MoE study's data directory (the default of ``--model moe --horizons``)."""
+    return parse(["--horizons", "1", "--model", "moe"]).data_dir
 
 
 def iteration_ms(model: str, extra: list, options) -> list:
     """Megatron-LM's per-iteration times (ms) of one short run of ``model``."""
     # both models on the MoE study's corpus (its data directory unless --data-dir is given)
-    args = parse(["--horizons", "1", "--model", model, *options.benchmark])
-    if "--data-dir" not in options.benchmark:
-        args.data_dir = parse(["--horizons", "1", "--model", "moe"]).data_dir
-    args.corpus_max_bytes = 120_000_000
-    prefix = prepare_data(args)
-    args.train_iters, args.eval_interval = options.steps, 10 * options.steps
-    flags = model_flags(args, prefix) + lr_flags(2e-3) + extra
+    data = [] if "--data-dir" in options.benchmark else ["--data-dir", _moe_data_dir()]
+    flags = ["--horizons", "1", "--model", model, "--corpus-max-bytes", "120000000"]
+    args = parse([*flags, *data, *options.benchmark])
+    corpus = prepare_data(args)
+    run = Run(options.steps, args.seeds_list[0], 10 * options.steps)
+    flags = model_flags(args, corpus, run) + lr_flags(2e-3) + extra
     flags += ["--log-interval", str(options.log_interval), "--eval-iters", "1"]
     command = [TORCHRUN, *launcher(args), launcher_script(args), *flags]
     result = subprocess.run(

@@ -25,6 +25,10 @@ import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from study.definitions import DEFAULT_SEED, Run, arm_name  # noqa: E402
+
 SWEEP_STEPS = 1500
 SWEEP_ARMS = [f"{s}:full:{r}" for r in (0.25, 0.3) for s in (16, 8, 4, 2)]
 SWEEP_ARMS = SWEEP_ARMS[:3] + SWEEP_ARMS[4:7] + [SWEEP_ARMS[3], SWEEP_ARMS[7]]
@@ -51,7 +55,8 @@ def best_arms(directory: str, count: int = 2) -> list:
     found = []
     for spec in SWEEP_ARMS:
         size, mode, fraction = spec.split(":")
-        path = os.path.join(directory, f"h{SWEEP_STEPS}-s{size}-{mode}-r{fraction}", "arm.json")
+        name = arm_name(Run(SWEEP_STEPS, DEFAULT_SEED, 1), f"s{size}-{mode}-r{fraction}")
+        path = os.path.join(directory, name, "arm.json")
         if os.path.exists(path):
             with open(path) as f:
                 found.append((json.load(f)["valid"][-1][1], spec))

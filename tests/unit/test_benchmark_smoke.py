@@ -62,7 +62,7 @@ def test_step_cost_smoke(tmp_path):
 
 
 def test_raw_tokens_count_what_each_phase_reads():
-    from tst_vs_baseline import raw_tokens
+    from study.analysis import raw_tokens
 
     flags = ["--global-batch-size", "8", "--seq-length", "32", "--tst-bag-size", "4"]
     phases = [(1, 1.0), (2, 1.0), (3, 2.0), (4, 2.0), (5, 2.0)]
@@ -74,13 +74,14 @@ def test_raw_tokens_count_what_each_phase_reads():
 
 @pytest.mark.parametrize("mode", [["--smoke"], [], ["--horizons", "600"]])
 def test_tst_vs_baseline_launch_lines_pass_the_launchers_checks(mode, monkeypatch):
-    from tst_vs_baseline import lr_flags, model_flags, parse, tst_flags
+    from study.definitions import Corpus, lr_flags, model_flags, run_of, tst_flags
+    from tst_vs_baseline import parse
 
     from tst_megatron.training.validate import check
 
     args = parse(mode)
     monkeypatch.setenv("WORLD_SIZE", str(args.nproc_per_node))
-    shared = model_flags(args, "/data/corpus_text_document")
+    shared = model_flags(args, Corpus("/data/corpus_text_document", "corpus"), run_of(args))
     arms = {
         "baseline": ["--tst-bag-size", "1"],
         "full": tst_flags(4, 0.3, "full"),

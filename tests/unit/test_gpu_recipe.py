@@ -12,7 +12,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 from recipes import RECIPES, estimate  # noqa: E402
-from tst_vs_baseline import lr_flags, parse, tst_flags  # noqa: E402
+from study.definitions import lr_flags, tst_flags  # noqa: E402
+from tst_vs_baseline import parse  # noqa: E402
 
 from tst_megatron.training.plan import run_plan  # noqa: E402
 from tst_megatron.training.validate import check  # noqa: E402

@@ -1,5 +1,6 @@
-"""benchmarks/tst_vs_baseline.py --horizons: the crossing arithmetic, and the
-whole script in --smoke mode, so the 2-hour measurement cannot rot."""
+"""benchmarks/tst_vs_baseline.py --horizons (``benchmarks/study/``): the crossing arithmetic,
+the arms' names and seeds, the runner's reuse and scoring, and the whole script in --smoke
+mode, so the 2-hour measurement cannot rot."""
 
 import math
 import os
@@ -12,21 +13,20 @@ from tests.launcher import ROOT
 
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
-from tst_vs_baseline import (  # noqa: E402
-    arm_lr,
-    below_text,
-    corpus_digest,
-    crossing,
-    crossing_text,
-    gap_cell,
-    gaps,
+from study.analysis import arm_lr, crossing, gaps, seed_gaps  # noqa: E402
+from study.definitions import (  # noqa: E402
+    Corpus,
+    Run,
+    arm_name,
     horizon_lrs,
-    parse,
+    horizon_seeds,
     parse_arms,
-    run_arm,
-    seed_gaps,
-    seed_tag,
+    report_name,
+    run_of,
 )
+from study.report import below_text, crossing_text, gap_cell  # noqa: E402
+from study.runner import corpus_digest, run_arm  # noqa: E402
+from tst_vs_baseline import parse  # noqa: E402
 
 
 def test_corpus_digest_follows_the_tokens_not_the_path(tmp_path):
@@ -61,10 +61,10 @@ def test_an_arm_of_another_corpus_is_not_reused(tmp_path, capsys):
         if digest:
             arm["corpus_digest"] = digest
         (tmp_path / name / "arm.json").write_text(json.dumps(arm))
-    args.corpus_digest = "aaaa"
-    assert run_arm(args, "same", [])["name"] == "same"
-    assert run_arm(args, "old", [])["name"] == "old"  # written before digests were recorded
-    assert run_arm(args, "other", []) is None
+    run, corpus = Run(10, 1, 1), Corpus("c", "c", digest="aaaa")
+    assert run_arm(args, "same", [], run, corpus)["name"] == "same"
+    assert run_arm(args, "old", [], run, corpus)["name"] == "old"  # before digests were kept
+    assert run_arm(args, "other", [], run, corpus) is None
     assert "other: trained on corpus bbbb, not aaaa; not reused" in capsys.readouterr().out
 
 
@@ -97,11 +97,33 @@ def test_lr_sweep_follows_the_best_lr_downwards_beyond_its_limit():
     args = parse(["--horizons", "600,3000", "--baseline-lr", "3000=5e-4"])
     assert horizon_lrs(args, 3000, 2e-3) == [5e-4]  # --baseline-lr wins
     assert horizon_lrs(args, 6000, 2e-3) == [1e-3, 2e-3, 4e-3]  # no limit: the whole sweep
-    assert seed_tag(args) == "" and seed_tag(parse(["--seed", "7"])) == "seed7-"
-    assert seed_tag(parse(["--seed", "7"]), "_") == "_seed7"  # a replicate's report name
     assert (
         arm_lr({"command": "torchrun x.py --lr-decay-style WSD --lr 0.002 --min-lr 2e-4"}) == 2e-3
     )
+
+
+def test_every_seed_is_named_and_run_alike():
+    """No seed is special: every arm's folder names its seed; the first seed of ``--seeds``
+    (or ``--seed``) picks the LR and the others run at lengths within the seeds' range."""
+    args = parse(["--horizons", "600,3000"])
+    assert args.seeds_list == [1234] and report_name(args) == "tst_horizons"
+    assert arm_name(run_of(args, 600), "baseline-lr0.001") == "h600-seed1234-baseline-lr0.001"
+    replicate = parse(["--horizons", "600", "--seed", "7"])
+    assert replicate.seeds_list == [7] and report_name(replicate) == "tst_horizons_seed7"
+    assert arm_name(run_of(replicate, 600), "s2-full-r0.3") == "h600-seed7-s2-full-r0.3"
+    seeded = ["--horizons", "600,3000", "--seeds", "1235,1234,1235", "--seeds-min-steps", "3000"]
+    args = parse(seeded)
+    assert args.seeds_list == [1235, 1234]  # the first given picks the LR; repeats dropped
+    assert horizon_seeds(args, 600) == [1235] and horizon_seeds(args, 3000) == [1235, 1234]
+    assert parse([*seeded, "--seed", "1234"]).seeds_list == [1234, 1235]
+    assert run_of(args, 3000, 1234) == Run(3000, 1234, 500)  # N/6 in --horizons
+
+
+def test_the_study_is_not_changed_once_parsed():
+    args = parse(["--horizons", "600"])
+    for name in ("seed", "train_iters", "corpus_label", "bag_size"):
+        with pytest.raises(AttributeError, match="fixed once parsed"):
+            setattr(args, name, 1)
 
 
 def test_seed_gaps_are_paired_by_seed():
@@ -110,9 +132,8 @@ def test_seed_gaps_are_paired_by_seed():
 
     row = {
         "steps": 100,
-        "best": arm(3.0),
-        "arms": {"S=2 full": arm(3.1)},
-        "replicates": [
+        "seeds": [
+            {"seed": 1, "best": arm(3.0), "arms": {"S=2 full": arm(3.1)}},
             {"seed": 2, "best": arm(3.5), "arms": {"S=2 full": arm(3.4)}},
             {"seed": 3, "best": arm(2.9), "arms": {}},  # an arm not run at this seed
         ],
@@ -130,7 +151,7 @@ def test_below_the_baseline_needs_every_seed():
             {"best": {"valid": [(steps, b)]}, "arms": {"S=2 full": {"valid": [(steps, a)]}}}
             for b, a in seed_pairs
         ]
-        return dict(runs[0], steps=steps, replicates=runs[1:])
+        return {"steps": steps, "seeds": runs}
 
     rows = [
         row(100, (3.0, 3.1)),  # above
@@ -154,33 +175,34 @@ def test_below_the_baseline_needs_every_seed():
 def test_the_final_point_is_megatron_lms_score_of_the_whole_split(monkeypatch, tmp_path):
     import subprocess as sp
 
-    import tst_vs_baseline as bench
+    from study import definitions, runner
 
     args = parse(["--smoke", "--horizons", "8", "--work-dir", str(tmp_path)])
-    args.train_iters, args.valid_tokens = 8, 8 * 32 * 5 + 7  # 40 windows of T = 32: 5 batches
-    assert bench.whole_split_iters(args) == 5
+    corpus = Corpus("c", "c", "aaaa", 100, 8 * 32 * 5 + 7)  # 40 windows of T = 32: 5 batches
+    assert definitions.whole_split_iters(args, corpus) == 5
     commands = []
     line = " validation loss at iteration 8 on validation set | lm loss value: 4.250000E+00 |"
 
     def fake_run(command, **kwargs):  # subprocess.run for everyone: keep the torchruns only
-        if command[0] == bench.TORCHRUN:
+        if command[0] == runner.TORCHRUN:
             commands.append(command)
         scored = "--skip-train" in command
         return sp.CompletedProcess(command, 0, stdout=line if scored else "", stderr="")
 
-    monkeypatch.setattr(bench.subprocess, "run", fake_run)
+    monkeypatch.setattr(runner.subprocess, "run", fake_run)
     monkeypatch.setattr(
-        bench, "read_arm", lambda tb, flags: {"valid": [(4, 5.0), (8, 4.9)], "tokens": 1}
+        runner, "read_arm", lambda tb, flags: {"valid": [(4, 5.0), (8, 4.9)], "tokens": 1}
     )
-    arm = bench.run_arm(args, "arm", ["--seq-length", "32"])
+    arm = runner.run_arm(args, "arm", ["--seq-length", "32"], run_of(args, 8), corpus)
     assert arm["valid"] == [(4, 5.0), (8, 4.25)] and arm["valid_whole_split"] == 4.25
+    assert arm["corpus_digest"] == "aaaa"
     train, score = commands
     ckpt = os.path.join(str(tmp_path), "arm", "checkpoint")
     assert train[train.index("--save") + 1] == ckpt and "--skip-train" not in train
     assert train[train.index("--save-interval") + 1] == "8"
     assert score[score.index("--load") + 1] == ckpt and "--skip-train" in score
     assert score[score.index("--eval-iters") + 1] == "5"
-    assert bench.LAUNCHER in train and bench.LAUNCHER in score
+    assert definitions.LAUNCHER in train and definitions.LAUNCHER in score
 
 
 @pytest.mark.slow

@@ -1,4 +1,4 @@
-"""benchmarks/tst_vs_baseline.py --model moe --horizons: the paper's equal-loss speedup against
+"""benchmarks/tst_vs_baseline.py --model moe --horizons (``benchmarks/study/``): the paper's equal-loss speedup against
 hand-computed cases, the dense table read back, the arm specs with their own r, the MoE
 launch lines against the launcher's checks, and (slow) the MoE arm path end to end."""
 
@@ -14,21 +14,18 @@ from tests.launcher import ROOT
 
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
-from tst_vs_baseline import (  # noqa: E402
-    arm_label,
+from study.analysis import (  # noqa: E402
     baseline_curve,
     dense_table,
     equal_loss_speedup,
     equal_loss_steps,
     paired_interval,
-    parse,
-    parse_arms,
-    ranking_lines,
     router_verdict,
     seed_speedups,
-    speedup_cell,
-    statistics_section,
 )
+from study.definitions import arm_label, parse_arms  # noqa: E402
+from study.report import ranking_lines, speedup_cell, statistics_section  # noqa: E402
+from tst_vs_baseline import parse  # noqa: E402
 
 
 def test_equal_loss_steps_by_hand():
@@ -57,6 +54,15 @@ def _arm(loss):
     return {"valid": [(0, 9.0), (100, loss)]}
 
 
+def _row(steps, *seeds):
+    """A horizons row: one ``(baseline loss, {label: arm loss})`` per seed, in order."""
+    runs = [
+        {"seed": i, "best": _arm(base), "arms": {k: _arm(v) for k, v in arms.items()}}
+        for i, (base, arms) in enumerate(seeds)
+    ]
+    return {"steps": steps, "baselines": [run["best"] for run in runs[:1]], "seeds": runs}
+
+
 #: Student's t quantiles t_{0.975, df} from a printed table (not from the code under test).
 T975 = {2: 4.3027, 5: 2.5706}
 
@@ -79,16 +85,8 @@ def test_the_statistics_section_from_hand_made_arms():
     the interval, the seeds below, the speedups read off the baseline curve at the mean gap
     and at the interval's ends, and the verdict."""
     rows = [
-        {"steps": 1000, "best": _arm(3.0), "arms": {"a": _arm(2.9)}, "replicates": []},
-        {
-            "steps": 4000,
-            "best": _arm(2.0),
-            "arms": {"a": _arm(1.9)},  # gap -0.1
-            "replicates": [
-                {"seed": 2, "best": _arm(2.1), "arms": {"a": _arm(1.95)}},  # -0.15
-                {"seed": 3, "best": _arm(2.2), "arms": {"a": _arm(2.25)}},  # +0.05
-            ],
-        },
+        _row(1000, (3.0, {"a": 2.9})),
+        _row(4000, (2.0, {"a": 1.9}), (2.1, {"a": 1.95}), (2.2, {"a": 2.25})),  # -0.1, -0.15, +0.05
     ]
     lines = statistics_section(rows, ["a"])
     (row,) = [x for x in lines if x.startswith("| 4000 |")]
@@ -112,15 +110,7 @@ def test_the_statistics_section_from_hand_made_arms():
 
 def test_seed_speedups_pair_each_seed_with_its_own_baseline():
     # baselines: 1000 steps 3.0 (one seed); 4000 steps 2.0 and 2.2 at two seeds: mean 2.1
-    rows = [
-        {"steps": 1000, "best": _arm(3.0), "arms": {"a": _arm(2.55)}, "replicates": []},
-        {
-            "steps": 4000,
-            "best": _arm(2.0),
-            "arms": {"a": _arm(1.9)},
-            "replicates": [{"seed": 2, "best": _arm(2.2), "arms": {"a": _arm(2.3)}}],
-        },
-    ]
+    rows = [_row(1000, (3.0, {"a": 2.55})), _row(4000, (2.0, {"a": 1.9}), (2.2, {"a": 2.3}))]
     assert baseline_curve(rows) == [(1000, 3.0), (4000, pytest.approx(2.1))]
     # 1000 steps: gap -0.45 on 3.0 -> 2.55: (3.0 - 2.55) / (3.0 - 2.1) = half way -> 2000
     ((value, where),) = seed_speedups(rows, rows[0], "a")
@@ -144,14 +134,7 @@ def test_router_verdict_and_ranking():
     kept = router_verdict("b", [1.10, 1.20], [1.30, 1.20])
     assert "more evenly" in kept and "still more imbalanced" in kept
     assert "as evenly as" in router_verdict("c", [1.21, 1.20], [1.10, 1.20])
-    rows = [
-        {
-            "steps": 100,
-            "best": _arm(3.0),
-            "arms": {"x": _arm(3.1), "y": _arm(2.9)},
-            "replicates": [],
-        }
-    ]
+    rows = [_row(100, (3.0, {"x": 3.1, "y": 2.9}))]
     assert ranking_lines(rows, ["x", "y"]) == [
         "Arms at 100 steps from the lowest final validation loss: y (-0.1000), x (+0.1000).",
         "",
@@ -197,13 +180,14 @@ def test_moe_horizons_defaults():
 
 
 def test_moe_horizon_launch_lines_pass_the_launchers_checks(monkeypatch):
-    from tst_vs_baseline import lr_flags, model_flags, tst_flags
+    from study.definitions import Corpus, lr_flags, model_flags, run_of, tst_flags
 
     from tst_megatron.training.validate import check
 
     args = parse(["--horizons", "1500", "--model", "moe"])
     monkeypatch.setenv("WORLD_SIZE", "2")
-    flags = model_flags(args, "/data/corpus_text_document")
+    corpus = Corpus("/data/corpus_text_document", "corpus")
+    flags = model_flags(args, corpus, run_of(args, 1500))
     for extra in (["--tst-bag-size", "1"], tst_flags(16, 0.25, "full")):
         result = check(flags + lr_flags(2e-3) + extra, dry_run=True)
         checked, problems = result.args, result.problems
@@ -237,7 +221,7 @@ def test_moe_horizons_smoke(tmp_path):
     assert "## Equal-loss speedup of the dense table" in report
     for png in ("tst_moe_smoke.png", "tst_moe_smoke_router.png"):
         assert (out / png).read_bytes()[:4] == b"\x89PNG"
-    arm = json.loads((work / "h12-s4-full-r0.25" / "arm.json").read_text())
+    arm = json.loads((work / "h12-seed1234-s4-full-r0.25" / "arm.json").read_text())
     assert arm["switch"] == 3  # N1 = round(0.25 x 12)
     router = arm["router"]
     steps = [s for s, _ in router["load_imbalance"]]
