@@ -189,39 +189,21 @@ def set_adam_step(optimizer: torch.optim.Optimizer, step: float) -> None:
 @contextlib.contextmanager
 def distributed_optimizer_resume() -> Iterator[None]:
     """While active, a ``--use-distributed-optimizer`` run can load its optimizer state where
-    megatron-core 0.19.2 cannot (Megatron-LM main of 2026-08 has all three bugs):
+    megatron-core 0.19.2 cannot (three bugs of ``DistributedOptimizer``'s load; each, and the
+    measured error, in ``docs/design.md``, "Resuming the distributed optimizer"):
 
-    1. Without Apex or Transformer Engine (a CPU run, or a GPU without them),
-       ``DistributedOptimizer.state_dict`` reads Adam's step from torch AdamW's per-parameter
-       state (``assert len(steps) == 1``). ``load_checkpoint`` calls it through
-       ``sharded_state_dict(is_loading=True)`` before any step, when that state is still
-       empty: every resume dies with an ``AssertionError`` on every rank. (megatron-core fills
-       the state first only for ``fsdp_dtensor`` checkpoints,
-       ``_init_optimizer_states_with_dummy_values``.) Here ``sharded_state_dict(is_loading=
-       True)`` first fills the empty state (:func:`fill_empty_adam_state`); the load then
-       replaces it with the checkpoint's.
-    2. With float32 parameters (no ``--bf16``/``--fp16``: every CPU run), the optimizer's main
-       parameters are views of the model's parameters, which require grad, and
-       ``load_parameter_state_from_dp_reshardable`` (``dp_reshardable``, the default layout)
-       copies into them without ``torch.no_grad()``: ``RuntimeError: a view of a leaf
-       Variable that requires grad is being used in an in-place operation``. Here
-       ``DistributedOptimizer.load_state_dict`` runs under ``torch.no_grad()`` (a load is
-       never differentiated).
-    3. Without Apex or Transformer Engine, ``DistributedOptimizer.load_state_dict`` sets every
-       parameter's ``step`` to one shared tensor holding the checkpoint's step, then
-       ``load_parameter_state_from_dp_reshardable`` copies into it the ``step`` of the
-       template the load was read into (a local object, not loaded: the state before the
-       load). After a resume Adam's bias correction restarted from the template's step, and
-       the shared tensor, incremented in place once per parameter, ran ahead (measured with
-       1. and 2. mended: the loss two iterations after a resume off by 2e-3, and more later).
-       Here each parameter's ``step`` is set to the checkpoint's after the load, a tensor of
-       its own (:func:`set_adam_step`).
+    1. without Apex/TE, ``sharded_state_dict(is_loading=True)`` first fills torch AdamW's
+       empty per-parameter state (:func:`fill_empty_adam_state`; upstream asserts one step);
+    2. ``load_state_dict`` runs under ``torch.no_grad()`` (float32 main parameters are views
+       of grad-requiring model parameters);
+    3. without Apex/TE, each parameter's ``step`` is then set to the checkpoint's, a tensor of
+       its own (:func:`set_adam_step`; upstream leaves one shared tensor holding the
+       template's step).
 
-    ``sharded_state_dict`` and ``load_state_dict`` are class attributes of megatron-core's
-    ``DistributedOptimizer``, replaced for the duration of the context (the launcher's
-    ``pretrain()`` call) and restored after. (The legacy ``--ckpt-format torch`` has a fourth
-    bug, ``KeyError: 'step'`` in ``load_parameter_state_from_dp_zero``: refused before work
-    instead, ``checks.hardware.without_te_problems``.)
+    Both methods are class attributes of megatron-core's ``DistributedOptimizer``, replaced
+    for the context (the launcher's ``pretrain()`` call) and restored after. The legacy
+    ``--ckpt-format torch`` (a fourth bug) is refused before work instead
+    (``checks.hardware.without_te_problems``).
     """
     from megatron.core.optimizer import distrib_optimizer
 

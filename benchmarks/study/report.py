@@ -364,12 +364,27 @@ def fraction_text(args, labels: list) -> str:
     return f"r = {args.phase1_fraction}"
 
 
+def seeds_text(rows: list) -> str:
+    """The seeds run besides the first, with the lengths they ran at, as they are in ``rows``
+    (a seed whose baseline is missing is not counted): ``"1235, 1236 at 3000 steps and 1235,
+    1236, 1237 at 6000 steps"``; "" when only the first seed ran."""
+    lengths = {}
+    for r in rows:
+        others = tuple(s["seed"] for s in r["seeds"][1:])
+        if others:
+            lengths.setdefault(others, []).append(str(r["steps"]))
+    return " and ".join(
+        f"{', '.join(str(s) for s in seeds)} at {', '.join(steps)} steps"
+        for seeds, steps in lengths.items()
+    )
+
+
 def horizons_report(args, corpus, rows: list, labels: list, name: str) -> str:
     """The horizons report ``name``.md: the table of paired gaps (and passes over the
     training split) per length and arm, where the curves cross, the equal-loss speedups, the
     paired statistics, the baseline LRs tried and every arm's launcher command."""
     gbs, seq = batch_shape(args)
-    first, others = args.seeds_list[0], args.seeds_list[1:]
+    first = args.seeds_list[0]
     header = "| steps | baseline LR | baseline final validation loss (passes) | " + " | ".join(
         f"{label}: TST - baseline (passes)" for label in labels
     )
@@ -395,11 +410,10 @@ def horizons_report(args, corpus, rows: list, labels: list, name: str) -> str:
         f"{args.eval_iters} batches every N/{4 if args.smoke else EVAL_ROUNDS} steps and at the "
         f"switch. Seed {first}"
         + (
-            f"; at {args.seeds_min_steps} steps and more also seeds "
-            f"{', '.join(str(x) for x in others)}, each arm against "
-            "the baseline of its own seed (at the first seed's best LR); a cell gives the mean "
-            "gap and, in brackets, the smallest and largest seed's gap (the plot's error bars)."
-            if others
+            f"; also seeds {seeds_text(rows)}, each arm against the baseline of its own seed (at "
+            "the first seed's best LR); a cell gives the mean gap and, in brackets, the smallest "
+            "and largest seed's gap (the plot's error bars)."
+            if seeds_text(rows)
             else "."
         ),
         "",

@@ -24,7 +24,12 @@ from study.analysis import (  # noqa: E402
     seed_speedups,
 )
 from study.definitions import arm_label, parse_arms  # noqa: E402
-from study.report import ranking_lines, speedup_cell, statistics_section  # noqa: E402
+from study.report import (  # noqa: E402
+    ranking_lines,
+    seeds_text,
+    speedup_cell,
+    statistics_section,
+)
 from tst_vs_baseline import parse  # noqa: E402
 
 
@@ -139,6 +144,20 @@ def test_router_verdict_and_ranking():
         "Arms at 100 steps from the lowest final validation loss: y (-0.1000), x (+0.1000).",
         "",
     ]
+
+
+def test_the_report_names_the_seeds_each_length_ran():
+    one, two, three = (3.0, {"a": 2.9}), (3.1, {"a": 3.0}), (3.2, {"a": 3.3})
+    rows = [_row(1000, one), _row(3000, one, two), _row(6000, one, two, three)]
+    for r, seeds in zip(rows, ([7], [7, 8], [7, 8, 9])):
+        for run, seed in zip(r["seeds"], seeds):
+            run["seed"] = seed
+    assert seeds_text(rows) == "8 at 3000 steps and 8, 9 at 6000 steps"
+    rows.append(_row(12000, one, two, three))
+    for run, seed in zip(rows[-1]["seeds"], (7, 8, 9)):
+        run["seed"] = seed
+    assert seeds_text(rows) == "8 at 3000 steps and 8, 9 at 6000, 12000 steps"
+    assert seeds_text(rows[:1]) == ""
 
 
 def test_dense_table_is_read_back():

@@ -64,12 +64,10 @@ def bag_embedding(
     ``LanguageModelEmbedding.forward`` (tested). Its output can be passed to
     ``GPTModel.forward(decoder_input=...)``.
 
-    Why the mean is taken before the TP reduction: each TP rank looks up only the ids of
-    its vocab shard (others contribute zero rows), so the sum over ranks commutes with the
-    mean over the bag. Averaging locally first means the all-reduce (or reduce-scatter
-    under SP) carries ``[b, T, h]``, the same traffic as a baseline step, not ``S`` times it.
-    ``torch.nn.functional.embedding_bag`` gathers and sums each bag in one op, so no
-    ``[b, S*T, h]`` intermediate is materialised.
+    The mean is taken on each TP rank's partial lookup before the TP reduction, so the
+    reduction carries ``[b, T, h]`` as a baseline step does (``docs/design.md``, "Input
+    superposition"); ``torch.nn.functional.embedding_bag`` gathers and sums each bag in one
+    op, with no ``[b, S*T, h]`` intermediate.
 
     Collectives: one all-reduce of ``[b, T, h]`` on the embedding's TP group (or one
     reduce-scatter to ``[T/tp, b, h]`` when ``embedding.reduce_scatter_embeddings``), plus
