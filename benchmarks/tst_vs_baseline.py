@@ -162,6 +162,13 @@ def parse(argv=None):
     p.add_argument("--output-dir", default=os.path.join(ROOT, "docs", "results"))
     p.add_argument("--reuse", action="store_true", help="read back arms already finished")
     p.add_argument(
+        "--keep-arms",
+        default=None,
+        help="--horizons: a folder (e.g. docs/results/moe_arms) that gets a gzipped copy of every "
+        "finished arm's arm.json and the corpus record, so that --report-only can rebuild the "
+        "report from them elsewhere",
+    )
+    p.add_argument(
         "--report-only",
         action="store_true",
         help="--horizons: run nothing; write the report from the arm files there are",
@@ -204,6 +211,8 @@ def parse(argv=None):
         )
     if args.corpus != "code" and (not args.horizons or args.smoke or args.data_path):
         p.error("--corpus prose builds the --horizons corpus: not with --smoke or --data-path")
+    if args.keep_arms and not args.horizons:
+        p.error("--keep-arms keeps --horizons arms (their corpus digest pairs them)")
     if args.nnodes > 1 and (args.master_port is None or args.master_addr == "127.0.0.1"):
         p.error("--nnodes > 1 needs --master-addr and --master-port (the same on every node)")
     values = vars(args)

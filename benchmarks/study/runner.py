@@ -152,18 +152,30 @@ def prepare_data(args) -> Corpus:
 def horizons_corpus(args, prefix: str, label: str) -> Corpus:
     """The corpus with its digest and the tokens of its training and validation splits:
     computed from the dataset where it exists (and recorded in ``--work-dir``'s
-    :data:`CORPUS_FILE`, node 0), else (--report-only) read from that file.
+    :data:`CORPUS_FILE`, node 0, and in ``--keep-arms``), else (--report-only) read from that
+    file.
 
-    Raises SystemExit with one error line when neither exists or the file's split differs."""
+    Raises SystemExit with one error line when neither exists, the file's split differs, or
+    ``--keep-arms`` holds the record of another corpus (its arms would not pair)."""
     record = os.path.join(args.work_dir, CORPUS_FILE)
     if os.path.exists(prefix + ".idx"):
         sizes = [split_tokens(prefix, args.split, i) for i in (0, 1)]
         corpus = Corpus(prefix, label, corpus_digest(prefix), *sizes)
+        kept = os.path.join(getattr(args, "keep_arms", None) or args.work_dir, CORPUS_FILE)
+        if os.path.exists(kept):
+            with open(kept) as f:
+                recorded = json.load(f)
+            if (recorded["digest"], recorded["split"]) != (corpus.digest, args.split):
+                raise SystemExit(
+                    f"error: --keep-arms: {kept} records corpus {recorded['digest']} (--split "
+                    f"{recorded['split']}); this run's is {corpus.digest} (--split {args.split})"
+                )
         if args.node_rank == 0:
-            os.makedirs(args.work_dir, exist_ok=True)
             fields = {"digest": corpus.digest, "split": args.split}
             fields.update(train_tokens=sizes[0], valid_tokens=sizes[1])
-            write(record, json.dumps(fields, indent=1) + "\n")
+            for folder in {args.work_dir, getattr(args, "keep_arms", None) or args.work_dir}:
+                os.makedirs(folder, exist_ok=True)
+                write(os.path.join(folder, CORPUS_FILE), json.dumps(fields, indent=1) + "\n")
         return corpus
     if not os.path.exists(record):
         raise SystemExit(
@@ -255,6 +267,7 @@ def run_arm(args, name: str, flags: list[str], run: Run, corpus: Corpus) -> "dic
         with open(saved) as f:
             arm = json.load(f)
         if arm.get("corpus_digest", digest) == digest:
+            keep(args, name, arm)
             return arm
         # another corpus (the python-site-packages source depends on the venv): not comparable
         print(f"{name}: trained on corpus {arm['corpus_digest']}, not {digest}; not reused")
@@ -296,7 +309,28 @@ def run_arm(args, name: str, flags: list[str], run: Run, corpus: Corpus) -> "dic
         shutil.rmtree(ckpt, ignore_errors=True)
     with open(saved, "w") as f:
         json.dump(arm, f)
+    keep(args, name, arm)
     return arm
+
+
+def keep(args, name: str, arm: dict) -> None:
+    """With ``--keep-arms DIR`` (node 0): ``DIR/<name>.json.gz``, the arm's ``arm.json``
+    gzipped with no timestamp (the same arm, the same bytes), written to a temporary name and
+    renamed; an existing copy is left as it is."""
+    folder = getattr(args, "keep_arms", None)
+    if not folder or args.node_rank != 0:
+        return
+    import gzip
+
+    from tst_megatron.data.files import atomic_path
+
+    path = os.path.join(folder, name + ".json.gz")
+    if os.path.exists(path):
+        return
+    os.makedirs(folder, exist_ok=True)
+    with atomic_path(path) as tmp, open(tmp, "wb") as raw:
+        with gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) as f:
+            f.write(json.dumps(arm).encode())
 
 
 def run_baselines(args, corpus: Corpus, run: Run, lrs, flags: list, name=None) -> tuple:

@@ -17,7 +17,8 @@ from tests.launcher import ROOT
 
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
-from study.runner import CORPUS_FILE, horizons_corpus  # noqa: E402
+from study.definitions import Corpus, Run  # noqa: E402
+from study.runner import CORPUS_FILE, horizons_corpus, run_arm  # noqa: E402
 
 RESULTS = os.path.join(ROOT, "docs", "results")
 REPORTS = {"tst_moe": "moe_arms", "tst_moe_prose": "moe_arms_prose"}
@@ -60,6 +61,39 @@ def test_the_corpus_record_is_written_from_the_dataset(tmp_path):
         "train_tokens": 12,
         "valid_tokens": 24,
     }
+
+
+def test_keep_arms_copies_each_arm_and_refuses_another_corpus(tmp_path):
+    work, kept = tmp_path / "work", tmp_path / "kept"
+    arm = {"name": "h8-seed1-x", "valid": [[8, 2.5]], "corpus_digest": "abcd"}
+    (work / "h8-seed1-x").mkdir(parents=True)
+    (work / "h8-seed1-x" / "arm.json").write_text(json.dumps(arm))
+    args = types.SimpleNamespace(
+        work_dir=str(work), keep_arms=str(kept), reuse=True, report_only=True, node_rank=0
+    )
+    corpus = Corpus("c", "c", digest="abcd")
+    assert run_arm(args, "h8-seed1-x", [], Run(8, 1, 1), corpus) == arm  # read back, kept
+    copy = kept / "h8-seed1-x.json.gz"
+    first = copy.read_bytes()
+    assert json.loads(gzip.decompress(first)) == arm
+    copy.unlink()
+    run_arm(args, "h8-seed1-x", [], Run(8, 1, 1), corpus)
+    assert copy.read_bytes() == first  # no timestamp: the same arm, the same bytes
+    record = {"digest": "ffff", "split": "50,50,0", "train_tokens": 1, "valid_tokens": 1}
+    (kept / CORPUS_FILE).write_text(json.dumps(record))
+    import numpy as np
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    prefix = str(tmp_path / "c_text_document")
+    builder = IndexedDatasetBuilder(prefix + ".bin", dtype=np.int32)
+    for n in (5, 7):
+        builder.add_document(np.arange(n, dtype=np.int32), [n])
+    builder.finalize(prefix + ".idx")
+    args = types.SimpleNamespace(
+        work_dir=str(work), keep_arms=str(kept), split="50,50,0", node_rank=0
+    )
+    with pytest.raises(SystemExit, match="records corpus ffff .*; this run's is [0-9a-f]{16}"):
+        horizons_corpus(args, prefix, "c")
 
 
 @pytest.mark.slow
