@@ -43,7 +43,7 @@ def iteration_ms(model: str, extra: list, options) -> list:
     data = [] if "--data-dir" in options.benchmark else ["--data-dir", _moe_data_dir()]
     flags = ["--horizons", "1", "--model", model, "--corpus-max-bytes", "120000000"]
     args = parse([*flags, *data, *options.benchmark])
-    corpus = prepare_data(args)
+    corpus = prepare_data(args, record=False)  # borrowed: no record in the study's folders
     run = Run(options.steps, args.seeds_list[0], 10 * options.steps)
     flags = model_flags(args, corpus, run) + lr_flags(2e-3) + extra
     flags += ["--log-interval", str(options.log_interval), "--eval-iters", "1"]

@@ -27,7 +27,8 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from study.definitions import DEFAULT_SEED, Run, arm_name  # noqa: E402
+from study.definitions import Run, arm_name  # noqa: E402
+from tst_vs_baseline import parse  # noqa: E402
 
 SWEEP_STEPS = 1500
 SWEEP_ARMS = [f"{s}:full:{r}" for r in (0.25, 0.3) for s in (16, 8, 4, 2)]
@@ -50,12 +51,13 @@ def work_dir(extra: list) -> str:
     return os.path.join(ROOT, "runs", "bench", "moe-horizons")
 
 
-def best_arms(directory: str, count: int = 2) -> list:
-    """The ``count`` sweep arms with the lowest final validation loss, as ``S:full:r``."""
+def best_arms(directory: str, seed: int, count: int = 2) -> list:
+    """The ``count`` sweep arms (of ``seed``) with the lowest final validation loss, as
+    ``S:full:r``."""
     found = []
     for spec in SWEEP_ARMS:
         size, mode, fraction = spec.split(":")
-        name = arm_name(Run(SWEEP_STEPS, DEFAULT_SEED, 1), f"s{size}-{mode}-r{fraction}")
+        name = arm_name(Run(SWEEP_STEPS, seed, 1), f"s{size}-{mode}-r{fraction}")
         path = os.path.join(directory, name, "arm.json")
         if os.path.exists(path):
             with open(path) as f:
@@ -69,7 +71,8 @@ def main(argv: list) -> int:
     sweep = ["--horizons", str(SWEEP_STEPS), "--arms", ",".join(SWEEP_ARMS)]
     sweep += ["--arms-at-every-length", str(len(SWEEP_ARMS)), "--report-name", "tst_moe_sweep"]
     benchmark(*sweep, *mode, *extra)
-    arms = best_arms(work_dir(extra))
+    seed = parse(["--model", "moe", *sweep, *extra]).seeds_list[0]  # the sweep's first seed
+    arms = best_arms(work_dir(extra), seed)
     if len(arms) < 2:
         print("moe_study: the sweep has fewer than two arms; no horizons yet", flush=True)
         return 0

@@ -213,6 +213,13 @@ def parse(argv=None):
         p.error("--corpus prose builds the --horizons corpus: not with --smoke or --data-path")
     if args.keep_arms and not args.horizons:
         p.error("--keep-arms keeps --horizons arms (their corpus digest pairs them)")
+    if args.seeds and not args.horizons:
+        p.error("--seeds runs replicates of --horizons lengths; one comparison takes --seed")
+    if args.nnodes > 1 and (len(args.lrs.split(",")) > 1 or args.lr_sweep_max_steps):
+        # only node 0 reads the finished arms: the others cannot know which LR was best
+        p.error(
+            "--nnodes > 1 needs one LR: one --lrs value (or a --preset's), no --lr-sweep-max-steps"
+        )
     if args.nnodes > 1 and (args.master_port is None or args.master_addr == "127.0.0.1"):
         p.error("--nnodes > 1 needs --master-addr and --master-port (the same on every node)")
     values = vars(args)

@@ -129,10 +129,14 @@ def arm_name(run: Run, what: str) -> str:
 
 def report_name(args) -> str:
     """A --horizons report's file name: ``--report-name``, else ``tst_moe`` for the MoE
-    arms and ``tst_horizons`` for the dense ones, with ``_seed<N>`` when ``--seed N`` was
-    given (a replicate) and ``_smoke`` in --smoke."""
+    arms and ``tst_horizons`` for the dense ones, with ``_smoke`` in --smoke and
+    ``_seed<N>`` when the first seed is not the default one (a replicate: its report does not
+    replace the default run's)."""
     name = args.report_name or ("tst_moe" if args.model == "moe" else "tst_horizons")
-    return name + ("_smoke" if args.smoke else "") + (f"_seed{args.seed}" if args.seed else "")
+    first = args.seeds_list[0]
+    return (
+        name + ("_smoke" if args.smoke else "") + (f"_seed{first}" if first != DEFAULT_SEED else "")
+    )
 
 
 # --- the launcher flags of an arm ------------------------------------------------------

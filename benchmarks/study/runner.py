@@ -124,45 +124,49 @@ def corpus_digest(prefix: str) -> str:
     return digest.hexdigest()[:16]
 
 
-def prepare_data(args) -> Corpus:
+def prepare_data(args, record: bool = True) -> Corpus:
     """The study's :class:`Corpus`: ``--data-path`` as given, or the corpus built under
     ``--data-dir`` (not built with --report-only); for --horizons with its digest and split
-    sizes (:func:`horizons_corpus`)."""
+    sizes (:func:`horizons_corpus`; ``record=False``: without writing its record, for a
+    script that only borrows the study's data)."""
     if args.data_path:
-        return Corpus(args.data_path, args.data_path)
-    if args.horizons and not args.smoke and args.corpus == "prose":
-        label, name = "system-docs prose (repeats dropped)", "prose"
-        build = dict(sources=("system-docs",), name=name, unique=True)
-    elif args.horizons and not args.smoke:
-        label, name = (
-            f"python-stdlib + python-site-packages ({args.corpus_max_bytes / 1e6:g} MB)",
-            "code",
-        )
-        build = dict(sources=("python-stdlib", "python-site-packages"), name=name)
+        label = prefix = args.data_path
     else:
-        label, name, build = "python-stdlib", "stdlib", {}
-    prefix = os.path.join(args.data_dir, name + "_text_document")
-    if not args.report_only:
-        max_documents = 60 if args.smoke else None
-        size = {"max_bytes": args.corpus_max_bytes} if build else {}
-        prefix = ensure_data(args.data_dir, args.vocab_size, max_documents, **build, **size)
-    return horizons_corpus(args, prefix, label) if args.horizons else Corpus(prefix, label)
+        if args.horizons and not args.smoke and args.corpus == "prose":
+            label, name = "system-docs prose (repeats dropped)", "prose"
+            build = dict(sources=("system-docs",), name=name, unique=True)
+        elif args.horizons and not args.smoke:
+            label = f"python-stdlib + python-site-packages ({args.corpus_max_bytes / 1e6:g} MB)"
+            name, build = (
+                "code",
+                dict(sources=("python-stdlib", "python-site-packages"), name="code"),
+            )
+        else:
+            label, name, build = "python-stdlib", "stdlib", {}
+        prefix = os.path.join(args.data_dir, name + "_text_document")
+        if not args.report_only:
+            max_documents = 60 if args.smoke else None
+            size = {"max_bytes": args.corpus_max_bytes} if build else {}
+            prefix = ensure_data(args.data_dir, args.vocab_size, max_documents, **build, **size)
+    if not args.horizons:
+        return Corpus(prefix, label)
+    return horizons_corpus(args, prefix, label, record=record and not args.report_only)
 
 
-def horizons_corpus(args, prefix: str, label: str) -> Corpus:
+def horizons_corpus(args, prefix: str, label: str, record: bool = True) -> Corpus:
     """The corpus with its digest and the tokens of its training and validation splits:
-    computed from the dataset where it exists (and recorded in ``--work-dir``'s
-    :data:`CORPUS_FILE`, node 0, and in ``--keep-arms``), else (--report-only) read from that
-    file.
+    computed from the dataset where it exists (and, with ``record``, written to ``--work-dir``'s
+    :data:`CORPUS_FILE` and ``--keep-arms``'s, node 0), else read from ``--work-dir``'s.
 
     Raises SystemExit with one error line when neither exists, the file's split differs, or
     ``--keep-arms`` holds the record of another corpus (its arms would not pair)."""
-    record = os.path.join(args.work_dir, CORPUS_FILE)
+    path = os.path.join(args.work_dir, CORPUS_FILE)
     if os.path.exists(prefix + ".idx"):
         sizes = [split_tokens(prefix, args.split, i) for i in (0, 1)]
         corpus = Corpus(prefix, label, corpus_digest(prefix), *sizes)
-        kept = os.path.join(getattr(args, "keep_arms", None) or args.work_dir, CORPUS_FILE)
-        if os.path.exists(kept):
+        keep = getattr(args, "keep_arms", None) if record else None
+        kept = os.path.join(keep, CORPUS_FILE) if keep else None
+        if kept and os.path.exists(kept):
             with open(kept) as f:
                 recorded = json.load(f)
             if (recorded["digest"], recorded["split"]) != (corpus.digest, args.split):
@@ -170,22 +174,22 @@ def horizons_corpus(args, prefix: str, label: str) -> Corpus:
                     f"error: --keep-arms: {kept} records corpus {recorded['digest']} (--split "
                     f"{recorded['split']}); this run's is {corpus.digest} (--split {args.split})"
                 )
-        if args.node_rank == 0:
+        if record and args.node_rank == 0:
             fields = {"digest": corpus.digest, "split": args.split}
             fields.update(train_tokens=sizes[0], valid_tokens=sizes[1])
-            for folder in {args.work_dir, getattr(args, "keep_arms", None) or args.work_dir}:
+            for folder in {args.work_dir, keep or args.work_dir}:
                 os.makedirs(folder, exist_ok=True)
                 write(os.path.join(folder, CORPUS_FILE), json.dumps(fields, indent=1) + "\n")
         return corpus
-    if not os.path.exists(record):
+    if not os.path.exists(path):
         raise SystemExit(
-            f"error: --report-only: no dataset {prefix} and no {record} (the corpus digest "
+            f"error: --report-only: no dataset {prefix} and no {path} (the corpus digest "
             "and split sizes the arms were trained on)"
         )
-    with open(record) as f:
+    with open(path) as f:
         fields = json.load(f)
     if fields["split"] != args.split:
-        raise SystemExit(f"error: {record} is of --split {fields['split']}, not {args.split}")
+        raise SystemExit(f"error: {path} is of --split {fields['split']}, not {args.split}")
     return Corpus(prefix, label, fields["digest"], fields["train_tokens"], fields["valid_tokens"])
 
 

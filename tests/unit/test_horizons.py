@@ -117,6 +117,32 @@ def test_every_seed_is_named_and_run_alike():
     assert horizon_seeds(args, 600) == [1235] and horizon_seeds(args, 3000) == [1235, 1234]
     assert parse([*seeded, "--seed", "1234"]).seeds_list == [1234, 1235]
     assert run_of(args, 3000, 1234) == Run(3000, 1234, 500)  # N/6 in --horizons
+    # a replicate set's report does not replace the default seed's
+    assert report_name(args) == "tst_horizons_seed1235"
+    assert report_name(parse(["--horizons", "600", "--seed", "1234"])) == "tst_horizons"
+    assert report_name(parse(["--horizons", "600", "--seed", "0"])) == "tst_horizons_seed0"
+
+
+@pytest.mark.parametrize(
+    "argv, error",
+    [
+        (["--seeds", "1,2"], "--seeds runs replicates of --horizons lengths"),
+        (["--keep-arms", "k"], "--keep-arms keeps --horizons arms"),
+        (
+            ["--nnodes", "2", "--master-addr", "n0", "--master-port", "1", "--lrs", "1e-3,2e-3"],
+            "--nnodes > 1 needs one LR",
+        ),
+        (
+            ["--horizons", "600", "--nnodes", "2", "--master-addr", "n0", "--master-port", "1"]
+            + ["--lrs", "1e-3", "--lr-sweep-max-steps", "300"],
+            "--nnodes > 1 needs one LR",
+        ),
+    ],
+)
+def test_flags_that_would_be_ignored_or_disagree_across_nodes_are_refused(argv, error, capsys):
+    with pytest.raises(SystemExit):
+        parse(argv)
+    assert error in capsys.readouterr().err
 
 
 def test_the_study_is_not_changed_once_parsed():

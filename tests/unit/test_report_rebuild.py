@@ -18,7 +18,8 @@ from tests.launcher import ROOT
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 from study.definitions import Corpus, Run  # noqa: E402
-from study.runner import CORPUS_FILE, horizons_corpus, run_arm  # noqa: E402
+from study.runner import CORPUS_FILE, horizons_corpus, prepare_data, run_arm  # noqa: E402
+from tst_vs_baseline import parse  # noqa: E402
 
 RESULTS = os.path.join(ROOT, "docs", "results")
 REPORTS = {"tst_moe": "moe_arms", "tst_moe_prose": "moe_arms_prose"}
@@ -42,16 +43,34 @@ def test_report_only_reads_the_corpus_record_where_the_corpus_is_gone(tmp_path):
         horizons_corpus(_args(tmp_path, "98,2,0"), str(tmp_path / "gone_text_document"), "g")
 
 
-def test_the_corpus_record_is_written_from_the_dataset(tmp_path):
+def _dataset(tmp_path, lengths) -> str:
     import numpy as np
     from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
     prefix = str(tmp_path / "c_text_document")
     builder = IndexedDatasetBuilder(prefix + ".bin", dtype=np.int32)
-    lengths = [5, 7, 11, 13]  # split 50,50,0: documents 0-1 train, 2-3 validation
     for n in lengths:
         builder.add_document(np.arange(n, dtype=np.int32), [n])
     builder.finalize(prefix + ".idx")
+    return prefix
+
+
+def test_a_given_data_path_gets_its_digest_and_split_sizes(tmp_path):
+    prefix = _dataset(tmp_path, [5, 7, 11, 13] * 25)  # 98,2,0: the last 2 of 100 documents
+    base = ["--horizons", "600", "--data-path", prefix, "--work-dir", str(tmp_path / "w")]
+    corpus = prepare_data(parse(base))
+    assert corpus.prefix == prefix and len(corpus.digest) == 16
+    assert (corpus.train_tokens, corpus.valid_tokens) == (36 * 24 + 5 + 7, 11 + 13)
+    assert json.loads((tmp_path / "w" / CORPUS_FILE).read_text())["digest"] == corpus.digest
+    other = parse(["--horizons", "600", "--data-path", prefix, "--work-dir", str(tmp_path / "x")])
+    assert prepare_data(other, record=False) == corpus  # a borrower writes no record
+    assert not (tmp_path / "x").exists()
+    report_only = parse([*base[:-1], str(tmp_path / "y"), "--report-only"])
+    assert prepare_data(report_only) == corpus and not (tmp_path / "y").exists()
+
+
+def test_the_corpus_record_is_written_from_the_dataset(tmp_path):
+    prefix = _dataset(tmp_path, [5, 7, 11, 13])  # split 50,50,0: documents 0-1 train, 2-3 valid
     corpus = horizons_corpus(_args(tmp_path, "50,50,0"), prefix, "c")
     assert (corpus.train_tokens, corpus.valid_tokens) == (12, 24) and len(corpus.digest) == 16
     record = json.loads((tmp_path / "work" / CORPUS_FILE).read_text())
@@ -81,14 +100,7 @@ def test_keep_arms_copies_each_arm_and_refuses_another_corpus(tmp_path):
     assert copy.read_bytes() == first  # no timestamp: the same arm, the same bytes
     record = {"digest": "ffff", "split": "50,50,0", "train_tokens": 1, "valid_tokens": 1}
     (kept / CORPUS_FILE).write_text(json.dumps(record))
-    import numpy as np
-    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
-
-    prefix = str(tmp_path / "c_text_document")
-    builder = IndexedDatasetBuilder(prefix + ".bin", dtype=np.int32)
-    for n in (5, 7):
-        builder.add_document(np.arange(n, dtype=np.int32), [n])
-    builder.finalize(prefix + ".idx")
+    prefix = _dataset(tmp_path, [5, 7])
     args = types.SimpleNamespace(
         work_dir=str(work), keep_arms=str(kept), split="50,50,0", node_rank=0
     )
