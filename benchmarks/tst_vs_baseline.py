@@ -71,6 +71,9 @@ from study.plots import plot  # noqa: E402
 from study.report import grid_report, report, write_horizons_report  # noqa: E402
 from study.runner import prepare_data, run_arm, run_baselines, run_horizons  # noqa: E402
 
+DEFAULT_LRS = "1e-3,2e-3,4e-3"
+"""``--lrs`` when neither it nor a ``--preset`` gives them."""
+
 
 def parse(argv=None):
     p = argparse.ArgumentParser(description="TST vs baseline at matched FLOPs")
@@ -215,7 +218,9 @@ def parse(argv=None):
         p.error("--keep-arms keeps --horizons arms (their corpus digest pairs them)")
     if args.seeds and not args.horizons:
         p.error("--seeds runs replicates of --horizons lengths; one comparison takes --seed")
-    if args.nnodes > 1 and (len(args.lrs.split(",")) > 1 or args.lr_sweep_max_steps):
+    if args.nnodes > 1 and (
+        len((args.lrs or DEFAULT_LRS).split(",")) > 1 or args.lr_sweep_max_steps
+    ):
         # only node 0 reads the finished arms: the others cannot know which LR was best
         p.error(
             "--nnodes > 1 needs one LR: one --lrs value (or a --preset's), no --lr-sweep-max-steps"
@@ -226,7 +231,7 @@ def parse(argv=None):
     values["model"] = args.model or ("dense" if args.horizons else "moe")
     values["bag_size"] = args.bag_size or 4
     values["phase1_fraction"] = args.phase1_fraction or 0.3
-    values["lrs"] = args.lrs or "1e-3,2e-3,4e-3"
+    values["lrs"] = args.lrs or DEFAULT_LRS
     values["lrs_list"] = [float(x) for x in values["lrs"].split(",")]
     seeds = [int(x) for x in args.seeds.split(",") if x]
     first = args.seed if args.seed is not None else (seeds or [DEFAULT_SEED])[0]

@@ -132,6 +132,7 @@ def test_every_seed_is_named_and_run_alike():
             ["--nnodes", "2", "--master-addr", "n0", "--master-port", "1", "--lrs", "1e-3,2e-3"],
             "--nnodes > 1 needs one LR",
         ),
+        (["--nnodes", "2", "--master-addr", "n0", "--master-port", "1"], "needs one LR"),
         (
             ["--horizons", "600", "--nnodes", "2", "--master-addr", "n0", "--master-port", "1"]
             + ["--lrs", "1e-3", "--lr-sweep-max-steps", "300"],
