@@ -337,13 +337,13 @@ def keep(args, name: str, arm: dict) -> None:
             f.write(json.dumps(arm).encode())
 
 
-def run_baselines(args, corpus: Corpus, run: Run, lrs, flags: list, name=None) -> tuple:
-    """The baseline of ``run`` at each LR of ``lrs`` (arm ``name(lr)``, default
-    ``baseline-lr<lr>``); returns ``(all, best)``, each arm with its ``lr`` (best: the lowest
+def run_baselines(args, corpus: Corpus, run: Run, lrs, flags: list, prefix: str = "") -> tuple:
+    """The baseline of ``run`` at each LR of ``lrs`` (arm ``<prefix>baseline-lr<lr>``; a
+    --horizons prefix is ``h<N>-seed<S>-``); returns ``(all, best)``, each arm with its ``lr`` (best: the lowest
     final validation loss; ``([], None)`` when --report-only finds none)."""
     baselines = []
     for lr in lrs:
-        label = (name or (lambda x: f"baseline-lr{x:g}"))(lr)
+        label = f"{prefix}baseline-lr{lr:g}"
         arm = run_arm(args, label, flags + lr_flags(lr) + BASELINE_FLAGS, run, corpus)
         if arm is None and args.report_only:  # not run yet
             continue
@@ -390,8 +390,7 @@ def run_horizons(args, corpus: Corpus, arms: list, after_length=None) -> list:
         for seed in horizon_seeds(args, steps):
             run = run_of(args, steps, seed)
             flags = model_flags(args, corpus, run)
-            name = lambda lr, run=run: arm_name(run, f"baseline-lr{lr:g}")  # noqa: E731
-            tried, best = run_baselines(args, corpus, run, lrs, flags, name)
+            tried, best = run_baselines(args, corpus, run, lrs, flags, arm_name(run, ""))
             if baselines is None:  # the first seed: its LR sweep picks every seed's LR
                 if best is None:
                     break
