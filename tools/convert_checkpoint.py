@@ -14,7 +14,8 @@ weights only: iteration 0, a new optimizer, no RNG state.
 
 The target architecture is chosen from the model's settings: Qwen3-MoE (experts and
 --qk-layernorm), Mixtral (experts), Qwen3 (--qk-layernorm) or Llama. Runs in one process on
-the CPU; never overwrites an existing output without --force.
+the CPU. Neither ever replaces a checkpoint, its own input, or a folder holding either;
+--force replaces only a previous export (import) of this tool (tst_megatron/conversion/output.py).
 """
 
 import argparse
@@ -49,7 +50,9 @@ def main(argv=None) -> int:
         help="SentencePiece model to include (default: the run's, if it exists)",
     )
     e.add_argument("--max-shard-size", default="5GB", help="safetensors shard limit (default 5GB)")
-    e.add_argument("--force", action="store_true", help="replace an existing --save")
+    e.add_argument(
+        "--force", action="store_true", help="replace a previous export at --save (nothing else)"
+    )
     i = sub.add_parser("import", help="Hugging Face -> Megatron torch_dist (release)")
     i.add_argument("--load", required=True, help="Hugging Face model directory")
     i.add_argument("--save", required=True, help="checkpoint root to create (for --load)")
@@ -65,7 +68,9 @@ def main(argv=None) -> int:
         default=1,
         help="the TP of the runs that will load it (vocabulary padding only)",
     )
-    i.add_argument("--force", action="store_true", help="replace an existing --save")
+    i.add_argument(
+        "--force", action="store_true", help="replace a previous import at --save (nothing else)"
+    )
     args = p.parse_args(argv)
 
     from tst_megatron.quiet import quiet_known_warnings

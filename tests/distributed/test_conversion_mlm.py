@@ -290,6 +290,20 @@ def _convert_child(rank, world, *, roots, hf_root):
     out["switch_untouched"] = mtimes == {
         p: os.path.getmtime(os.path.join(switch, p)) for p in os.listdir(switch)
     }
+    # the cases that once deleted a run (issue 56): with --force, each is one line, exit 2
+    from tests.unit.test_conversion_output import snapshot
+
+    ck = os.path.join(q, "ckpt")
+    before = snapshot(q)
+    out["own_checkpoint"] = [
+        _cli("export", "--load", ck, "--save", ck, "--force"),
+        _cli("export", "--load", os.path.join(ck, "iter_0000002"), "--save", ck, "--force"),
+        _cli("export", "--load", ck, "--save", os.path.join(ck, "hf"), "--force"),
+        _cli("export", "--load", ck, "--save", q, "--force"),  # holds --load and other exports
+        _cli("import", "--load", switch, "--save", switch, "--force"),
+        _cli("import", "--load", switch, "--save", ck, "--force"),
+    ]
+    out["own_checkpoint_intact"] = snapshot(q) == before
     out["switch_logits"] = _reference(os.path.join(q, "ckpt", "iter_0000002"), VOCAB[QWEN])[0]
     export_checkpoint(os.path.join(q, "base"), os.path.join(q, "basehf"), ckpt_step=2)
 
@@ -530,9 +544,12 @@ def test_switch_checkpoint_exports_like_a_baseline_one(converted):
     status, _, stderr = out["switch_refused"]
     assert status == 2
     assert stderr.strip().splitlines() == [
-        f"error: {os.path.join(q, 'switch')} exists; pass --force to replace it"
+        f"error: {os.path.join(q, 'switch')} exists (a previous export); pass --force to replace it"
     ]
     assert out["switch_untouched"]
+    for status, _, stderr in out["own_checkpoint"]:  # every file of the run byte for byte
+        assert status == 2 and stderr.startswith("error: --save ") and stderr.count("\n") == 1
+    assert out["own_checkpoint_intact"]
     switch = load_file(os.path.join(q, "switch", "model.safetensors"))
     base = load_file(os.path.join(q, "basehf", "model.safetensors"))
     assert {k: v.shape for k, v in switch.items()} == {k: v.shape for k, v in base.items()}

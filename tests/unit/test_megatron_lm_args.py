@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import dataclasses
 import re
 
@@ -403,6 +404,59 @@ def test_a_resume_with_another_bag_size_or_train_iters_stops_with_one_line(run_l
     assert again.returncode == 0, again.stderr[-3000:]
     assert "nothing left to train" in again.stdout and "Traceback" not in again.stderr
     # the same settings resume: test_megatron_lm_layouts.py (and resume_problems above)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ckpt_format", ["torch", "torch_dist"])
+def test_the_resume_rules_read_every_checkpoint_format(run_launcher, tmp_path, ckpt_format):
+    """The legacy ``torch`` format (``mp_rank_*/model_optim_rng.pt``) gets the same one-line
+    refusals as ``torch_dist``: another bag size (which would count phase 1 with the new bag)
+    and another ``--seq-length`` (a ``size mismatch`` traceback after the model was built)."""
+    save = str(tmp_path / "ckpt")
+    argv = megatron_lm_with(_TINY_RESUME, "--ckpt-format", ckpt_format) + [
+        "--no-tst-save-at-switch", "--save", save, "--load", save,
+        "--save-interval", "1", "--exit-interval", "1",
+    ]  # fmt: skip
+    first = run_launcher(*argv)
+    assert first.returncode == 0, first.stderr[-3000:]
+    shards = "mp_rank_00/model_optim_rng.pt" if ckpt_format == "torch" else "metadata.json"
+    assert os.path.isfile(os.path.join(save, "iter_0000001", shards))
+    for flag, value, words in (
+        ("--tst-bag-size", "4", "--tst-bag-size 2"),
+        ("--seq-length", "8", "--seq-length"),
+    ):
+        again = run_launcher(*megatron_lm_with(argv, flag, value))
+        errors = [line for line in again.stderr.splitlines() if line.startswith("error:")]
+        assert again.returncode == 2, again.stderr[-3000:]
+        assert len(errors) == 1 and words in errors[0], errors
+        assert "Traceback" not in again.stderr and "building GPT model" not in again.stdout
+
+
+def test_a_checkpoint_folder_in_no_known_format_is_one_line(tmp_path):
+    from tst_megatron.training.checks.resume import resume_checks
+
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("3\n")
+    (tmp_path / "iter_0000003").mkdir()
+    (tmp_path / "iter_0000003" / "weights.bin").write_text("?")
+    args = argparse.Namespace(load=str(tmp_path), finetune=False, ckpt_step=None)
+    (line,) = resume_checks(args, None)
+    assert "iter_0000003 holds no checkpoint Megatron-LM reads" in line, line
+
+
+def test_a_torch_dcp_checkpoint_s_common_state_is_read(tmp_path):
+    """``torch_dcp``/``fsdp_dtensor`` folders (``.metadata``): only the common keys are read,
+    from a checkpoint torch's ``dcp.save`` writes as Megatron-LM's save does (one process)."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from tst_megatron.training.checks.resume import read_common_state
+
+    saved = argparse.Namespace(tst_bag_size=4, seq_length=16)
+    state = {"args": saved, "iteration": 7, "model": {"w": torch.ones(3)}, "rng_state": [1]}
+    dcp.save(state, checkpoint_id=str(tmp_path), no_dist=True)
+    common = read_common_state(str(tmp_path))
+    assert sorted(common) == ["args", "iteration"] and common["iteration"] == 7
+    assert common["args"] == saved
 
 
 def megatron_lm_with(argv, flag, value):

@@ -33,6 +33,13 @@ from tst_megatron.conversion.megatron import (
     tensor_names,
     write_release,
 )
+from tst_megatron.conversion.output import (
+    IMPORT_MARKER,
+    check_output,
+    discard,
+    replace_dir,
+    temporary_dir,
+)
 
 
 def export_checkpoint(
@@ -63,13 +70,15 @@ def export_checkpoint(
         SentencePiece model included, or None).
 
     Raises:
-        FileExistsError: ``out`` exists without ``force`` (checked before any work).
+        FileExistsError: ``out`` is a previous export and ``force`` is False.
+        RefusedOutput: ``out`` is, holds or lies inside ``load``, or holds a checkpoint or
+            files an export does not write, with or without ``force``
+            (:func:`.output.check_output`; these are checked before any work).
         FileNotFoundError: no checkpoint at ``load``.
         ValueError: a setting or a tensor with no place in any target (named), or a
             checkpoint of the former hand-written trainer (no longer read).
     """
-    if os.path.exists(out) and not force:
-        raise FileExistsError(f"{out} exists; pass --force to replace it")
+    check_output(out, reads={"--load": load}, force=force, kind="export")
     if dtype != "auto" and dtype not in hf.DTYPES:
         raise ValueError(f"--dtype must be auto, float32, bfloat16 or float16, got {dtype!r}")
     hf.require_transformers()
@@ -131,12 +140,13 @@ def import_checkpoint(
         ``hf_dir`` has none), which a later export includes again.
 
     Raises:
-        FileExistsError: ``save`` exists without ``force``.
+        FileExistsError: ``save`` is a previous import and ``force`` is False.
+        RefusedOutput: ``save`` is, holds or lies inside ``hf_dir``, or holds a checkpoint
+            or files an import does not write (:func:`.output.check_output`; before any work).
         FileNotFoundError / ValueError: see :func:`.hf.read_hf_dir`, :func:`.hf.flags_from_hf`,
             :func:`.rules.hf_to_megatron` (missing, extra or misshapen tensors are listed).
     """
-    if os.path.exists(save) and not force:
-        raise FileExistsError(f"{save} exists; pass --force to replace it")
+    check_output(save, reads={"--load": hf_dir}, force=force, kind="import")
     config, hf_state = hf.read_hf_dir(hf_dir)
     flags, arch, hf_dtype = hf.flags_from_hf(
         config, make_vocab_size_divisible_by=make_vocab_size_divisible_by
@@ -157,17 +167,20 @@ def import_checkpoint(
     with single_process():
         expected = tensor_names(build_model(ns))
     state = rules.hf_to_megatron(hf_state, expected, arch, hf.shapes_of(ns))
-    tmp = save.rstrip("/") + ".tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    if tokenizer:
-        os.makedirs(tmp)
-        shutil.copyfile(
-            os.path.join(hf_dir, "tokenizer.model"), os.path.join(tmp, "tokenizer.model")
-        )
-    write_release(tmp, ns, state)
-    if os.path.exists(save):
-        shutil.rmtree(save)
-    os.replace(tmp, save)
+    tmp = temporary_dir(save)
+    try:
+        if tokenizer:
+            shutil.copyfile(
+                os.path.join(hf_dir, "tokenizer.model"), os.path.join(tmp, "tokenizer.model")
+            )
+        write_release(tmp, ns, state)
+        with open(os.path.join(tmp, IMPORT_MARKER), "w") as f:  # lets --force replace it later
+            f.write(f"imported from {os.path.abspath(hf_dir)}\n")
+        os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes 0700
+    except BaseException:
+        discard(tmp)
+        raise
+    replace_dir(tmp, save)
     return {
         "architecture": arch.name,
         "checkpoint": os.path.join(save, "release"),
@@ -175,3 +188,9 @@ def import_checkpoint(
         "flags": flags,
         "tokenizer": tokenizer,
     }
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask

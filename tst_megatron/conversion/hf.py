@@ -19,6 +19,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from tst_megatron.conversion import mlm
+from tst_megatron.conversion.output import check_output, discard, replace_dir, temporary_dir
 from tst_megatron.conversion.rules import ARCHITECTURES, Architecture, Shapes, architecture_for
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -366,41 +367,44 @@ def write_hf_dir(
     SentencePiece ``.model``), ``tokenizer.model`` + ``tokenizer_config.json`` for
     ``LlamaTokenizer``.
 
-    Everything is written to ``out + ".tmp"`` and renamed at the end.
+    Everything is written to a new hidden folder next to ``out`` and renamed at the end.
 
     Raises:
-        FileExistsError: ``out`` exists and ``force`` is False (nothing is written).
+        FileExistsError: ``out`` is a previous export and ``force`` is False.
+        RefusedOutput: ``out`` holds anything but a previous export (a checkpoint, other
+            files) or the tokenizer model (:func:`.output.check_output`; nothing is written).
     """
     require_transformers()
     from huggingface_hub import split_torch_state_dict_into_shards
     from safetensors.torch import save_file
     from transformers import GenerationConfig
 
-    if os.path.exists(out) and not force:
-        raise FileExistsError(f"{out} exists; pass --force to replace it")
-    tmp = out.rstrip("/") + ".tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-    config.save_pretrained(tmp)
-    GenerationConfig.from_model_config(config).save_pretrained(tmp)
-    split = split_torch_state_dict_into_shards(state, max_shard_size=max_shard_size)
-    for filename, names in split.filename_to_tensors.items():
-        save_file(
-            {n: state[n] for n in names}, os.path.join(tmp, filename), metadata={"format": "pt"}
-        )
-    if split.is_sharded:
-        index = {"metadata": dict(split.metadata), "weight_map": split.tensor_to_filename}
-        with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
-            json.dump(index, f, indent=2, sort_keys=True)
-    if tokenizer_model:
-        write_tokenizer(tmp, tokenizer_model, max_length=config.max_position_embeddings)
-    umask = os.umask(0)
-    os.umask(umask)
-    for name in os.listdir(tmp):  # safetensors writes 0600; give every file the usual mode
-        os.chmod(os.path.join(tmp, name), 0o666 & ~umask)
-    if os.path.exists(out):
-        shutil.rmtree(out)
-    os.replace(tmp, out)
+    reads = {"--tokenizer-model": tokenizer_model} if tokenizer_model else {}
+    check_output(out, reads=reads, force=force, kind="export")
+    tmp = temporary_dir(out)
+    try:
+        config.save_pretrained(tmp)
+        GenerationConfig.from_model_config(config).save_pretrained(tmp)
+        split = split_torch_state_dict_into_shards(state, max_shard_size=max_shard_size)
+        for filename, names in split.filename_to_tensors.items():
+            save_file(
+                {n: state[n] for n in names}, os.path.join(tmp, filename), metadata={"format": "pt"}
+            )
+        if split.is_sharded:
+            index = {"metadata": dict(split.metadata), "weight_map": split.tensor_to_filename}
+            with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
+                json.dump(index, f, indent=2, sort_keys=True)
+        if tokenizer_model:
+            write_tokenizer(tmp, tokenizer_model, max_length=config.max_position_embeddings)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes 0700
+        for name in os.listdir(tmp):  # safetensors writes 0600; give every file the usual mode
+            os.chmod(os.path.join(tmp, name), 0o666 & ~umask)
+    except BaseException:
+        discard(tmp)
+        raise
+    replace_dir(tmp, out)
     return out
 
 

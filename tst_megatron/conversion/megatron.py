@@ -19,17 +19,15 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 from typing import Dict, Iterator, Optional, Tuple
 
 import torch
 
 from tst_megatron.conversion import mlm
+from tst_megatron.conversion.output import RELEASE, TRACKER
 from tst_megatron.runtime.distributed import free_port
 
 #: Megatron-LM's tracker file of a ``--save`` root and its weights-only checkpoint name.
-TRACKER = "latest_checkpointed_iteration.txt"
-RELEASE = "release"
 #: The last commit of this project whose converter reads the hand-written trainer's format.
 LAST_OLD_FORMAT_COMMIT = "0dc9f79"
 
@@ -283,10 +281,12 @@ def write_release(root: str, ns, state: Dict[str, torch.Tensor]) -> str:
 
     The checkpoint stores ``ns`` as its ``args``, with Megatron-LM's ``iteration`` (0) and
     ``checkpoint_version`` (3.0), the common entries Megatron-LM's ``load_checkpoint`` and
-    ``load_args_from_checkpoint`` read. Written to ``release.tmp`` and renamed when complete.
+    ``load_args_from_checkpoint`` read. ``root`` is a new folder that the caller renames
+    into place when complete (:mod:`.output`); nothing in it is replaced.
 
     Raises:
         ValueError: ``state``'s names differ from the model's (listing them).
+        FileExistsError: ``root`` already holds a ``release``.
     """
     from megatron.core import dist_checkpointing
 
@@ -300,21 +300,17 @@ def write_release(root: str, ns, state: Dict[str, torch.Tensor]) -> str:
             for name, param in model.state_dict(keep_vars=True).items():
                 if name in state:
                     param.copy_(state[name])
-        os.makedirs(root, exist_ok=True)
         final = os.path.join(root, RELEASE)
-        tmp = final + ".tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
+        if os.path.lexists(final):  # written into a fresh folder only: nothing is replaced
+            raise FileExistsError(f"{final} exists")
+        os.makedirs(final)
         saved = {
             "model": model.sharded_state_dict(),
             "args": ns,
             "iteration": 0,
             "checkpoint_version": 3.0,
         }
-        dist_checkpointing.save(saved, tmp)
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-        with open(os.path.join(root, TRACKER + ".tmp"), "w") as f:
+        dist_checkpointing.save(saved, final)
+        with open(os.path.join(root, TRACKER), "w") as f:
             f.write(RELEASE)
-        os.replace(os.path.join(root, TRACKER + ".tmp"), os.path.join(root, TRACKER))
     return final

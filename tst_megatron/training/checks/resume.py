@@ -13,17 +13,18 @@ from tst_megatron.training.plan import run_plan
 
 
 def checkpoint_to_resume(args) -> Optional[tuple[int, dict]]:
-    """``(iteration, common state)`` of the ``torch_dist`` checkpoint Megatron-LM's
-    ``load_checkpoint`` would resume (``--load``, ``--ckpt-step`` or the tracker file), read
-    without process groups via megatron-core's ``load_common_state_dict``. None when nothing
-    would be resumed (or a release or non-``torch_dist`` checkpoint, ``--finetune``).
+    """``(iteration, common state)`` of the checkpoint Megatron-LM's ``load_checkpoint`` would
+    resume (``--load``, ``--ckpt-step`` or the tracker file), in any format it loads
+    (:func:`read_common_state`), read without process groups. None when nothing would be
+    resumed (no tracker file, a release checkpoint, ``--finetune``, or no checkpoint folder
+    at that iteration: Megatron-LM's own load reports that).
 
     Raises:
-        ConfigError: a tracker file that holds no iteration.
+        ConfigError: a tracker file that holds no iteration; a checkpoint folder in no
+            format Megatron-LM reads.
     """
     if not args.load or getattr(args, "finetune", False):
         return None
-    from megatron.core import dist_checkpointing
     from megatron.training.checkpointing import (
         get_checkpoint_name,
         get_checkpoint_tracker_filename,
@@ -46,11 +47,60 @@ def checkpoint_to_resume(args) -> Optional[tuple[int, dict]]:
             )
         iteration = int(text)
     path = get_checkpoint_name(args.load, iteration, return_base_dir=True)
-    if not os.path.isfile(os.path.join(path, "metadata.json")):
+    if not os.path.isdir(path):
         return None
+    return iteration, read_common_state(path)
+
+
+#: What :func:`read_common_state` keeps of a checkpoint's common state.
+COMMON_KEYS = ("args", "iteration", "opt_param_scheduler", "checkpoint_version")
+
+
+def read_common_state(path: str) -> dict:
+    """The entries :data:`COMMON_KEYS` of the checkpoint folder ``path`` (``iter_<N>``), in
+    each format Megatron-LM 0.19's ``load_checkpoint`` tells apart (``_get_checkpoint_format``):
+
+    - ``torch_dist`` (``metadata.json``, any layout): megatron-core's
+      ``load_common_state_dict``;
+    - ``torch`` (``mp_rank_*/model_optim_rng.pt``): one rank's file, memory-mapped so that
+      its tensors are not read (every rank's file holds the same ``args``);
+    - ``torch_dcp`` / ``fsdp_dtensor`` (``.metadata``): torch's distributed checkpoint,
+      reading those keys only.
+
+    Raises:
+        ConfigError: none of these formats.
+    """
+    import glob
+
+    import torch
+
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
-        return iteration, dist_checkpointing.load_common_state_dict(path)
+        if os.path.isfile(os.path.join(path, "metadata.json")):
+            from megatron.core import dist_checkpointing
+
+            common = dist_checkpointing.load_common_state_dict(path)
+        elif shards := sorted(glob.glob(os.path.join(path, "mp_rank_*", "model_optim_rng.pt"))):
+            try:
+                common = torch.load(shards[0], map_location="cpu", weights_only=False, mmap=True)
+            except RuntimeError:  # a file of torch's pre-1.6 format cannot be mapped
+                common = torch.load(shards[0], map_location="cpu", weights_only=False)
+        elif os.path.isfile(os.path.join(path, ".metadata")):
+            from torch.distributed.checkpoint import FileSystemReader
+            from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+            from torch.distributed.checkpoint.state_dict_loader import (
+                _load_state_dict_from_keys,
+            )
+
+            saved = FileSystemReader(path).read_metadata().state_dict_metadata
+            keys = {k for k in COMMON_KEYS if isinstance(saved.get(k), BytesStorageMetadata)}
+            common = _load_state_dict_from_keys(keys, checkpoint_id=path) if keys else {}
+        else:
+            raise ConfigError(
+                f"--load: {path} holds no checkpoint Megatron-LM reads (no metadata.json, "
+                "mp_rank_*/model_optim_rng.pt or .metadata)"
+            )
+    return {k: common[k] for k in COMMON_KEYS if k in common}
 
 
 #: Every key of the sample orders' cache description (:func:`tst_megatron.data.stream.describe`:
