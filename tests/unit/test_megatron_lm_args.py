@@ -4,8 +4,8 @@
 from __future__ import annotations
 
 import argparse
-import os
 import dataclasses
+import os
 import re
 
 import pytest
