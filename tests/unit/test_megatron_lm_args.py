@@ -459,6 +459,42 @@ def test_a_torch_dcp_checkpoint_s_common_state_is_read(tmp_path):
     assert common["args"] == saved
 
 
+def test_layout_changes_megatron_core_cannot_resume_are_one_line():
+    """EP=2 -> EP=1 with the optimizer state (megatron-core raises after the model is built;
+    ``tests/distributed/test_megatron_lm_loop.py`` runs it) and any model-parallel change of a
+    legacy ``torch`` checkpoint; what loads stays free."""
+    from tst_megatron.training.checks.resume import layout_problems
+
+    def ns(**kw):
+        base = dict(load="ck", num_experts=4, tensor_model_parallel_size=1,
+                    pipeline_model_parallel_size=1, virtual_pipeline_model_parallel_size=None,
+                    expert_model_parallel_size=1, expert_tensor_parallel_size=None,
+                    no_load_optim=False, finetune=False)  # fmt: skip
+        return argparse.Namespace(**{**base, **kw})
+
+    ep2, ep1 = ns(expert_model_parallel_size=2), ns()
+    (line,) = layout_problems(ep1, ep2, "torch_dist")
+    assert "--no-load-optim" in line and "--expert-model-parallel-size 2" in line, line
+    assert layout_problems(ns(no_load_optim=True), ep2, "torch_dist") == []
+    assert layout_problems(ns(finetune=True), ep2, "torch_dist") == []
+    assert layout_problems(ep2, ep1, "torch_dist") == []  # 1 -> 2 loads (tested in the loop)
+    assert layout_problems(ns(expert_model_parallel_size=4), ep2, "torch_dist") == []
+    assert (
+        layout_problems(ep1, ns(num_experts=None, expert_model_parallel_size=2), "torch_dist") == []
+    )
+    # expert TP other than TP keeps expert groups too
+    assert layout_problems(ep1, ns(tensor_model_parallel_size=2, expert_tensor_parallel_size=1,
+                                   ), "torch_dist") != []  # fmt: skip
+    # the legacy format: any model-parallel change, named; DP is free
+    (line,) = layout_problems(ns(tensor_model_parallel_size=2), ep1, "torch")
+    assert (
+        "legacy --ckpt-format torch" in line
+        and "--tensor-model-parallel-size 1 (this run: 2)" in line
+    )
+    assert layout_problems(ns(data_parallel_size=4), ns(data_parallel_size=2), "torch") == []
+    assert len(layout_problems(ep1, ep2, "torch")) == 2
+
+
 def megatron_lm_with(argv, flag, value):
     argv = list(argv)
     argv[argv.index(flag) + 1] = value

@@ -57,8 +57,9 @@ COMMON_KEYS = ("args", "iteration", "opt_param_scheduler", "checkpoint_version")
 
 
 def read_common_state(path: str) -> dict:
-    """The entries :data:`COMMON_KEYS` of the checkpoint folder ``path`` (``iter_<N>``), in
-    each format Megatron-LM 0.19's ``load_checkpoint`` tells apart (``_get_checkpoint_format``):
+    """The entries :data:`COMMON_KEYS` of the checkpoint folder ``path`` (``iter_<N>``), and
+    its ``"format"`` (``torch_dist``, ``torch`` or ``torch_dcp``), in each format
+    Megatron-LM 0.19's ``load_checkpoint`` tells apart (``_get_checkpoint_format``):
 
     - ``torch_dist`` (``metadata.json``, any layout): megatron-core's
       ``load_common_state_dict``;
@@ -79,8 +80,9 @@ def read_common_state(path: str) -> dict:
         if os.path.isfile(os.path.join(path, "metadata.json")):
             from megatron.core import dist_checkpointing
 
-            common = dist_checkpointing.load_common_state_dict(path)
+            fmt, common = "torch_dist", dist_checkpointing.load_common_state_dict(path)
         elif shards := sorted(glob.glob(os.path.join(path, "mp_rank_*", "model_optim_rng.pt"))):
+            fmt = "torch"
             try:
                 common = torch.load(shards[0], map_location="cpu", weights_only=False, mmap=True)
             except RuntimeError:  # a file of torch's pre-1.6 format cannot be mapped
@@ -92,7 +94,7 @@ def read_common_state(path: str) -> dict:
                 _load_state_dict_from_keys,
             )
 
-            saved = FileSystemReader(path).read_metadata().state_dict_metadata
+            fmt, saved = "torch_dcp", FileSystemReader(path).read_metadata().state_dict_metadata
             keys = {k for k in COMMON_KEYS if isinstance(saved.get(k), BytesStorageMetadata)}
             common = _load_state_dict_from_keys(keys, checkpoint_id=path) if keys else {}
         else:
@@ -100,7 +102,7 @@ def read_common_state(path: str) -> dict:
                 f"--load: {path} holds no checkpoint Megatron-LM reads (no metadata.json, "
                 "mp_rank_*/model_optim_rng.pt or .metadata)"
             )
-    return {k: common[k] for k in COMMON_KEYS if k in common}
+    return {"format": fmt, **{k: common[k] for k in COMMON_KEYS if k in common}}
 
 
 #: Every key of the sample orders' cache description (:func:`tst_megatron.data.stream.describe`:
@@ -409,7 +411,8 @@ def scheduler_problems(args, saved_scheduler: Optional[dict], iteration: int) ->
 def resume_checks(args, plan) -> list[str]:
     """The problems of resuming the checkpoint in ``--load`` under ``args`` and their ``plan``
     (empty: none, or nothing to resume): TST's (:func:`resume_problems`), the model's
-    (:func:`architecture_problems`) and the LR schedule's (:func:`scheduler_problems`)."""
+    (:func:`architecture_problems`), the layout's (:func:`layout_problems`) and the LR
+    schedule's (:func:`scheduler_problems`)."""
     try:
         found = checkpoint_to_resume(args)
     except ConfigError as exc:
@@ -422,6 +425,7 @@ def resume_checks(args, plan) -> list[str]:
         problems = resume_problems(args, plan, saved, iteration)
         problems += epoch_problems(args, plan, saved, iteration)
         problems += architecture_problems(args, saved)
+        problems += layout_problems(args, saved, common["format"])
     return problems + scheduler_problems(args, common.get("opt_param_scheduler"), iteration)
 
 
@@ -513,6 +517,67 @@ def architecture_problems(args, saved) -> list[str]:
         f"the checkpoint in --load {args.load} is of another model: {', '.join(changed)}; give "
         "the checkpoint's model flags (or --use-checkpoint-args)"
     ]
+
+
+#: The layout flags a legacy ``torch`` checkpoint is tied to: one ``mp_rank_<TP>[_<PP>][_<EP>]``
+#: file per model-parallel rank (``megatron.training.checkpointing.get_checkpoint_name``),
+#: each holding that rank's shards (and, with virtual stages, one ``model<i>`` per chunk).
+TORCH_FORMAT_LAYOUT = (
+    "tensor_model_parallel_size",
+    "pipeline_model_parallel_size",
+    "virtual_pipeline_model_parallel_size",
+    "expert_model_parallel_size",
+    "expert_tensor_parallel_size",
+)
+
+
+def _expert_groups(ns) -> bool:
+    """The optimizer keeps the experts' parameters in groups of their own: megatron-core marks
+    them ``allreduce=False`` when EP > 1 or the expert TP differs from TP
+    (``tensor_parallel/layers.py``, ``use_expert_pgs``), and ``get_megatron_optimizer`` then
+    chains a dense and an expert optimizer (0.19.2)."""
+    if not getattr(ns, "num_experts", None):
+        return False
+    tp = getattr(ns, "tensor_model_parallel_size", 1) or 1
+    etp = getattr(ns, "expert_tensor_parallel_size", None) or tp
+    return (getattr(ns, "expert_model_parallel_size", 1) or 1) > 1 or etp != tp
+
+
+def layout_problems(args, saved, ckpt_format: str) -> list[str]:
+    """The layout changes Megatron-LM 0.19.2 cannot resume, one line each (empty: none).
+
+    - A legacy ``torch`` checkpoint loads only into the layout it was saved in
+      (:data:`TORCH_FORMAT_LAYOUT`; DP may change): another one fails on a missing
+      ``mp_rank_*`` file or a ``size mismatch`` after the model is built.
+    - Optimizer state saved with expert groups (:func:`_expert_groups`: EP > 1, or expert TP
+      other than TP) into a run without them (EP = 1): megatron-core's
+      ``_filter_and_reorder_param_groups`` raises ``ValueError: Could not find parameter
+      group`` after the model is built. The other way (EP = 1 -> EP = 2) loads. Not with
+      ``--no-load-optim`` or ``--finetune`` (the weights are resharded alone).
+    """
+    problems = []
+    if ckpt_format == "torch":
+        changed = [
+            f"{_flag(name)} {getattr(saved, name)} (this run: {getattr(args, name, None)})"
+            for name in TORCH_FORMAT_LAYOUT
+            if hasattr(saved, name) and getattr(saved, name) != getattr(args, name, None)
+        ]
+        if changed:
+            problems.append(
+                f"the checkpoint in --load {args.load} is in the legacy --ckpt-format torch, "
+                f"which loads only into the layout it was saved in: {', '.join(changed)}; "
+                "resume in that layout (a torch_dist checkpoint reshards onto another)"
+            )
+    no_optim = getattr(args, "no_load_optim", False) or getattr(args, "finetune", False)
+    if _expert_groups(saved) and not _expert_groups(args) and not no_optim:
+        problems.append(
+            f"the checkpoint in --load {args.load} keeps its experts' optimizer state in "
+            f"groups of their own (saved at --expert-model-parallel-size "
+            f"{getattr(saved, 'expert_model_parallel_size', 1)}), which megatron-core 0.19 "
+            "cannot load into a run without expert parallelism: add --no-load-optim to "
+            "resume the weights with a fresh optimizer, or resume with expert parallelism"
+        )
+    return problems
 
 
 def problems(launch) -> list[str]:
