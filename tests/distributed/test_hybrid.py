@@ -29,6 +29,7 @@ pytest.importorskip("megatron.training")
 from tests.distributed.harness import run_distributed  # noqa: E402
 from tests.distributed.test_gpt_seam import _set_weights  # noqa: E402
 from tests.launcher import DIST_OPT  # noqa: E402
+from tests.launcher import without as _without  # noqa: E402
 
 V, T, S, B, L = 96, 8, 2, 2, 2
 
@@ -264,10 +265,14 @@ def hybrid_runs(tmp_path_factory):
     twos = {name: argv(name, start("scratch") + flags) for name, flags in LAYOUTS.items()}
     for name, flags in DENSE_LAYOUTS.items():
         twos[name] = argv(name, start("dense_scratch") + flags, dense)
-    for at in RESUMED_AT:  # EP = 2 resumed from its own checkpoints around the switch
-        twos[f"ep2@{at}"] = HYBRID_MOE + LAYOUTS["ep2"] + [
+    # EP = 2 with Megatron-LM's default dropout (0.1), resumed from its own checkpoints
+    # around the switch
+    dropout = _without(_without(HYBRID_MOE, "--hidden-dropout"), "--attention-dropout")
+    twos["ep2_dropout"] = argv("ep2_dropout", start("scratch") + LAYOUTS["ep2"], dropout)
+    for at in RESUMED_AT:
+        twos[f"ep2@{at}"] = dropout + LAYOUTS["ep2"] + [
             "--tensorboard-dir", str(root / f"tb_ep2@{at}"),
-            "--load", str(root / "ep2"), "--ckpt-step", str(at),
+            "--load", str(root / "ep2_dropout"), "--ckpt-step", str(at),
         ]  # fmt: skip
     twos["export_pp2"] = argv("export_pp2", LAYOUTS["pp2"] + ["--save-interval", "3"], EXPORTABLE)
     _, (*last,) = run_distributed(child, 2, runs=list(twos.values()), model="hybrid")
@@ -317,8 +322,11 @@ def test_each_hybrid_layout_trains_through_the_switch_as_one_process(layout, hyb
 @pytest.mark.slow
 @pytest.mark.parametrize("at", RESUMED_AT)
 def test_a_hybrid_resumed_around_the_switch_continues_bitwise(at, hybrid_runs):
+    """EP = 2 with dropout 0.1, resumed at N1 - 1, N1 and N1 + 1 (``runtime/cpu.py`` point 6
+    keeps dropout's generator out of the data iterators' way)."""
     text, resumed, _ = hybrid_runs[f"ep2@{at}"]
-    _, tb, _ = hybrid_runs["ep2"]
+    _, tb, _ = hybrid_runs["ep2_dropout"]
+    assert _train_losses(tb)[2] != _train_losses(hybrid_runs["ep2"][1])[2]  # dropout is on
     got, want = _train_losses(resumed), _train_losses(tb)
     assert sorted(got) == list(range(at + 1, 7)), text[-3000:]
     for i in got:  # the same layout, weights, optimizer state and data

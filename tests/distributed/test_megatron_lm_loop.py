@@ -34,6 +34,7 @@ from tests.launcher import scalars as _scalars  # noqa: E402
 from tests.launcher import with_flag as _with  # noqa: E402
 
 N, N1, GBS, T, S = 6, 3, 4, 16, 2  # BASE: 6 iterations, the switch after 3, S = 2
+RESUMED_AT = (N1 - 1, N1, N1 + 1)  # resumes before, at and after the switch
 V = 128  # BASE's --vocab-size (NullTokenizer: EOD is the last id)
 LR = ["--lr-warmup-iters", "2", "--lr-decay-style", "linear", "--min-lr", "1e-4"]
 _VALID = re.compile(r"validation loss at iteration (\d+) \| lm loss value: ([0-9.E+-]+)")
@@ -101,7 +102,8 @@ def runs(tmp_path_factory):
     - ``tb``: DP=2, TensorBoard, a warm-up and linear-decay learning rate, validation at 3
       and 6;
     - ``ep2``: EP=2 MoE (DP=2 for the rest), saving at 2 (and the switch at 3, 4, 6);
-    - ``ep2_resumed``: the same from its iteration-2 checkpoint;
+    - ``ep2_dropout``: the same with dropout on (0.1), saving every iteration, and
+      ``ep2_dropout@<at>`` resumed from it at each of :data:`RESUMED_AT`;
     - ``ep1_from_ep2``: EP=1 (expert DP=2) from the same checkpoint, optimizer state and all;
     - ``ep1_no_load_optim``: the same with ``--no-load-optim``;
     - ``baseline``: the same model without TST (``--tst-bag-size 1``), one step, saved;
@@ -118,14 +120,21 @@ def _all_runs(root):
     base = BASE + NO_DROPOUT
     moe = base + EP2
     moe += ["--ckpt-format", "torch_dist", "--tensorboard-dir"]
-    ep2 = str(root / "ep2")
+    ep2, drop = str(root / "ep2"), str(root / "ep2_dropout")
+    dropout = BASE + EP2 + ["--ckpt-format", "torch_dist", "--tensorboard-dir"]
     eod = str(root / "eod")
     real_data = [a for a in base if a != "--mock-data"]
     _write_all_eod(eod)
     argvs = {
         "tb": base + LR + ["--tensorboard-dir", str(root / "tb"), "--log-timers-to-tensorboard"],
         "ep2": moe + [str(root / "tb_ep2"), "--save", ep2, "--save-interval", "2"],
-        "ep2_resumed": moe + [str(root / "tb_resumed"), "--load", ep2, "--ckpt-step", "2"],
+        # Megatron-LM's default dropout (0.1) on, resumed at N1 - 1, N1 and N1 + 1
+        "ep2_dropout": dropout + [str(root / "tb_dropout"), "--save", drop, "--save-interval", "1"],
+        **{
+            f"ep2_dropout@{at}": dropout
+            + [str(root / f"tb_dropout@{at}"), "--load", drop, "--ckpt-step", str(at)]
+            for at in RESUMED_AT
+        },
         "ep1_from_ep2": _with(moe, "--expert-model-parallel-size", "1")
         + [str(root / "tb_ep1_failed"), "--load", ep2, "--ckpt-step", "2"],
         "ep1_no_load_optim": _with(moe, "--expert-model-parallel-size", "1")
@@ -226,22 +235,24 @@ def _train_losses(tb) -> dict:
 
 
 @pytest.mark.slow
-def test_ep2_resume_equals_the_uninterrupted_run_across_the_switch(runs):
-    """Resumed at 2 (phase 1), through the switch at 3, bitwise. Dropout is off: on the CPU
-    runtime the generator megatron-core's dropout draws from ("CUDA") is the CPU default
-    generator, from which ``iter(DataLoader)`` also draws a seed, and Megatron-LM makes its
-    data iterators after restoring the RNG states on a resume, so a resumed CPU run takes
-    another dropout stream (on a GPU dropout draws from the CUDA generator)."""
-    out_a, out_b = _ok(runs[0]["ep2"]), _ok(runs[0]["ep2_resumed"])
-    a, b = _scalars(str(runs[1] / "tb_ep2")), _scalars(str(runs[1] / "tb_resumed"))
+@pytest.mark.parametrize("at", RESUMED_AT)
+def test_ep2_resume_with_dropout_equals_the_uninterrupted_run_across_the_switch(runs, at):
+    """EP=2 with Megatron-LM's default dropout (0.1), resumed at N1 - 1 (phase 1), N1 (the
+    switch) and N1 + 1 (phase 2): every later loss bitwise. On the CPU runtime dropout draws
+    from torch's global CPU generator, from which ``iter(DataLoader)`` would also draw after
+    the resume restored it (``runtime/cpu.py``, point 6); without that this fails at every
+    ``at`` (on a GPU dropout draws from the CUDA generator)."""
+    out_a, out_b = _ok(runs[0]["ep2_dropout"]), _ok(runs[0][f"ep2_dropout@{at}"])
+    a = _scalars(str(runs[1] / "tb_dropout"))
+    b = _scalars(str(runs[1] / f"tb_dropout@{at}"))
     assert sorted(_train_losses(a)) == list(range(1, N + 1)), out_a[-3000:]
-    assert sorted(_train_losses(b)) == [3, 4, 5, 6], out_b[-3000:]
-    # Megatron-LM's training_log does not reset its sums after the first logged iteration
-    # of a (re)start, so the resumed run's 4 is the mean of 3 and 4: compare 3, 5 and 6
-    for i in (3, 5, 6):  # phase 1 (3) and phase 2, the same layout and data: bitwise
-        assert _train_losses(b)[i] == _train_losses(a)[i], i
+    assert sorted(_train_losses(b)) == list(range(at + 1, N + 1)), out_b[-3000:]
+    for i in range(at + 1, N + 1):  # the same layout, weights, optimizer, RNG and data
+        assert _train_losses(b)[i] == _train_losses(a)[i], (at, i)
     assert b["lm loss validation"][N] == a["lm loss validation"][N]
-    assert sorted(int(i) for i in _SAVING.findall(runs[0]["ep2"][0][0])) == [2, N1, 4, N]
+    assert b["grad-norm"][N] == a["grad-norm"][N]
+    # and dropout is on: the same run without it trains on other numbers
+    assert _train_losses(a)[1] != _train_losses(_scalars(str(runs[1] / "tb_ep2")))[1]
 
 
 @pytest.mark.slow
@@ -258,6 +269,7 @@ def test_a_resume_onto_another_expert_layout_needs_no_load_optim(runs):
     assert failed0 is None and failed1 is None, failed0 or failed1
     assert status0 == 2 and status1 == 2
     assert "building GPT model" not in out0 and "loading distributed checkpoint" not in out0
+    assert sorted(int(i) for i in _SAVING.findall(runs[0]["ep2"][0][0])) == [2, N1, 4, N]
     out = _ok(runs[0]["ep1_no_load_optim"])
     first = runs[0]["ep1_no_load_optim"][0][0]
     assert "loading distributed checkpoint from" in first and "at iteration 2" in first

@@ -432,6 +432,43 @@ def test_the_resume_rules_read_every_checkpoint_format(run_launcher, tmp_path, c
         assert "Traceback" not in again.stderr and "building GPT model" not in again.stdout
 
 
+@pytest.mark.slow
+def test_another_global_batch_after_the_switch_keeps_the_checkpoint_s_switch_sample(
+    run_launcher, tmp_path
+):
+    """``--global-batch-size`` 2 -> 4 on a resume at iteration 4 (after the switch at 3):
+    the steps taken keep their batch, so phase 1 still ends at sample 6 and phase 2 reads on
+    from phase-2 sample 2 (planned from the new batch alone, the switch would sit at sample
+    12, and samples 8-11 would be read as phase-1 samples); before the switch it is refused."""
+    save = str(tmp_path / "ckpt")
+    argv = _TINY_RESUME + [
+        "--no-tst-save-at-switch", "--save", save, "--load", save, "--save-interval", "1",
+        "--log-interval", "1", "--override-opt-param-scheduler",  # the schedule is in samples: it changes with the batch
+    ]  # fmt: skip
+    early = run_launcher(*argv, "--exit-interval", "2")
+    assert early.returncode == 0, early.stderr[-3000:]
+    refused = run_launcher(*megatron_lm_with(argv, "--global-batch-size", "4"))
+    errors = [line for line in refused.stderr.splitlines() if line.startswith("error:")]
+    assert refused.returncode == 2 and len(errors) == 1, refused.stderr[-3000:]
+    assert "switched at sample 6; this run would switch at sample 12" in errors[0], errors
+    first = run_launcher(*argv, "--exit-interval", "4")
+    assert first.returncode == 0, first.stderr[-3000:]
+    dry = run_launcher(*megatron_lm_with(argv, "--global-batch-size", "4"), "--dry-run")
+    assert dry.returncode == 0 and "switch at sample 6;" in dry.stdout, dry.stdout + dry.stderr
+    resumed = run_launcher(*megatron_lm_with(argv, "--global-batch-size", "4"))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    raw = {
+        int(i): int(r)
+        for i, r in re.findall(r"TST: iteration\s+(\d+) \| raw tokens per sample: \d+ \| "
+                               r"raw tokens: (\d+)", resumed.stdout)
+    }  # fmt: skip
+    # 6 phase-1 samples of S*T = 32 tokens, then 2 + 4 + 4 phase-2 windows of 16
+    assert raw[5] == 6 * 32 + (12 - 6) * 16 and raw[6] == 6 * 32 + (16 - 6) * 16, raw
+    # a second resume reads the batches of both runs from the checkpoint's args
+    again = run_launcher(*megatron_lm_with(argv, "--global-batch-size", "4"), "--dry-run")
+    assert again.returncode == 0, again.stderr[-3000:]
+
+
 def test_a_checkpoint_folder_in_no_known_format_is_one_line(tmp_path):
     from tst_megatron.training.checks.resume import resume_checks
 
@@ -455,7 +492,8 @@ def test_a_torch_dcp_checkpoint_s_common_state_is_read(tmp_path):
     state = {"args": saved, "iteration": 7, "model": {"w": torch.ones(3)}, "rng_state": [1]}
     dcp.save(state, checkpoint_id=str(tmp_path), no_dist=True)
     common = read_common_state(str(tmp_path))
-    assert sorted(common) == ["args", "iteration"] and common["iteration"] == 7
+    assert sorted(common) == ["args", "format", "iteration"] and common["iteration"] == 7
+    assert common["format"] == "torch_dcp"
     assert common["args"] == saved
 
 
@@ -477,7 +515,8 @@ def test_layout_changes_megatron_core_cannot_resume_are_one_line():
     assert "--no-load-optim" in line and "--expert-model-parallel-size 2" in line, line
     assert layout_problems(ns(no_load_optim=True), ep2, "torch_dist") == []
     assert layout_problems(ns(finetune=True), ep2, "torch_dist") == []
-    assert layout_problems(ep2, ep1, "torch_dist") == []  # 1 -> 2 loads (tested in the loop)
+    (line,) = layout_problems(ep2, ep1, "torch_dist")  # 1 -> 2: test_megatron_lm_layouts.py
+    assert "does not keep" in line and "--no-load-optim" in line, line
     assert layout_problems(ns(expert_model_parallel_size=4), ep2, "torch_dist") == []
     assert (
         layout_problems(ep1, ns(num_experts=None, expert_model_parallel_size=2), "torch_dist") == []

@@ -29,6 +29,11 @@ How:
    for it when TP or CP > 1); and a model chunk is kept on the CPU by
    :func:`keep_on_cpu` (``get_model`` calls ``model_module.cuda(...)``), its parameters'
    ``type()`` naming the CUDA type (the distributed optimizer checks it).
+6. The stand-in's ``torch.utils.data.DataLoader`` (Megatron-LM's
+   ``build_pretraining_data_loader`` builds its loaders with it) gives each loader a
+   generator of its own (:class:`_OwnSeedDataLoader`): otherwise ``iter(loader)`` draws from
+   torch's global CPU generator, which on a CPU is also dropout's, after a resume has
+   restored it, and a resumed run with dropout would not continue bitwise.
 
 :func:`enable` is idempotent and may be called before or after ``torch.distributed`` is
 initialised; :func:`is_enabled` tells whether it ran.
@@ -289,12 +294,56 @@ class _CpuCuda(types.ModuleType):
     max_memory_reserved = memory_allocated
 
 
+class _OwnSeedDataLoader(torch.utils.data.DataLoader):
+    """``torch.utils.data.DataLoader`` whose iterators draw their workers' base seed from a
+    generator of its own instead of torch's global one (point 6 of the module docstring).
+
+    ``iter(loader)`` draws one number from ``loader.generator``, torch's global CPU generator
+    when none is given. On a CPU that is also the generator dropout draws from, and
+    Megatron-LM builds its data iterators after a resume has restored the RNG states, so a
+    resumed run would draw its dropout masks one number off the uninterrupted run's.
+    Megatron-LM's ``build_pretraining_data_loader`` passes no generator.
+    """
+
+    def __init__(self, *args, generator=None, **kwargs):
+        if generator is None:
+            generator = torch.Generator()
+            generator.manual_seed(0)  # only the workers' seeds: Megatron's datasets draw none
+        super().__init__(*args, generator=generator, **kwargs)
+
+
+def _forwarding_module(name: str, real: types.ModuleType, **own) -> types.ModuleType:
+    """A module object answering ``own``'s attributes itself and every other from ``real``."""
+
+    class Forward(types.ModuleType):
+        def __getattr__(self, attr):
+            return getattr(real, attr)
+
+    module = Forward(name)
+    for attr, value in own.items():
+        setattr(module, attr, value)
+    return module
+
+
+#: ``torch.utils`` as the CPU stand-in shows it: ``data.DataLoader`` is :class:`_OwnSeedDataLoader`.
+_CPU_UTILS = _forwarding_module(
+    "torch.utils (tst_megatron CPU stand-in)",
+    torch.utils,
+    data=_forwarding_module(
+        "torch.utils.data (tst_megatron CPU stand-in)",
+        torch.utils.data,
+        DataLoader=_OwnSeedDataLoader,
+    ),
+)
+
+
 class _CpuTorch(types.ModuleType):
     """What megatron-core sees as ``torch`` under :func:`enable`: torch, CUDA mapped to CPU."""
 
     def __init__(self, *, one_device: bool = False, gpu=_NO_GPU):
         super().__init__("torch (tst_megatron CPU stand-in)")
         self.cuda = _CpuCuda(one_device=one_device, gpu=gpu)
+        self.utils = _CPU_UTILS
         self.__tst_cpu_stand_in__ = True
 
     def __getattr__(self, name):

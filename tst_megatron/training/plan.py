@@ -4,6 +4,7 @@ Megatron-LM's batch-size calculator), built once per launch as a :class:`RunPlan
 from __future__ import annotations
 
 import dataclasses
+from typing import Optional
 
 from tst_megatron.superposition.schedule import Schedule, TSTConfig
 from tst_megatron.training.flags import tst_config
@@ -35,10 +36,16 @@ def global_batches(args) -> list[tuple[int, int]]:
     return list(calculator.schedule)
 
 
-def consumed_samples(args, iterations: int) -> int:
+def consumed_samples(args, iterations: int, batches: Optional[tuple] = None) -> int:
     """Training samples consumed by the first ``iterations`` steps, as Megatron-LM's
     ``train()`` counts them (with a step schedule, each step's batch is the schedule's at the
-    samples consumed before it)."""
+    samples consumed before it). ``batches``: ``((first sample, global batch), ...)`` to use
+    instead of ``args``'s (a resume that changed the batch: :func:`run_plan`)."""
+    if batches is not None:
+        consumed = 0
+        for _ in range(iterations):
+            consumed += [batch for first, batch in batches if first <= consumed][-1]
+        return consumed
     calculator = _batch_calculator(args)
     if calculator is None:
         return iterations * args.global_batch_size
@@ -114,9 +121,17 @@ class RunPlan:
         return tuple(entry for entry, end in zip(reached, starts[1:]) if entry[0] < hi and end > lo)
 
 
-def run_plan(args) -> RunPlan:
+def run_plan(args, resumed: Optional[tuple[int, object]] = None) -> RunPlan:
     """The :class:`RunPlan` of Megatron-LM arguments after ``validate_args`` (or of a
     checkpoint's saved arguments, for the resume checks).
+
+    ``resumed``: ``(iteration, the checkpoint's saved args)`` of the checkpoint this launch
+    resumes. When it is past the switch and the run changes a constant ``--global-batch-size``
+    (neither uses ``--step-batch-size-schedule``), the checkpoint's steps keep their batch:
+    the plan's batches are the checkpoint's up to the samples it consumed, then this run's,
+    so the switch sample (which splits the data into phase 1 and phase 2) is the
+    checkpoint's. Anything else is planned from ``args`` alone (the resume rules refuse a
+    batch change before the switch: ``checks/resume.resume_problems``).
 
     Raises:
         AssertionError, ValueError: Megatron-LM's batch-size calculator refused
@@ -124,11 +139,31 @@ def run_plan(args) -> RunPlan:
     """
     tst, n = tst_config(args), train_iters(args)
     schedule = Schedule.plan(tst, seq_length=args.seq_length, train_iters=n)
-    total = consumed_samples(args, n)
+    # a checkpoint's saved args record the batches of a run that changed its batch
+    batches = _resumed_batches(args, schedule, resumed) or getattr(args, "tst_global_batches", None)
     return RunPlan(
         tst=tst,
         schedule=schedule,
-        switch_sample=consumed_samples(args, schedule.n1),
-        total_samples=total,
-        global_batches=tuple(global_batches(args)),
+        switch_sample=consumed_samples(args, schedule.n1, batches),
+        total_samples=consumed_samples(args, n, batches),
+        global_batches=batches or tuple(global_batches(args)),
     )
+
+
+def _resumed_batches(args, schedule: Schedule, resumed) -> Optional[tuple]:
+    """The batches of :func:`run_plan` after a batch change past the switch, else None."""
+    if resumed is None:
+        return None
+    iteration, saved = resumed
+    constant = not any(getattr(a, "step_batch_size_schedule", None) for a in (args, saved))
+    consumed = getattr(saved, "consumed_train_samples", None)
+    was = getattr(saved, "global_batch_size", None)
+    if not (constant and was and consumed is not None and iteration >= schedule.n1 > 0):
+        return None
+    # the checkpoint's own history (recorded by this launcher since a batch change; before,
+    # one constant batch), up to the samples it consumed, then this run's batch
+    history = getattr(saved, "tst_global_batches", None) or ((0, was),)
+    batches = tuple(tuple(entry) for entry in history if entry[0] < consumed) or ((0, was),)
+    if batches[-1][1] != args.global_batch_size:
+        batches += ((consumed, args.global_batch_size),)
+    return None if len(batches) == 1 else batches

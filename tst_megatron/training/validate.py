@@ -152,7 +152,7 @@ def check(argv: Sequence[str], *, dry_run: bool = False, model: str = "gpt") -> 
             problem = validation_error(exc, "TransformerConfig")
             return Checked(args, device, [problem], [], assumed=assumptions)
     try:
-        plan = run_plan(args)
+        plan = run_plan(args, resumed=_resumed(args))
     except (AssertionError, ValueError) as exc:  # Megatron-LM's batch-size calculator refused
         problem = validation_error(exc, "batch-size schedule")
         return Checked(args, device, [problem], [], assumed=assumptions)
@@ -177,5 +177,23 @@ def parse(argv: Sequence[str], model: str = "gpt") -> Checked:
     if os.environ.get("RANK", "0") == "0":
         for line in checked.notes:
             print(f"note: {line}", flush=True)
+    # saved in every checkpoint's args: a later resume plans the steps already taken with them
+    checked.args.tst_global_batches = checked.plan.global_batches
     set_global_variables(checked.args)
     return checked
+
+
+def _resumed(args) -> Optional[tuple[int, object]]:
+    """``(iteration, saved args)`` of the checkpoint this launch resumes, for
+    :func:`~tst_megatron.training.plan.run_plan` (None: none, or unreadable, which the resume
+    rules report)."""
+    from tst_megatron.errors import ConfigError
+    from tst_megatron.training.checks.resume import checkpoint_to_resume
+
+    try:
+        found = checkpoint_to_resume(args)
+    except ConfigError:
+        return None
+    if found is None or found[1].get("args") is None:
+        return None
+    return found[0], found[1]["args"]

@@ -217,7 +217,8 @@ def resume_problems(args, plan, saved, iteration: int) -> list[str]:
     if old.total_samples != new.total_samples and _blended(args) and _blended(saved):
         problems.append(
             f"{where} is part of a TST run of {old.total_samples:,} samples on a blend of "
-            f"datasets; this run has {new.total_samples:,} (--train-iters / --train-samples): "
+            f"datasets; this run has {new.total_samples:,} (--train-iters / --train-samples / "
+            "--global-batch-size): "
             "a blend draws from each dataset in proportion to the run's length, so phase 1's "
             "blocks would be drawn again and phase 2 would read text phase 1 already trained "
             "on; resume with the checkpoint's length"
@@ -231,7 +232,8 @@ def resume_problems(args, plan, saved, iteration: int) -> list[str]:
     elif old.switch_sample != new.switch_sample:
         problems.append(
             f"{where} switched at sample {old.switch_sample:,}; this run would switch at "
-            f"sample {new.switch_sample:,}: give the checkpoint's --global-batch-size"
+            f"sample {new.switch_sample:,}: give the checkpoint's --global-batch-size (it may "
+            "change from the switch on)"
         )
     old_tst, new_tst = old.tst, new.tst
     fields = ["bag_size", "mode", "bag_weighting"]
@@ -333,7 +335,8 @@ def epoch_problems(args, plan, saved, iteration: int) -> list[str]:
     return [
         f"the checkpoint of iteration {iteration} is part of a TST run of {old.total_samples:,} "
         f"samples that reads {prefix} over {text(was)}; this run has {plan.total_samples:,} "
-        f"(--train-iters / --train-samples), which reads it over {text(now)}: megatron-core "
+        f"(--train-iters / --train-samples / --global-batch-size), which reads it over "
+        f"{text(now)}: megatron-core "
         "shuffles the documents by that, so phase 1's blocks would be drawn again and phase 2 "
         "would read text phase 1 already trained on; resume with a length that keeps "
         f"{text(was)}"
@@ -550,10 +553,13 @@ def layout_problems(args, saved, ckpt_format: str) -> list[str]:
       (:data:`TORCH_FORMAT_LAYOUT`; DP may change): another one fails on a missing
       ``mp_rank_*`` file or a ``size mismatch`` after the model is built.
     - Optimizer state saved with expert groups (:func:`_expert_groups`: EP > 1, or expert TP
-      other than TP) into a run without them (EP = 1): megatron-core's
+      other than TP) into a run without them (EP = 1), or the other way: megatron-core's
       ``_filter_and_reorder_param_groups`` raises ``ValueError: Could not find parameter
-      group`` after the model is built. The other way (EP = 1 -> EP = 2) loads. Not with
-      ``--no-load-optim`` or ``--finetune`` (the weights are resharded alone).
+      group`` (EP 2 -> 1), the plain optimizer's load "Expected 2 entries in state dict, but
+      got 4" (EP 1 -> 2, ``tests/distributed/test_megatron_lm_layouts.py``), after the model
+      is built. EP 2 -> 4 is not refused (both keep the groups; not run: it needs 4
+      processes). Not with ``--no-load-optim`` or ``--finetune``
+      (the weights are resharded alone).
     """
     problems = []
     if ckpt_format == "torch":
@@ -569,13 +575,16 @@ def layout_problems(args, saved, ckpt_format: str) -> list[str]:
                 "resume in that layout (a torch_dist checkpoint reshards onto another)"
             )
     no_optim = getattr(args, "no_load_optim", False) or getattr(args, "finetune", False)
-    if _expert_groups(saved) and not _expert_groups(args) and not no_optim:
+    if _expert_groups(saved) != _expert_groups(args) and not no_optim:
+        was = getattr(saved, "expert_model_parallel_size", 1)
+        now = getattr(args, "expert_model_parallel_size", 1)
+        kept, other = ("keeps", "without") if _expert_groups(saved) else ("does not keep", "with")
         problems.append(
-            f"the checkpoint in --load {args.load} keeps its experts' optimizer state in "
-            f"groups of their own (saved at --expert-model-parallel-size "
-            f"{getattr(saved, 'expert_model_parallel_size', 1)}), which megatron-core 0.19 "
-            "cannot load into a run without expert parallelism: add --no-load-optim to "
-            "resume the weights with a fresh optimizer, or resume with expert parallelism"
+            f"the checkpoint in --load {args.load} (--expert-model-parallel-size {was}; this "
+            f"run: {now}) {kept} its experts' optimizer state in groups of their own, and "
+            f"megatron-core 0.19 cannot load it into a run {other} them: add --no-load-optim "
+            "to resume the weights with a fresh optimizer, or resume with the checkpoint's "
+            "expert layout"
         )
     return problems
 
