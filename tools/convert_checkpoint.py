@@ -93,6 +93,13 @@ def main(argv=None) -> int:
                 f"exported {done['checkpoint']} as {done['architecture']} "
                 f"({done['tensors']} tensors, {done['dtype']}) to {done['out']}"
             )
+            if done["phase1"] is not None:
+                iteration, n1 = done["phase1"]
+                print(
+                    f"note: iteration {iteration} is in TST phase 1 (the switch is at "
+                    f"{n1}): this model was trained on bags only and is no usable next-token "
+                    "model yet; export a checkpoint from the switch on"
+                )
             if done["tokenizer"] is None:
                 print(
                     "note: no tokenizer included (the run's is unknown or missing); "

@@ -95,6 +95,24 @@ def test_settings_without_a_place_are_refused_by_name(namespace, dest, value, fl
         mlm.check_supported(changed)
 
 
+def test_a_layernorm_model_with_megatron_lms_default_biases_is_refused_for_its_norm(namespace):
+    """Megatron-LM's ``validate_args`` sets ``add_qkv_bias`` from its default
+    ``--add-bias-linear``: the refusal names the flags the user's line holds (the norm, then
+    the biases), not ``--add-qkv-bias``."""
+    from tst_megatron.conversion import hf
+
+    changed = argparse.Namespace(**vars(namespace))
+    changed.normalization, changed.add_bias_linear, changed.add_qkv_bias = "LayerNorm", True, True
+    with pytest.raises(ValueError, match="^--normalization LayerNorm"):
+        hf.target_architecture(changed)
+    changed.normalization = "RMSNorm"
+    with pytest.raises(ValueError, match="no --disable-bias-linear"):
+        hf.target_architecture(changed)
+    changed.add_bias_linear = False  # --add-qkv-bias given on its own: named
+    with pytest.raises(ValueError, match="^--add-qkv-bias"):
+        hf.target_architecture(changed)
+
+
 def test_moe_layer_patterns():
     assert mlm._layer_freq(3, 6) == 3
     assert mlm._layer_freq([1, 0, 0, 1, 0, 0], 6) == 3

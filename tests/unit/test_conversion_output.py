@@ -178,3 +178,21 @@ def test_forced_export_replaces_a_previous_export_atomically(tmp_path):
             force=True,
             kind="export",
         )
+
+
+def test_a_checkpoint_before_the_switch_is_named_as_a_phase_1_model():
+    """The export's note (``tools/convert_checkpoint.py`` prints it): a checkpoint of a TST
+    run before N1 holds a model trained on bags only."""
+    from tests.unit.test_dry_run import SMALL
+    from tst_megatron.conversion import _phase1_position
+    from tst_megatron.training.plan import run_plan
+    from tst_megatron.training.validate import check
+
+    args = check(SMALL, dry_run=True).args
+    n1 = run_plan(args).n1
+    assert n1 > 1
+    assert _phase1_position(args, f"ck/iter_{n1 - 1:07d}") == (n1 - 1, n1)
+    assert _phase1_position(args, f"ck/iter_{n1:07d}/") is None  # the switch: phase 2's model
+    assert _phase1_position(args, "ck/release") is None
+    args.tst_bag_size = None  # not a TST run
+    assert _phase1_position(args, "ck/iter_0000001") is None

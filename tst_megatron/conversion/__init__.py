@@ -66,8 +66,9 @@ def export_checkpoint(
         force: replace an existing ``out``.
 
     Returns:
-        ``{"architecture", "checkpoint", "out", "tensors", "dtype", "tokenizer"}`` (the
-        SentencePiece model included, or None).
+        ``{"architecture", "checkpoint", "out", "tensors", "dtype", "tokenizer", "phase1"}``
+        (the SentencePiece model included, or None; ``(iteration, N1)`` for a checkpoint
+        before a TST run's switch, else None).
 
     Raises:
         FileExistsError: ``out`` is a previous export and ``force`` is False.
@@ -83,7 +84,9 @@ def export_checkpoint(
         raise ValueError(f"--dtype must be auto, float32, bfloat16 or float16, got {dtype!r}")
     hf.require_transformers()
     path = resolve_checkpoint(load, ckpt_step)
-    hf.target_architecture(mlm.gpt_equivalent(read_args(path)))  # before the weights are read
+    saved = read_args(path)
+    hf.target_architecture(mlm.gpt_equivalent(saved))  # before the weights are read
+    phase1 = _phase1_position(saved, path)
     args, state = read_checkpoint(path)
     arch = hf.target_architecture(args)
     if dtype == "auto":
@@ -112,7 +115,23 @@ def export_checkpoint(
         "tensors": len(weights),
         "dtype": dtype,
         "tokenizer": tokenizer_model,
+        "phase1": phase1,
     }
+
+
+def _phase1_position(saved, path: str) -> Optional[tuple[int, int]]:
+    """``(iteration, N1)`` when the checkpoint ``path`` of a TST run (its saved ``args``) is
+    before the switch, else None. Such a model was trained on bags only: the paper's phase-1
+    -only models scored 4.6-6.6 next-token loss where the baseline scored 3.2 (270M)."""
+    import re
+
+    from tst_megatron.training.plan import run_plan
+
+    found = re.fullmatch(r"iter_(\d+)", os.path.basename(os.path.normpath(path)))
+    if found is None or getattr(saved, "tst_bag_size", None) is None:
+        return None
+    n1 = run_plan(saved).n1
+    return (int(found.group(1)), n1) if int(found.group(1)) < n1 else None
 
 
 def import_checkpoint(

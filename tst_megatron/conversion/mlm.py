@@ -248,6 +248,8 @@ def check_supported(ns) -> None:
     """
     check_hybrid(ns)
     for dest, default, flag in UNSUPPORTED:
+        if dest == "add_qkv_bias" and getattr(ns, "add_bias_linear", False):
+            continue  # set by validate_args from --add-bias-linear, whose own rule names it
         value = getattr(ns, dest, default)
         if value != default and not (default is False and value is None):
             raise ValueError(

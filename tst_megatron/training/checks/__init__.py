@@ -81,7 +81,8 @@ def argv_problems(argv: Sequence[str], kind: str = "gpt") -> list[str]:
     ``--yaml-cfg`` (its YAML config replaces the whole parsed namespace, ``--tst-*`` included),
     the flags on which ``validate_args`` exits with status 0 (:func:`.deprecated.stop_problems`)
     and, for the GPT launcher (``kind="gpt"``), ``pretrain_hybrid.py``'s flags
-    (:func:`.model.hybrid_flag_problems`)."""
+    (:func:`.model.hybrid_flag_problems`); for the hybrid launcher a pattern with no layer or
+    none at all (:func:`.model.hybrid_pattern_argv_problems`)."""
     problems = []
     flags = [word.split("=", 1)[0] for word in argv if word.startswith("--")]
     if "--yaml-cfg" in flags:
@@ -90,7 +91,9 @@ def argv_problems(argv: Sequence[str], kind: str = "gpt") -> list[str]:
             "config replaces the whole command line, --tst-* flags included; pass the flags"
         )
     problems += deprecated.stop_problems(flags)
-    return problems + (model.hybrid_flag_problems(flags) if kind == "gpt" else [])
+    if kind == "hybrid":
+        return problems + model.hybrid_pattern_argv_problems(argv)
+    return problems + model.hybrid_flag_problems(flags)
 
 
 def launch_problems(launch: Launch) -> list[str]:

@@ -63,6 +63,10 @@ TRANSLATED = {
     "--moe-deepep-num-sms": "--moe-flex-dispatcher-num-sms",
     "--moe-hybridep-num-sms": "--moe-flex-dispatcher-num-sms",
     "--optimizer dist_muon": "--optimizer muon --use-distributed-optimizer",
+    # pretrain_hybrid.py's (the GPT launcher refuses every hybrid flag before this)
+    "--hybrid-override-pattern": "--hybrid-layer-pattern",
+    "--mtp-hybrid-override-pattern": "the MTP part of --hybrid-layer-pattern (main/mtp/mtp..., "
+    "one '/' part per --mtp-num-layers; without --mtp-num-layers it is ignored)",
 }
 
 #: The most steps :func:`rampup_schedule` spells out in an error line.

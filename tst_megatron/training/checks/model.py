@@ -38,6 +38,39 @@ def hybrid_flag_problems(flags: Sequence[str]) -> list[str]:
     ]
 
 
+_NO_PATTERN = (
+    "a HybridModel needs --hybrid-layer-pattern, one symbol per layer (e.g. '*E*E': attention "
+    "and MoE layers; it also sets the layer count: --num-layers is not needed), or launch "
+    f"{LAUNCHERS['gpt']} for a GPTModel"
+)
+
+
+def hybrid_pattern_argv_problems(argv: Sequence[str]) -> list[str]:
+    """The hybrid launcher's line with no layer pattern, or one with no layer before its MTP
+    part (``""``, ``"/"``, ``"|"``): megatron-core 0.19.2 answers the first by asking for
+    ``--num-layers`` (which a pattern replaces) and the second with a ``ZeroDivisionError``
+    in ``TransformerConfig``. Read from the command line as given (the last value counts);
+    with ``--use-checkpoint-args`` a missing pattern is :func:`hybrid_pattern_problems`'s."""
+    from megatron.core.models.hybrid.hybrid_layer_allocation import Symbols
+
+    pattern, flag = None, None
+    for i, word in enumerate(argv):
+        name, eq, value = word.partition("=")
+        if name in ("--hybrid-layer-pattern", "--hybrid-override-pattern"):
+            flag = name
+            pattern = value if eq else (argv[i + 1] if i + 1 < len(argv) else "")
+    if pattern is None:  # --use-checkpoint-args may bring one: hybrid_pattern_problems
+        return [] if "--use-checkpoint-args" in argv else [_NO_PATTERN]
+    main = pattern.split(Symbols.MTP_SEPARATOR)[0].replace(Symbols.PIPE, "")
+    if not main.strip():
+        return [
+            f"{flag} {pattern!r} holds no layer before its MTP part: give one symbol per "
+            "layer (* attention, - MLP, E MoE, M Mamba-2, G gated delta net; '|' splits "
+            "pipeline stages, '/' starts the MTP part)"
+        ]
+    return []
+
+
 #: ``pretrain_gpt.py`` flags a ``HybridModel`` does not read (megatron-core 0.19.2), with what
 #: to give instead; refused by the hybrid launcher when set.
 GPT_ONLY = {
@@ -78,10 +111,7 @@ def hybrid_pattern_problems(args, device: str) -> list[str]:
 
     pattern = args.hybrid_layer_pattern
     if not pattern:
-        return [
-            "give --hybrid-layer-pattern (e.g. '*E*E': attention and MoE layers; "
-            f"pretrain_hybrid.py's), or launch {LAUNCHERS['gpt']} for a GPTModel"
-        ]
+        return [_NO_PATTERN]
     parsed = parse_hybrid_pattern(pattern)
     layers = (parsed.main_pattern or "") + (parsed.mtp_pattern or "")
     found = []
