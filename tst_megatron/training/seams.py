@@ -51,10 +51,10 @@ class TSTLossSeam:
                 "parallel_output=False)"
             )
         if labels.dim() == 2:
-            cross_entropy = super().compute_language_model_loss
-            if not (torch.is_grad_enabled() and logits.requires_grad):  # no backward
-                return cross_entropy(labels, logits)
-            return _ScoredRowsOnly.apply(logits, labels, cross_entropy)
+            per_token = super().compute_language_model_loss(labels, logits)
+            if torch.is_grad_enabled() and logits.requires_grad:
+                zero_unscored_rows(logits, per_token)
+            return per_token
         if labels.dim() != 3:
             raise ValueError(f"labels must be [b, T] or [b, T, S], got {tuple(labels.shape)}")
         targets = labels.transpose(0, 1).contiguous()  # [b, T, S] -> [T, b, S] (small)
@@ -67,32 +67,30 @@ class TSTLossSeam:
 # --- phase 2: no gradient from unscored positions ---------------------------------------
 
 
-class _ScoredRowsOnly(torch.autograd.Function):
-    """``cross_entropy(labels, logits)`` on ``[T, b, V/tp]`` logits, ``[b, T]`` fp32, whose
-    backward zeroes the logits' gradient (in place) where the upstream gradient is zero.
+def zero_unscored_rows(logits: torch.Tensor, per_token: torch.Tensor) -> None:
+    """Make the gradient of ``[T, b, V/tp]`` ``logits`` exactly zero at the positions whose
+    ``[b, T]`` per-token CE ``per_token`` (computed from them) gets a zero upstream gradient:
+    two tensor hooks on the graph, nothing kept from the forward (the logits are freed after
+    it, as in a stock megatron-core run; an autograd function holding them until backward
+    cost one logits-sized tensor, ``tests/unit/test_loss_memory.py``).
 
     Workaround: megatron-core's CE backward (``tensor_parallel/cross_entropy.py``,
     ``fusions/fused_cross_entropy.py``) is ``(softmax - onehot) * g``, so a masked position
     with inf/nan logits gives ``nan * 0 = nan``.
     """
+    unscored = {}
 
-    @staticmethod
-    def forward(ctx, logits, labels, cross_entropy):
-        with torch.enable_grad():
-            inner = logits.detach().requires_grad_()  # same storage: no copy
-            per_token = cross_entropy(labels, inner)  # [b, T]
-        ctx.inner, ctx.per_token = inner, per_token
-        return per_token.detach()
+    def keep(grad):  # [b, T], before the CE's backward runs
+        unscored["rows"] = (grad == 0).transpose(0, 1).unsqueeze(-1)  # [T, b, 1]
 
-    @staticmethod
-    def backward(ctx, grad):
-        inner, per_token = ctx.inner, ctx.per_token
-        del ctx.inner, ctx.per_token
-        (grad_logits,) = torch.autograd.grad(per_token, inner, grad)  # [T, b, V/tp]
-        unscored = (grad == 0).transpose(0, 1).unsqueeze(-1)  # [b, T] -> [T, b, 1]
-        if grad_logits.is_contiguous():  # the cross-entropy's own buffer
-            return grad_logits.masked_fill_(unscored, 0.0), None, None
-        return grad_logits.masked_fill(unscored, 0.0), None, None
+    def zero(grad):  # [T, b, V/tp], the CE's gradient of the logits
+        rows = unscored.pop("rows", None)
+        # in place: the CE's own fresh buffer, which only the output layer's backward reads
+        # (a copy would hold a second logits-sized gradient at fp32)
+        return grad if rows is None else grad.masked_fill_(rows, 0.0)
+
+    per_token.register_hook(keep)
+    logits.register_hook(zero)
 
 
 # --- phase 1 skips multi-token prediction ----------------------------------------------
