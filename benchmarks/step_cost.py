@@ -47,10 +47,28 @@ from measure import CollectiveBytes, PeakTensorMemory, write, write_index  # noq
 from tst_megatron.runtime.cpu_settings import CPU_FLAGS  # noqa: E402
 
 SMOKE_SIZE = "--num-layers 2 --hidden-size 64 --seq-length 32 --num-experts 4 "
-SMOKE_SIZE += "--moe-ffn-hidden-size 64 --vocab-size 512"
+SMOKE_SIZE += "--moe-ffn-hidden-size 64 --vocab-size 512 --num-attention-heads 4"
 FULL_SIZE = "--num-layers 4 --hidden-size 256 --seq-length 256 --num-experts 8 "
-FULL_SIZE += "--moe-ffn-hidden-size 256 --vocab-size 8192"
+FULL_SIZE += "--moe-ffn-hidden-size 256 --vocab-size 8192 --num-attention-heads 4"
+#: The first real-size GPU run's shapes (an H200, issue 52): seq 4096, a vocabulary of
+#: 131,072 (a smaller tokenizer's is padded to it), 8 layers, hidden 2048, 16 heads in 4
+#: query groups; dense (ffn 5632) or MoE (16 experts, top 2, moe-ffn 2048, alltoall).
+REAL_DENSE = "--num-layers 8 --hidden-size 2048 --num-attention-heads 16 "
+REAL_DENSE += "--group-query-attention --num-query-groups 4 --ffn-hidden-size 5632 "
+REAL_DENSE += "--seq-length 4096 --vocab-size 131072"
+REAL_MOE = REAL_DENSE + " --num-experts 16 --moe-router-topk 2 --moe-ffn-hidden-size 2048"
+#: ``--size`` -> (model flags, micro-batch, global batch)
+SIZES = {
+    "smoke": (SMOKE_SIZE, 4, 4),
+    "full": (FULL_SIZE, 4, 4),
+    "real-dense": (REAL_DENSE, 2, 8),
+    "real-moe": (REAL_MOE, 2, 8),
+}
 MICRO_BATCH = 4
+#: A tokenizer that travels with the tree (SentencePiece BPE, 32,000 pieces, trained on
+#: Python's standard library: ``tools/train_tokenizer.py --vocab-size 32000``), for real-text
+#: runs on a machine without network (the GPU check, the GPU study).
+CARRIED_TOKENIZER = os.path.join(HERE, "data", "code32k.model")
 
 #: Flags of a CUDA run without Transformer Engine or Apex (the lent GPU machine has neither):
 #: megatron-core's local spec, and the fusions that need their kernels (or a torch.compile
@@ -130,19 +148,33 @@ def embedding_tp_traffic(bag: int, sp: bool) -> dict:
         return torch.load(out)
 
 
-def run_flags(bag: int, *, smoke: bool, device: str, per_arm: int) -> list[str]:
+def run_flags(
+    bag: int, *, size: str, device: str, per_arm: int, data: str | None = None
+) -> list[str]:
     """Launcher flags of one run: ``bag`` = 1 is the baseline (``per_arm`` iterations), else a
-    TST run of ``2 * per_arm`` iterations switching after ``per_arm``."""
-    size = (SMOKE_SIZE if smoke else FULL_SIZE).split()
+    TST run of ``2 * per_arm`` iterations switching after ``per_arm``. ``size``: a key of
+    :data:`SIZES`. ``data``: a Megatron dataset prefix tokenized with
+    :data:`CARRIED_TOKENIZER` (real text; its vocabulary padded to the size's), else mock
+    data."""
+    model, micro, global_batch = SIZES[size]
+    model = model.split()
     iters = per_arm if bag == 1 else 2 * per_arm
-    flags = size + [
-        "--max-position-embeddings", size[size.index("--seq-length") + 1],
-        "--mock-data", "--tokenizer-type", "NullTokenizer",
-        "--num-attention-heads", "4", "--swiglu", "--disable-bias-linear",
+    if data is not None:  # the size's vocabulary by padding the tokenizer's
+        at = model.index("--vocab-size")
+        vocab = model[at + 1]
+        model = model[:at] + model[at + 2 :]
+        text = ["--data-path", data, "--split", "100,0,0"]
+        text += ["--tokenizer-type", "SentencePieceTokenizer"]
+        text += ["--tokenizer-model", CARRIED_TOKENIZER, "--make-vocab-size-divisible-by", vocab]
+    else:
+        text = ["--mock-data", "--tokenizer-type", "NullTokenizer"]
+    flags = model + text + [
+        "--max-position-embeddings", model[model.index("--seq-length") + 1],
+        "--swiglu", "--disable-bias-linear",
         "--untie-embeddings-and-output-weights", "--hidden-dropout", "0",
         "--attention-dropout", "0", "--position-embedding-type", "rope",
         "--normalization", "RMSNorm", "--moe-token-dispatcher-type", "alltoall",
-        "--micro-batch-size", str(MICRO_BATCH), "--global-batch-size", str(MICRO_BATCH),
+        "--micro-batch-size", str(micro), "--global-batch-size", str(global_batch),
         "--train-iters", str(iters), "--lr", "3e-4", "--lr-decay-style", "constant",
         "--adam-beta2", "0.95", "--eval-iters", "0", "--eval-interval", str(10**6),
         "--log-interval", str(10**6),
@@ -153,6 +185,7 @@ def run_flags(bag: int, *, smoke: bool, device: str, per_arm: int) -> list[str]:
         flags += ["--tst-phase1-iters", str(per_arm)]
     if device == "cuda":
         flags += ["--bf16", *LOCAL_CUDA_FLAGS]
+        flags += ["--use-distributed-optimizer"] if size.startswith("real") else []
     return flags
 
 
@@ -166,19 +199,24 @@ def _timed_forward_step_class():
         clock, after a CUDA synchronisation). ``memory_at`` holds 0-based iterations whose
         peak memory is measured instead (CUDA's peak allocation, or the live tensor bytes of
         :class:`PeakTensorMemory` on a CPU). Results: ``times`` / ``peaks``,
-        ``{iteration: seconds or bytes}``."""
+        ``{iteration: seconds or bytes}``; ``flops``: Megatron-LM's floating-point operations
+        of one iteration (``num_floating_point_operations``, as its ``--log-throughput``)."""
 
         memory_at: set = set()
 
         def __init__(self, plan):
             super().__init__(plan)
-            self.times, self.peaks = {}, {}
+            self.times, self.peaks, self.flops = {}, {}, None
             self._open, self._start, self._mode = None, 0.0, None
 
         def __call__(self, data_iterator, model):
             from megatron.training import get_args
+            from megatron.training.training import num_floating_point_operations
 
-            iteration = get_args().curr_iteration
+            args = get_args()
+            if self.flops is None:  # Megatron-LM's count for its TFLOP/s log (equal per phase)
+                self.flops = num_floating_point_operations(args, args.global_batch_size)
+            iteration = args.curr_iteration
             if model.training and iteration != self._open:
                 self._next(iteration)
             return super().__call__(data_iterator, model)
@@ -209,9 +247,10 @@ def _timed_forward_step_class():
     return TimedForwardStep
 
 
-def run_launcher(argv: list[str], memory_at: set) -> tuple[dict, dict]:
+def run_launcher(argv: list[str], memory_at: set) -> tuple[dict, dict, float]:
     """Run the launcher's ``main(argv)`` in this process with :class:`TimedForwardStep`;
-    return its ``(times, peaks)``. Megatron-LM's global state is torn down after."""
+    return its ``(times, peaks, flops per iteration)``. Megatron-LM's global state is torn
+    down after."""
     from unittest import mock
 
     from megatron.training.training import destroy_global_state
@@ -230,16 +269,24 @@ def run_launcher(argv: list[str], memory_at: set) -> tuple[dict, dict]:
     with mock.patch.object(forward, "TSTForwardStep", make):  # cli.main imports it at call
         launch(argv)
     destroy_global_state()
-    return steps[0].times, steps[0].peaks
+    return steps[0].times, steps[0].peaks, steps[0].flops
 
 
 def measure_bag_size(
-    bag: int, *, smoke: bool, device: str, rounds: int, threads: int, repeats: int
+    bag: int,
+    *,
+    size: str,
+    device: str,
+    rounds: int,
+    threads: int,
+    repeats: int,
+    data: str | None = None,
 ) -> dict:
     """Run the TST and baseline runs for one ``S`` in this process; return per arm (``"1"``:
     phase 1, ``"2"``: phase 2, ``"base"``: baseline) the median and fastest iteration time
-    (s), the CPU time per iteration (s), the peak memory (bytes), the raw tokens per
-    iteration and the number of timed iterations."""
+    (s), the peak memory (bytes), the raw tokens per iteration, Megatron-LM's floating-point
+    operations per iteration and the number of timed iterations. ``repeats`` runs of each,
+    in alternating order (TST first, then baseline, baseline, TST, ...)."""
     torch.set_num_threads(threads)
     for key, value in dict(
         MASTER_ADDR="127.0.0.1", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0"
@@ -257,26 +304,46 @@ def measure_bag_size(
     memory = {"1": 1, "2": per_arm + 1, "base": 1}
     arms = {arm: {"time": [], "peak": 0} for arm in timed}
     order = [run for r in range(repeats) for run in ((bag, 1) if r % 2 == 0 else (1, bag))]
-    size = (SMOKE_SIZE if smoke else FULL_SIZE).split()
-    seq = int(size[size.index("--seq-length") + 1])
+    model, _, global_batch = SIZES[size]
+    model = model.split()
+    seq = int(model[model.index("--seq-length") + 1])
+    flops = None
     for run in order:
-        argv = run_flags(run, smoke=smoke, device=device, per_arm=per_arm)
+        argv = run_flags(run, size=size, device=device, per_arm=per_arm, data=data)
         names = ("1", "2") if run > 1 else ("base",)
-        times, peaks = run_launcher(argv, {memory[n] for n in names})
+        times, peaks, flops = run_launcher(argv, {memory[n] for n in names})
         for name in names:
             arms[name]["time"] += [times[i] for i in timed[name]]
             arms[name]["peak"] = max(arms[name]["peak"], peaks[memory[name]])
-    tokens = {"1": MICRO_BATCH * bag * seq, "2": MICRO_BATCH * seq, "base": MICRO_BATCH * seq}
+    tokens = {"1": global_batch * bag * seq, "2": global_batch * seq, "base": global_batch * seq}
     return {
         name: {
             "time": statistics.median(a["time"]),
             "time_min": min(a["time"]),
             "peak": a["peak"],
             "tokens": tokens[name],
+            "flops": flops,
             "n": len(a["time"]),
         }
         for name, a in arms.items()
     }
+
+
+def matmul_tflops(n: int = 8192, repeats: int = 20) -> float:
+    """This GPU's bf16 matmul rate (TFLOP/s) on ``n x n x n``, median of ``repeats`` (CUDA)."""
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        a @ b
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1000)
+    return 2 * n**3 / statistics.median(times) / 1e12
 
 
 def _measure_in_child(bag: int, args) -> dict:
@@ -296,7 +363,7 @@ def _measure_in_child(bag: int, args) -> dict:
         ]
         cmd += ["--device", args.device, "--rounds", str(args.rounds)]
         cmd += ["--threads", str(args.threads), "--repeats", str(args.repeats)]
-        cmd += ["--smoke"] if args.smoke else []
+        cmd += ["--size", args.size] + (["--data-path", args.data_path] if args.data_path else [])
         env = dict(
             os.environ,
             PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])),
@@ -310,46 +377,80 @@ def _measure_in_child(bag: int, args) -> dict:
             return json.load(f)
 
 
-def report(results: dict, args) -> str:
+def report(results: dict, args, matmul: float | None = None) -> str:
+    """The Markdown report of :func:`measure_bag_size`'s ``results`` (``{S: arms}``);
+    ``matmul``: the machine's bf16 matmul TFLOP/s measured in the same run (CUDA), which
+    each arm's TFLOP/s is given as a fraction of."""
     device = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
-    size = SMOKE_SIZE if args.smoke else FULL_SIZE
+    model, micro, global_batch = SIZES[args.size]
     rounds = next(iter(results.values()))["1"]["n"]
     extra = (
         " --bf16 and the flags of LOCAL_CUDA_FLAGS (local spec)" if args.device == "cuda" else ""
+    )
+    extra += (
+        ", the distributed optimizer"
+        if args.device == "cuda" and args.size.startswith("real")
+        else ""
+    )
+    data = (
+        f"real text ({args.data_path}, tokenized with benchmarks/data/code32k.model, its "
+        "vocabulary padded to the size's)"
+        if args.data_path
+        else "mock data"
+    )
+    rate = (
+        f"; bf16 matmul (8192^3) on this GPU in the same run: {matmul:.0f} TFLOP/s"
+        if matmul
+        else ""
     )
     lines = [
         "# TST step cost: phase-1 iteration vs phase-2 and baseline iterations",
         "",
         f"Machine: {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
-        f"{device}, 1 process, {args.threads} thread(s). Model: {size}{extra}; micro-batch "
-        f"{MICRO_BATCH} = global batch; mock data. Each S: a TST run through the launcher "
+        f"{device}, 1 process, {args.threads} thread(s){rate}. Model (`--size {args.size}`): "
+        f"{model}{extra}; micro-batch {micro}, global batch {global_batch}; {data}. Each S: "
+        "a TST run through the launcher "
         "(`examples/pretrain_gpt_tst.py`: Megatron-LM's `pretrain()`), phase 1 then "
         "phase 2, and a baseline run (`--tst-bag-size 1`)"
         + (f", {args.repeats} times in alternating order" if args.repeats > 1 else "")
         + f"; median of {rounds} iterations per arm (Megatron-LM's whole iteration: reading "
         "the batch, forward, backward, optimizer step); peak memory from one iteration each "
-        "(" + ("CUDA peak allocation" if args.device == "cuda" else "live tensor bytes") + "). "
+        "(" + ("CUDA peak allocation" if args.device == "cuda" else "live tensor bytes") + "); "
+        "TFLOP/s: Megatron-LM's count (`num_floating_point_operations`, as its "
+        "`--log-throughput`) over the median time. "
         "When other jobs share the machine, the ratio of the fastest iterations is steadier "
         "than the medians.",
         "",
         "| S | iteration, phase 1 (ms) | phase 2 (ms) | baseline (ms) | "
-        "time ratio phase 1 / baseline (<= 1.03) | phase 2 / baseline | "
+        "time phase 1 / baseline (<= 1.02) | phase 1 / phase 2 | phase 2 / baseline | "
         "peak memory, phase 1 (MiB) | phase 2 (MiB) | baseline (MiB) | "
-        "memory ratio phase 1 / baseline (<= 1.03) | raw tokens/s, phase 1 | baseline | "
+        "memory phase 1 / baseline (<= 1.00) | phase 1 / phase 2 | "
+        "TFLOP/s, phase 1 | phase 2 | baseline | "
+        + ("baseline TFLOP/s / matmul rate | " if matmul else "")
+        + "raw tokens/s, phase 1 | baseline | "
         "tokens/s / (S x baseline) (>= 0.97) | time ratio of the fastest iterations |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+        + ("---|" if matmul else "")
+        + "---|---|---|---|",
     ]
     for bag, arms in results.items():
         p1, p2, base = arms["1"], arms["2"], arms["base"]
         tps1, tps_base = p1["tokens"] / p1["time"], base["tokens"] / base["time"]
+        tflops = {k: a["flops"] / a["time"] / 1e12 for k, a in arms.items()}
         lines.append(
             f"| {bag} | {1000 * p1['time']:.1f} | {1000 * p2['time']:.1f} | "
             f"{1000 * base['time']:.1f} | {p1['time'] / base['time']:.3f} | "
+            f"{p1['time'] / p2['time']:.3f} | "
             f"{p2['time'] / base['time']:.3f} | {p1['peak'] / 2**20:.1f} | "
             f"{p2['peak'] / 2**20:.1f} | {base['peak'] / 2**20:.1f} | "
-            f"{p1['peak'] / base['peak']:.3f} | {tps1:.0f} | {tps_base:.0f} | "
+            f"{p1['peak'] / base['peak']:.3f} | {p1['peak'] / p2['peak']:.3f} | "
+            f"{tflops['1']:.3g} | {tflops['2']:.3g} | {tflops['base']:.3g} | "
+            + (f"{tflops['base'] / matmul:.3f} | " if matmul else "")
+            + f"{tps1:.0f} | {tps_base:.0f} | "
             f"{tps1 / (int(bag) * tps_base):.3f} | {p1['time_min'] / base['time_min']:.3f} |"
         )
+    if args.size.startswith("real"):  # the TP-traffic table is the small model's
+        return "\n".join(lines) + "\n"
     lines += [
         "",
         "## Embedding traffic across TP (TP = 2, b = 4, T = 128, h = 256, fwd + bwd)",
@@ -371,6 +472,19 @@ def report(results: dict, args) -> str:
 def main():
     p = argparse.ArgumentParser(description="TST phase-1 iteration cost vs baseline iteration")
     p.add_argument("--smoke", action="store_true", help="tiny model, 2 rounds, S = 4 only")
+    p.add_argument(
+        "--size",
+        default=None,
+        choices=sorted(SIZES),
+        help="the model (default full; smoke with --smoke); real-dense / real-moe: the first "
+        "real-size GPU run's shapes (seq 4096, vocabulary 131,072; a GPU's worth of memory)",
+    )
+    p.add_argument(
+        "--data-path",
+        default=None,
+        help="a Megatron dataset prefix tokenized with benchmarks/data/code32k.model (real "
+        "text; default: mock data)",
+    )
     p.add_argument("--bag-sizes", default="4,8", help="comma-separated S values")
     p.add_argument(
         "--device",
@@ -400,27 +514,38 @@ def main():
         help="also write the Markdown report here "
         "(e.g. docs/results/step_cost.md; docs/results.md is then re-indexed)",
     )
+    p.add_argument(
+        "--json",
+        default=None,
+        help="also write the measurements as JSON ({'matmul_tflops', 'results': {S: {arm: "
+        "{time, time_min, peak, tokens, flops, n}}}}; arms '1', '2', 'base')",
+    )
     p.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--child-output", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     args.rounds = args.rounds or (2 if args.smoke else 12)
     args.repeats = args.repeats or (1 if args.smoke else 2)
+    args.size = args.size or ("smoke" if args.smoke else "full")
     if args.child is not None:
         result = measure_bag_size(
             args.child,
-            smoke=args.smoke,
+            size=args.size,
             device=args.device,
             rounds=args.rounds,
             threads=args.threads,
             repeats=args.repeats,
+            data=args.data_path,
         )
         with open(args.child_output, "w") as f:
             json.dump(result, f)
         return
     bags = [4] if args.smoke else [int(s) for s in args.bag_sizes.split(",")]
+    matmul = matmul_tflops() if args.device == "cuda" else None
     results = {str(bag): _measure_in_child(bag, args) for bag in bags}
-    text = report(results, args)
+    text = report(results, args, matmul)
     print(text)
+    if args.json:
+        write(args.json, json.dumps({"matmul_tflops": matmul, "results": results}))
     if args.output:
         write(args.output, text)
         write_index(os.path.dirname(os.path.abspath(args.output)))

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# The GPU path in one command (< 8 min on one H100/H200): Transformer Engine spec + bf16 and
-# FP8 (delayed and current scaling) through the TST switch against the local spec, distributed
-# optimizer + alltoall + grouped GEMM, the MCE against megatron-core's fused CE, the step-cost
-# benchmark on CUDA, and an FP8 save/resume. Writes docs/results/gpu_check.md (a Markdown
+# The GPU path in one command (about 13 min on one H100/H200; --real-size-only: the real-size
+# step rows alone, about 5 min; --no-real-size: the rest, < 8 min): Transformer Engine spec +
+# bf16 and FP8 (delayed and current scaling) through the TST switch against the local spec,
+# distributed optimizer + alltoall + grouped GEMM, the MCE against megatron-core's fused CE,
+# phase 1 vs the baseline at a real size (seq 4096, vocabulary 131,072) on real text, and
+# FP8 and distributed-optimizer save/resume. Writes docs/results/gpu_check.md (a Markdown
 # table; training logs in runs/gpu_check.log) and exits 1 if a check fails.
 #
 # PYTHON: the interpreter with torch (CUDA), megatron-core and Transformer Engine (default:

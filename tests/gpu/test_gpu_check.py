@@ -287,3 +287,39 @@ def test_the_local_run_trains_through_the_switch_on_a_cpu(tmp_path):
     argv = [a for a in module.argv_of(name) if a != "--bf16"] + shrink
     hybrid = module._train(argv, str(tmp_path / "log"), module.launcher_of(name))["train"]
     assert hybrid == losses, open(tmp_path / "log").read()[-3000:]
+
+
+@pytest.mark.slow
+def test_the_real_size_rows_run_on_a_cpu_at_a_tiny_size(tmp_path):
+    """The real-size rows' code on a CPU (``--device cpu --size smoke``): real text built from
+    this machine's installed packages with the carried tokenizer, step_cost.py's JSON read back
+    into a row and a section. On the GPU the same code runs the real shapes."""
+    module = _load()
+    rows, sections = [], []
+    log = str(tmp_path / "log")
+    extra = ("--bag-sizes", "4", "--repeats", "1", "--rounds", "2")
+    module.check_real_size(
+        rows, sections, log, device="cpu", sizes=("smoke",), extra=extra, text_bytes=400_000
+    )
+    assert len(rows) == 1 and len(sections) == 1, open(log).read()[-3000:]
+    what, summary, verdict = rows[0]
+    assert "--size smoke" in what and verdict in ("pass", "FAIL"), rows
+    for part in ("time phase 1 / baseline", "memory phase 1 / baseline", "TFLOP/s phase 1"):
+        assert part in summary, summary
+    assert "real text" in sections[0] and "code32k.model" in sections[0]
+    assert "| 4 |" in sections[0]
+
+
+def test_the_real_size_summary_holds_the_goals():
+    module = _load()
+    arm = {"time": 1.0, "time_min": 1.0, "peak": 100, "tokens": 1, "flops": 2e12, "n": 4}
+    measurement = {
+        "matmul_tflops": 800.0,
+        "results": {"4": {"1": dict(arm, time=1.01), "2": arm, "base": arm}},
+    }
+    text, ok = module.real_size_summary(measurement)
+    assert ok and "time phase 1 / baseline 1.010" in text and "0.003 of 800" in text
+    measurement["results"]["4"]["1"]["peak"] = 105  # one logits-sized tensor more: fails
+    assert not module.real_size_summary(measurement)[1]
+    measurement["results"]["4"]["1"].update(peak=100, time=1.05)
+    assert not module.real_size_summary(measurement)[1]

@@ -52,11 +52,16 @@ def test_step_cost_smoke(tmp_path):
     rows = [line for line in report.splitlines() if line.startswith("| 4 |")]
     assert len(rows) == 3  # the step-cost row and the two TP-traffic rows
     cells = [float(c) for c in rows[0].strip("|").split("|")]
-    assert len(cells) == 14 and all(c > 0 for c in cells)
+    assert len(cells) == 19 and all(c > 0 for c in cells)
     # raw tokens per iteration: S x T x micro-batch in phase 1, T x micro-batch in the baseline
-    p1_ms, base_ms, tps1, tps_base = cells[1], cells[3], cells[10], cells[11]
+    p1_ms, p2_ms, base_ms, tps1, tps_base = cells[1], cells[2], cells[3], cells[15], cells[16]
     assert tps1 == pytest.approx(4 * 32 * 4 / (p1_ms / 1000), rel=0.01)
     assert tps_base == pytest.approx(32 * 4 / (base_ms / 1000), rel=0.01)
+    assert cells[5] == pytest.approx(p1_ms / p2_ms, abs=0.002)  # phase 1 / phase 2
+    # Megatron-LM's count: the same FLOPs per iteration in every arm, so TFLOP/s ~ 1 / time
+    tflops1, tflops2, tflops_base = cells[12], cells[13], cells[14]
+    assert tflops1 * p1_ms == pytest.approx(tflops_base * base_ms, rel=0.02)
+    assert tflops2 * p2_ms == pytest.approx(tflops_base * base_ms, rel=0.02)
     assert "| 4 | TP=2 + SP |" in report
     assert "step_cost" in (tmp_path / "results.md").read_text()
 
