@@ -189,6 +189,17 @@ def run_flags(
     return flags
 
 
+#: torch's caching-allocator counters an iteration's :func:`_allocator_counters` difference
+#: reports: a step that keeps calling cudaMalloc/cudaFree (tensors whose sizes vary, as the
+#: MoE's per-expert batches do, without enough cached slack) stalls on the device.
+ALLOCATOR_COUNTERS = ("num_device_alloc", "num_device_free", "num_alloc_retries")
+
+
+def _allocator_counters() -> list:
+    stats = torch.cuda.memory_stats()
+    return [stats.get(key, 0) for key in ALLOCATOR_COUNTERS]
+
+
 def _timed_forward_step_class():
     """:class:`TimedForwardStep` (defined on first use: the launcher imports Megatron-LM)."""
     from tst_megatron.training.forward import TSTForwardStep
@@ -200,13 +211,16 @@ def _timed_forward_step_class():
         peak memory is measured instead (CUDA's peak allocation, or the live tensor bytes of
         :class:`PeakTensorMemory` on a CPU). Results: ``times`` / ``peaks``,
         ``{iteration: seconds or bytes}``; ``flops``: Megatron-LM's floating-point operations
-        of one iteration (``num_floating_point_operations``, as its ``--log-throughput``)."""
+        of one iteration (``num_floating_point_operations``, as its ``--log-throughput``);
+        ``allocator`` (CUDA): ``{iteration: [cudaMalloc calls, cudaFree calls, allocation
+        retries]}`` of torch's caching allocator in that iteration (:data:`ALLOCATOR_COUNTERS`)."""
 
         memory_at: set = set()
 
         def __init__(self, plan):
             super().__init__(plan)
-            self.times, self.peaks, self.flops = {}, {}, None
+            self.times, self.peaks, self.flops, self.allocator = {}, {}, None, {}
+            self._counted = None
             self._open, self._start, self._mode = None, 0.0, None
 
         def __call__(self, data_iterator, model):
@@ -226,6 +240,10 @@ def _timed_forward_step_class():
             if cuda:
                 torch.cuda.synchronize()
             now = time.perf_counter()
+            counters = _allocator_counters() if cuda else None
+            if self._open is not None and counters is not None and self._counted is not None:
+                self.allocator[self._open] = [a - b for a, b in zip(counters, self._counted)]
+            self._counted = counters
             if self._open is not None:
                 if self._open in self.memory_at:
                     if self._mode is not None:
@@ -247,10 +265,10 @@ def _timed_forward_step_class():
     return TimedForwardStep
 
 
-def run_launcher(argv: list[str], memory_at: set) -> tuple[dict, dict, float]:
+def run_launcher(argv: list[str], memory_at: set) -> tuple[dict, dict, float, dict]:
     """Run the launcher's ``main(argv)`` in this process with :class:`TimedForwardStep`;
-    return its ``(times, peaks, flops per iteration)``. Megatron-LM's global state is torn
-    down after."""
+    return its ``(times, peaks, flops per iteration, allocator counters)``. Megatron-LM's
+    global state is torn down after."""
     from unittest import mock
 
     from megatron.training.training import destroy_global_state
@@ -269,7 +287,8 @@ def run_launcher(argv: list[str], memory_at: set) -> tuple[dict, dict, float]:
     with mock.patch.object(forward, "TSTForwardStep", make):  # cli.main imports it at call
         launch(argv)
     destroy_global_state()
-    return steps[0].times, steps[0].peaks, steps[0].flops
+    step = steps[0]
+    return step.times, step.peaks, step.flops, step.allocator
 
 
 def measure_bag_size(
@@ -302,7 +321,7 @@ def measure_bag_size(
     timed = {"1": range(2, 2 + rounds), "2": range(per_arm + 2, per_arm + 2 + rounds)}
     timed["base"] = timed["1"]
     memory = {"1": 1, "2": per_arm + 1, "base": 1}
-    arms = {arm: {"time": [], "peak": 0} for arm in timed}
+    arms = {arm: {"time": [], "peak": 0, "allocator": []} for arm in timed}
     order = [run for r in range(repeats) for run in ((bag, 1) if r % 2 == 0 else (1, bag))]
     model, _, global_batch = SIZES[size]
     model = model.split()
@@ -311,9 +330,10 @@ def measure_bag_size(
     for run in order:
         argv = run_flags(run, size=size, device=device, per_arm=per_arm, data=data)
         names = ("1", "2") if run > 1 else ("base",)
-        times, peaks, flops = run_launcher(argv, {memory[n] for n in names})
+        times, peaks, flops, allocator = run_launcher(argv, {memory[n] for n in names})
         for name in names:
             arms[name]["time"] += [times[i] for i in timed[name]]
+            arms[name]["allocator"] += [allocator[i] for i in timed[name] if i in allocator]
             arms[name]["peak"] = max(arms[name]["peak"], peaks[memory[name]])
     tokens = {"1": global_batch * bag * seq, "2": global_batch * seq, "base": global_batch * seq}
     return {
@@ -324,6 +344,8 @@ def measure_bag_size(
             "tokens": tokens[name],
             "flops": flops,
             "n": len(a["time"]),
+            # per timed iteration, the mean of each of ALLOCATOR_COUNTERS (CUDA; else empty)
+            "allocator": [sum(c) / len(c) for c in zip(*a["allocator"])],
         }
         for name, a in arms.items()
     }

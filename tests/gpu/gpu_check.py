@@ -631,6 +631,11 @@ def real_size_summary(measurement: dict) -> tuple[str, bool]:
         f"{tflops['1']:.3g}, phase 2 {tflops['2']:.3g}, baseline {tflops['base']:.3g} "
         f"(baseline: {fraction} TFLOP/s of bf16 matmul)"
     )
+    if base.get("allocator"):  # cudaMalloc / cudaFree calls and retries per iteration
+        text += "; allocator per iteration (cudaMalloc, cudaFree, retries): " + ", ".join(
+            f"{name} {'/'.join(f'{v:.1f}' for v in arms[key]['allocator'])}"
+            for key, name in (("1", "phase 1"), ("2", "phase 2"), ("base", "baseline"))
+        )
     return text, memory_ratio <= 1.0 + 5e-4 and time_ratio <= 1.02
 
 

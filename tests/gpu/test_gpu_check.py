@@ -319,6 +319,12 @@ def test_the_real_size_summary_holds_the_goals():
     }
     text, ok = module.real_size_summary(measurement)
     assert ok and "time phase 1 / baseline 1.010" in text and "0.003 of 800" in text
+    for key in ("1", "2", "base"):  # the allocator's counters (CUDA) are reported
+        measurement["results"]["4"][key] = dict(
+            measurement["results"]["4"][key], allocator=[3.0, 2.0, 0.0]
+        )
+    text, ok = module.real_size_summary(measurement)
+    assert ok and "baseline 3.0/2.0/0.0" in text, text
     measurement["results"]["4"]["1"]["peak"] = 105  # one logits-sized tensor more: fails
     assert not module.real_size_summary(measurement)[1]
     measurement["results"]["4"]["1"].update(peak=100, time=1.05)
