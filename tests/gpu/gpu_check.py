@@ -100,6 +100,12 @@ RUNS = {
         "TE bf16",
         "distributed optimizer + alltoall dispatcher + --moe-grouped-gemm, close to TE bf16",
     ),
+    # per-layer CUDA graphs (megatron-core's own): the same shapes in both phases
+    "local cudagraph": (
+        LOCAL + ["--cuda-graph-impl", "local"],
+        "local bf16",
+        "per-layer CUDA graphs (`--cuda-graph-impl local`) through the switch, close to local bf16",
+    ),
     "hybrid local bf16": (
         LOCAL + HYBRID_MOE,
         "local bf16",

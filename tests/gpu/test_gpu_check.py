@@ -178,9 +178,9 @@ def test_without_transformer_engine_its_rows_say_skipped(monkeypatch):
     results = module.check_training(rows, "log")
     module.check_fp8_resume(rows, "log", results)
     local = [n for n in module.RUNS if "TE" not in n.split()]
-    assert local == ["local bf16", "local distopt alltoall", "hybrid local bf16"]
+    assert local == ["local bf16", "local distopt alltoall", "local cudagraph", "hybrid local bf16"]
     assert list(results) == local and trained == [module.argv_of(n) for n in local]
-    assert [r[2] for r in rows if r[1] != module.NO_TE] == ["pass", "pass", "pass"]
+    assert [r[2] for r in rows if r[1] != module.NO_TE] == ["pass"] * 4
     te_rows = [r for r in rows if r[1] == module.NO_TE]
     assert len(te_rows) == len(module.RUNS) - len(local) + 1  # every TE run, the FP8 resume
     assert all(r[2] == "-" for r in te_rows)

@@ -332,6 +332,28 @@ def test_the_parameter_count_is_megatron_lm_s_and_follows_the_flags():
             "--dist-ckpt-optim-fully-reshardable needs CUDA",
         ),
         (["--wandb-project", "p"], "auto", "1", "--wandb-project needs --wandb-exp-name"),
+        # CUDA graphs: none on a CPU (a traceback in the RNG tracker at start-up); a
+        # full-iteration graph would replay a phase-1 step after the switch (also its
+        # deprecated spelling, --cuda-graph-scope full_iteration)
+        (["--cuda-graph-impl", "local"], "cpu", "1", "--cuda-graph-impl local captures CUDA"),
+        (
+            [
+                "--bf16",
+                "--no-check-for-nan-in-loss-and-grad",
+                "--cuda-graph-impl",
+                "full_iteration",
+            ],
+            "auto",
+            "1",
+            "--cuda-graph-impl full_iteration is not supported with a TST phase 1",
+        ),
+        (
+            ["--bf16", "--no-check-for-nan-in-loss-and-grad", "--cuda-graph-impl", "local"]
+            + ["--cuda-graph-scope", "full_iteration"],
+            "auto",
+            "1",
+            "--cuda-graph-impl full_iteration is not supported with a TST phase 1",
+        ),
     ],
 )
 def test_settings_megatron_lm_accepts_but_cannot_run_are_one_error_line(
@@ -385,6 +407,15 @@ def test_data_flags_the_launcher_cannot_honour_are_refused_not_run_on_mock_data(
         r = dry(argv + ["--tst-bag-size", bag, "--device", "cpu"])
         assert r.returncode == 2
         assert [e for e in _errors(r.stderr + r.stdout) if expected in e], r.stderr + r.stdout
+
+
+def test_per_layer_cuda_graphs_and_full_iteration_graphs_without_a_phase_1_pass():
+    graphs = ["--bf16", "--no-check-for-nan-in-loss-and-grad", "--device", "auto"]
+    assert dry(SMALL + graphs + ["--cuda-graph-impl", "local"]).returncode == 0
+    baseline = [a if a != "2" or SMALL[i - 1] != "--tst-bag-size" else "1"
+                for i, a in enumerate(SMALL)]  # fmt: skip
+    r = dry(baseline + graphs + ["--cuda-graph-impl", "full_iteration"])
+    assert r.returncode == 0, r.stderr
 
 
 def test_a_cpu_run_with_tp_needs_no_cuda_device_max_connections():

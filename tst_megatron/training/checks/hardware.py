@@ -88,7 +88,7 @@ def cpu_problems(args) -> list[str]:
     """Settings a CPU run cannot do, megatron-core 0.19 needing CUDA for them, one line each:
     ``--bf16``/``--fp16``, ``--log-memory-to-tensorboard``, ``--record-memory-history``,
     ``--profile`` (CUDA's profiler), PP > 1 with tied embeddings or ``--mtp-num-layers``, the
-    distributed optimizer's ``fully_reshardable`` checkpoints."""
+    distributed optimizer's ``fully_reshardable`` checkpoints, any ``--cuda-graph-impl``."""
     problems = []
     if args.use_distributed_optimizer and getattr(args, "dist_ckpt_optim_fully_reshardable", False):
         problems.append(
@@ -107,6 +107,11 @@ def cpu_problems(args) -> list[str]:
                 f"{flag} needs CUDA (megatron-core's mixed-precision optimizer accepts only CUDA "
                 "parameters); a CPU run trains in float32: drop it"
             )
+    if getattr(args, "cuda_graph_impl", "none") != "none":
+        problems.append(
+            f"--cuda-graph-impl {args.cuda_graph_impl} captures CUDA graphs, which a CPU has "
+            "not (megatron-core's RNG tracker fails at start-up); drop it for a CPU run"
+        )
     if getattr(args, "record_memory_history", False):
         problems.append("--record-memory-history records CUDA's allocator; drop it for a CPU run")
     if getattr(args, "log_memory_to_tensorboard", False):

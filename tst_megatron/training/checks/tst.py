@@ -39,6 +39,16 @@ def tst_setting_problems(args, plan) -> list[str]:
             f"--phase-transition-iterations is not supported with TST {bags}: it restarts "
             "the sampler in each phase; TST switches in-process at N1"
         )
+    if getattr(args, "cuda_graph_impl", "none") == "full_iteration" and not _past_switch(
+        args, plan
+    ):
+        problems.append(
+            f"--cuda-graph-impl full_iteration is not supported with a TST phase 1 {bags}: "
+            "megatron-core 0.19.2's FullCudaGraphWrapper captures one training iteration (a "
+            "phase-1 step) and replays it after the switch; use per-layer graphs "
+            "(--cuda-graph-impl local or transformer_engine: the same shapes in both phases), "
+            "or full-iteration graphs in a run resumed from the switch checkpoint on"
+        )
     if args.dataloader_type != "single":
         problems.append(
             f"--dataloader-type {args.dataloader_type} is not supported with TST {bags}: the "
@@ -56,3 +66,15 @@ def notes(launch) -> list[str]:
     """The TST settings' notes (``TSTConfig.notes``: phase-1 flags without a bag size, a
     phase 1 that fills the run)."""
     return launch.plan.tst.notes(launch.plan.n)
+
+
+def _past_switch(args, plan) -> bool:
+    """The checkpoint this launch resumes is at or past ``N1``: only phase 2 is left."""
+    from tst_megatron.errors import ConfigError
+    from tst_megatron.training.checks.resume import checkpoint_to_resume
+
+    try:
+        found = checkpoint_to_resume(args)
+    except ConfigError:  # the resume rules report it
+        return False
+    return found is not None and found[0] >= plan.n1
