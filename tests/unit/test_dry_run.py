@@ -135,6 +135,46 @@ def test_tp_on_an_h100_without_cuda_device_max_connections_is_megatron_lm_s_erro
         assert module.is_te_min_version.__module__ == "megatron.core.utils"
 
 
+def test_the_dry_run_checks_the_line_for_the_gpu_it_names():
+    """``--dry-run-gpu``: Megatron-LM's rules by architecture apply as for that GPU (a GB200
+    line with ``CUDA_DEVICE_MAX_CONNECTIONS=32`` and TP, as NVIDIA's Nemotron 3 Super release
+    script sets it, is refused as for an H100 and passes as for a GB200); the ``assumed:``
+    line names the GPU."""
+    tp = SMALL + ["--tensor-model-parallel-size", "2"]
+    env = {"WORLD_SIZE": "2", "CUDA_DEVICE_MAX_CONNECTIONS": "32"}
+    h100 = dry(tp, env=env)
+    assert h100.returncode == 2 and "CUDA_DEVICE_MAX_CONNECTIONS to 1" in h100.stderr
+    assert "validated as for the H100 (compute capability 9.0)" in h100.stdout + h100.stderr
+    gb200 = dry(tp + ["--dry-run-gpu", "GB200"], env=env)
+    assert gb200.returncode == 0, gb200.stderr
+    text = gb200.stdout + gb200.stderr
+    assert "--dry-run-gpu: validated as for the GB200 (compute capability 10.0)" in text
+    bad = dry(tp + ["--dry-run-gpu", "X100"], env=env)
+    assert bad.returncode == 2 and "--dry-run-gpu" in bad.stderr
+
+
+def test_gated_delta_net_layers_are_named_and_not_counted_and_refused_on_a_cpu():
+    """A Qwen3-Next-style GPT line (``--experimental-attention-variant gated_delta_net``): the
+    model line names its GDN layers (megatron-core's pattern: every 4th layer standard), the
+    parameters are "not counted" (Megatron-LM's arithmetic would count them as attention),
+    and a CPU run (``fla``'s Triton kernels) is one line."""
+    gdn = _without(SMALL, "--num-layers") + ["--num-layers", "8", "--bf16"]
+    gdn += ["--experimental-attention-variant", "gated_delta_net", "--linear-attention-freq", "4"]
+    r = dry(gdn + ["--device", "cuda"])
+    assert r.returncode == 0, r.stderr
+    assert "gated delta net in 6 of 8 layers (the rest standard)" in r.stdout
+    assert "parameters: not counted" in r.stdout and "parameters (Megatron-LM)" not in r.stdout
+    cpu = dry([a for a in gdn if a != "--bf16"] + ["--device", "cpu"])
+    assert cpu.returncode == 2 and "fla package's Triton kernels, a GPU" in cpu.stderr
+    # a GPU launch (not a dry run) where fla is not installed (as here): one line
+    from tst_megatron.training.checks.model import gated_delta_net_problems
+
+    args = SimpleNamespace(experimental_attention_variant="gated_delta_net")
+    (line,) = gated_delta_net_problems(args, "cuda", launch=True)
+    assert "need the fla package (flash-linear-attention)" in line
+    assert gated_delta_net_problems(args, "cuda", launch=False) == []  # the cluster's
+
+
 def test_an_unknown_flag_is_one_error_line():
     r = dry(SMALL + ["--no-such-flag"])
     assert r.returncode == 2

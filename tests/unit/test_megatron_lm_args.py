@@ -56,6 +56,7 @@ def test_tst_flags_are_the_dataclass_fields():
         "--device",
         "--disable-tst-save-at-switch",
         "--dry-run",
+        "--dry-run-gpu",
         "--help",
         "--no-tst-save-at-switch",
         "--tst-bag-size",

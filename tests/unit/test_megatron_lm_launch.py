@@ -124,8 +124,15 @@ def test_what_megatron_lm_s_scheduler_or_loader_needs_is_refused_before_the_mode
     assert "--train-iters or --train-samples" in line
     (line,) = late_megatron_problems(types.SimpleNamespace(**(base | {"lr": None})))
     assert line.startswith("--lr is required")
-    (line,) = late_megatron_problems(types.SimpleNamespace(**(base | {"finetune": True})))
-    assert line.startswith("--finetune needs --load")
+    # --finetune without a checkpoint: stock Megatron-LM trains from fresh weights (a note)
+    assert late_megatron_problems(types.SimpleNamespace(**(base | {"finetune": True}))) == []
+    from tst_megatron.training.checks import megatron
+
+    launch = types.SimpleNamespace(args=types.SimpleNamespace(**(base | {"finetune": True})))
+    (note,) = megatron.notes(launch)
+    assert note.startswith("--finetune without --load") and "fresh weights" in note
+    launch.args.load = "/ckpt"
+    assert megatron.notes(launch) == []
     ok = base | {"finetune": True, "load": "/ckpt"}
     assert late_megatron_problems(types.SimpleNamespace(**ok)) == []
     skip = base | {"skip_train": True, "train_iters": None, "lr": None, "eval_interval": None}

@@ -23,14 +23,29 @@ from unittest import mock
 import torch
 from packaging.version import Version
 
-#: The GPU a dry run without CUDA answers for: an H100 (compute capability 9.0).
-ASSUMED_GPU = types.SimpleNamespace(
-    name="NVIDIA H100 80GB HBM3 (assumed by --dry-run)",
-    major=9,
-    minor=0,
-    total_memory=80 * 2**30,
-    multi_processor_count=132,
-)
+#: The GPUs ``--dry-run-gpu`` names, as ``torch.cuda.get_device_properties`` describes them
+#: (compute capability, memory, SMs): what Megatron-LM's architecture rules read.
+GPUS = {
+    name: types.SimpleNamespace(
+        name=f"NVIDIA {name} (assumed by --dry-run)",
+        major=major,
+        minor=minor,
+        total_memory=gib * 2**30,
+        multi_processor_count=sms,
+    )
+    for name, major, minor, gib, sms in (
+        ("A100", 8, 0, 80, 108),
+        ("H100", 9, 0, 80, 132),
+        ("H200", 9, 0, 141, 132),
+        ("B200", 10, 0, 180, 148),
+        ("GB200", 10, 0, 186, 152),
+        ("B300", 10, 3, 270, 148),
+        ("GB300", 10, 3, 279, 152),
+    )
+}
+#: The GPU a dry run without CUDA answers for unless ``--dry-run-gpu`` names another.
+DEFAULT_GPU = "H100"
+ASSUMED_GPU = GPUS[DEFAULT_GPU]
 
 #: The TE version answered when TE is not installed (the highest megatron-core 0.19 asks about).
 ASSUMED_TE_VERSION = "2.14.0"
@@ -51,21 +66,28 @@ def _assumed_te_min_version(version: str, check_equality: bool = True) -> bool:
 
 
 @contextlib.contextmanager
-def assumed_cluster(notes: list):
-    """During the block, Megatron-LM's validation sees :data:`ASSUMED_GPU` when this machine
-    has no CUDA, and TE :data:`ASSUMED_TE_VERSION` when TE is not installed; ``notes`` gets a
-    line for each. Only module globals of the modules that ask are swapped, restored on exit."""
+def assumed_cluster(notes: list, gpu: str | None = None):
+    """During the block, Megatron-LM's validation sees the GPU ``gpu`` (a key of
+    :data:`GPUS`; when None, :data:`DEFAULT_GPU` where this machine has no CUDA, else this
+    machine's own), and TE :data:`ASSUMED_TE_VERSION` when TE is not installed; ``notes`` gets
+    a line for each. Only module globals of the modules that ask are swapped, restored on
+    exit."""
     from tst_megatron.runtime.cpu import _CpuTorch
 
     with contextlib.ExitStack() as stack:
-        if not torch.cuda.is_available():
-            stand_in = _CpuTorch(gpu=ASSUMED_GPU)
-            for name in ("megatron.training.arguments", "megatron.training.utils.common_utils"):
-                module = importlib.import_module(name)
+        if gpu is not None or not torch.cuda.is_available():
+            name = gpu or DEFAULT_GPU
+            stand_in = _CpuTorch(gpu=GPUS[name])
+            for module_name in (
+                "megatron.training.arguments",
+                "megatron.training.utils.common_utils",
+            ):
+                module = importlib.import_module(module_name)
                 stack.enter_context(mock.patch.object(module, "torch", stand_in))
+            why = "--dry-run-gpu" if gpu else "no GPU here (--dry-run-gpu names another)"
             notes.append(
-                f"no GPU here: validated as for compute capability {ASSUMED_GPU.major}."
-                f"{ASSUMED_GPU.minor} (H100)"
+                f"{why}: validated as for the {name} (compute capability "
+                f"{GPUS[name].major}.{GPUS[name].minor})"
             )
         if not _te_installed():
             for name in (

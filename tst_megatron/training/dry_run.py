@@ -127,8 +127,9 @@ def describe(args, plan) -> list[str]:
     else:
         kind = "dense"
     if args.multi_latent_attention:
+        q_rank = args.q_lora_rank if args.q_lora_rank else "none: no q compression"
         attention = (
-            f"MLA, {args.num_attention_heads} heads (q rank {args.q_lora_rank}, kv rank "
+            f"MLA, {args.num_attention_heads} heads (q rank {q_rank}, kv rank "
             f"{args.kv_lora_rank})"
         )
     else:
@@ -136,6 +137,9 @@ def describe(args, plan) -> list[str]:
         attention = (
             f"{args.num_attention_heads} heads / {groups} query groups of {args.kv_channels}"
         )
+    variant = getattr(args, "experimental_attention_variant", None)
+    if variant:
+        attention += f", {_variant_layers(args, variant)}"
     if getattr(args, "softmax_type", "vanilla") != "vanilla":
         attention += f", softmax {args.softmax_type}"
     if getattr(args, "window_size", None):
@@ -147,7 +151,27 @@ def describe(args, plan) -> list[str]:
         f"{args.normalization}, {args.position_embedding_type} positions, "
         f"{args.transformer_impl}, {args.params_dtype}"
     )
+    if variant:  # Megatron-LM's arithmetic counts every layer as standard attention
+        counted = [
+            f"parameters: not counted (Megatron-LM 0.19's arithmetic counts every layer as "
+            f"standard attention; this model has {variant} layers)"
+        ]
+        return lines + counted + _tst_lines(args, plan)
     return lines + parameter_lines(args) + _tst_lines(args, plan)
+
+
+def _variant_layers(args, variant: str) -> str:
+    """Which layers are ``--experimental-attention-variant``'s: for gated delta net, those of
+    ``--linear-attention-freq`` (megatron-core's ``get_linear_attention_pattern``: an int N
+    keeps every N-th layer standard attention, a list marks each layer), else all."""
+    if variant != "gated_delta_net" or args.linear_attention_freq is None:
+        return f"{variant} attention in every layer"
+    from megatron.core.models.gpt.experimental_attention_variant_module_specs import (
+        get_linear_attention_pattern,
+    )
+
+    pattern = get_linear_attention_pattern(args)
+    return f"gated delta net in {sum(pattern)} of {args.num_layers} layers (the rest standard)"
 
 
 def _hybrid_lines(args) -> list[str]:

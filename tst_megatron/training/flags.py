@@ -8,6 +8,7 @@ import copy
 import dataclasses
 import typing
 
+from tst_megatron.runtime.assumed import DEFAULT_GPU, GPUS
 from tst_megatron.superposition.schedule import TSTConfig
 
 #: Megatron-LM flags for features of ``pretrain_gpt.py`` that this launcher does not have
@@ -61,6 +62,14 @@ def add_tst_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="Run every check of a launch for WORLD_SIZE processes, print the layout, the "
         "model size and the TST plan (or each problem on one line), and exit: 0 without "
         "problems, 2 with. Starts no process, reads no data, needs no GPU.",
+    )
+    group.add_argument(
+        "--dry-run-gpu",
+        choices=sorted(GPUS),
+        default=None,
+        help="The GPU --dry-run checks the line for (Megatron-LM's rules that depend on the "
+        "architecture, e.g. CUDA_DEVICE_MAX_CONNECTIONS below Blackwell). Default: this "
+        f"machine's GPU, or an {DEFAULT_GPU} where there is none.",
     )
     group.add_argument(
         "--device",

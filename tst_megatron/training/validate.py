@@ -132,7 +132,8 @@ def check(argv: Sequence[str], *, dry_run: bool = False, model: str = "gpt") -> 
     # a CPU run sets CUDA_DEVICE_MAX_CONNECTIONS=1 itself when unset
     env = {"CUDA_DEVICE_MAX_CONNECTIONS": os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "1")}
     env = env if dry_run and device == "cpu" else {}
-    cluster = assumed.assumed_cluster(assumptions) if dry_run else contextlib.nullcontext()
+    gpu = getattr(args, "dry_run_gpu", None)
+    cluster = assumed.assumed_cluster(assumptions, gpu) if dry_run else contextlib.nullcontext()
     with cluster, muted(), mock.patch.dict(os.environ, env):
         try:
             if args.use_checkpoint_args:

@@ -73,7 +73,7 @@ LAST_RULES = (data.file_problems, resume.problems)
 
 #: What the user should know before the run starts (``note:`` lines, printed by the launch on
 #: rank 0 and by the dry run).
-NOTES = (tst.notes, model.notes, deprecated.notes, hardware.notes, resume.notes)
+NOTES = (tst.notes, model.notes, megatron.notes, deprecated.notes, hardware.notes, resume.notes)
 
 
 def argv_problems(argv: Sequence[str], kind: str = "gpt") -> list[str]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 def late_megatron_problems(args) -> list[str]:
     """Settings ``validate_args`` accepts but ``pretrain()`` refuses only after building the
     model: no ``--train-iters``/``--train-samples`` or ``--lr`` (the scheduler raises);
-    ``--finetune`` without a checkpoint; ``--lr-decay-style WSD`` without its decay length;
+    ``--lr-decay-style WSD`` without its decay length;
     no ``--eval-interval`` (a ``TypeError`` sizing the validation set); ``--full-validation``
     with one validation set (a ``TypeError`` in ``evaluate()``, Megatron-LM 0.19.2);
     ``--wandb-project`` without ``--wandb-exp-name``."""
@@ -24,8 +24,6 @@ def late_megatron_problems(args) -> list[str]:
             )
         if args.lr is None:
             problems.append("--lr is required (Megatron-LM's scheduler has no default)")
-    if getattr(args, "finetune", False) and not (args.load or args.pretrained_checkpoint):
-        problems.append("--finetune needs --load (or --pretrained-checkpoint) to start from")
     if args.full_validation and not getattr(args, "multiple_validation_sets", False):
         problems.append(
             "--full-validation stops Megatron-LM 0.19 at its first evaluation with one "
@@ -66,3 +64,15 @@ def refused_flag_problems(args) -> list[str]:
 def problems(launch) -> list[str]:
     """The Megatron-LM rules of a :class:`~tst_megatron.training.checks.Launch`."""
     return late_megatron_problems(launch.args) + refused_flag_problems(launch.args)
+
+
+def notes(launch) -> list[str]:
+    """``--finetune`` without ``--load`` or ``--pretrained-checkpoint``: Megatron-LM 0.19 starts
+    from fresh weights at iteration 0 without a word, as if the flag were not given."""
+    args = launch.args
+    if getattr(args, "finetune", False) and not (args.load or args.pretrained_checkpoint):
+        return [
+            "--finetune without --load (or --pretrained-checkpoint): there is no checkpoint to "
+            "start from, so the run starts from fresh weights, as Megatron-LM does"
+        ]
+    return []

@@ -149,6 +149,26 @@ def hybrid_package_problems(args, device: str) -> list[str]:
     ]
 
 
+def gated_delta_net_problems(args, device: str, launch: bool) -> list[str]:
+    """``--experimental-attention-variant gated_delta_net`` (a GPT model's GDN layers,
+    Qwen3-Next style): megatron-core 0.19.2 builds them from ``fla``'s Triton kernels, which
+    need a GPU; a launch on a GPU without ``fla`` installed is one line too (a dry run assumes
+    the cluster has it)."""
+    import importlib.util
+
+    if getattr(args, "experimental_attention_variant", None) != "gated_delta_net":
+        return []
+    flag = "--experimental-attention-variant gated_delta_net"
+    if device == "cpu":
+        return [f"{flag}: gated delta net layers need the fla package's Triton kernels, a GPU"]
+    if launch and importlib.util.find_spec("fla") is None:
+        return [
+            f"{flag}: gated delta net layers need the fla package (flash-linear-attention), "
+            "which is not installed here"
+        ]
+    return []
+
+
 def model_problems(args) -> list[str]:
     """Model settings megatron-core 0.19 refuses only while building the model: heads not
     divisible by ``--num-query-groups``, a shared expert with biases, a ``--moe-layer-freq``
@@ -183,6 +203,7 @@ def problems(launch) -> list[str]:
     """The model rules of a :class:`~tst_megatron.training.checks.Launch`, by the model class
     its launcher builds."""
     found = model_problems(launch.args)
+    found += gated_delta_net_problems(launch.args, launch.device, launch.launch)
     if launch.model == "gpt" and launch.args.hybrid_layer_pattern:  # --use-checkpoint-args
         found.append(
             f"--hybrid-layer-pattern {launch.args.hybrid_layer_pattern} (from the checkpoint's "
