@@ -223,7 +223,7 @@ def _timed_forward_step_class():
             self._counted = None
             self._open, self._start, self._mode = None, 0.0, None
 
-        def __call__(self, data_iterator, model):
+        def __call__(self, data_iterator, model, **kwargs):
             from megatron.training import get_args
             from megatron.training.training import num_floating_point_operations
 
@@ -233,7 +233,7 @@ def _timed_forward_step_class():
             iteration = args.curr_iteration
             if model.training and iteration != self._open:
                 self._next(iteration)
-            return super().__call__(data_iterator, model)
+            return super().__call__(data_iterator, model, **kwargs)
 
         def _next(self, iteration: int) -> None:
             cuda = torch.cuda.is_available() and torch.cuda.is_initialized()

@@ -307,13 +307,6 @@ def test_the_parameter_count_is_megatron_lm_s_and_follows_the_flags():
         (["--log-memory-to-tensorboard"], "cpu", "1", "--log-memory-to-tensorboard reads CUDA"),
         (["--record-memory-history"], "cpu", "1", "--record-memory-history records CUDA's"),
         # features of pretrain_gpt.py's forward step the launcher's does not have
-        (
-            ["--num-experts", "4", "--expert-model-parallel-size", "2", "--bf16"]
-            + ["--moe-token-dispatcher-type", "alltoall", "--overlap-moe-expert-parallel-comm"],
-            "auto",
-            "2",
-            "--overlap-moe-expert-parallel-comm is not supported by this launcher",
-        ),
         (["--inprocess-restart"], "auto", "1", "--inprocess-restart is not supported by"),
         (
             ["--hybrid-context-parallel", "--calculate-per-token-loss"],
@@ -614,6 +607,27 @@ def test_the_hybrid_launcher_refuses_what_its_model_cannot_run_in_one_line(chang
     errors = _errors(result.stderr)
     assert result.returncode == 2 and len(errors) == 1, result.stderr
     assert expected in errors[0], errors[0]
+
+
+#: The expert-parallel all-to-all overlap as the large-MoE recipes turn it on (EP 2, alltoall).
+OVERLAP = ["--num-experts", "4", "--expert-model-parallel-size", "2", "--bf16"]
+OVERLAP += ["--moe-token-dispatcher-type", "alltoall", "--overlap-moe-expert-parallel-comm"]
+
+
+def test_the_all_to_all_overlap_runs_on_the_gpt_launcher_and_is_refused_on_the_hybrid():
+    """The GPT launcher's forward step builds megatron-core's schedule plan in both phases
+    (``tests/distributed/test_ep_overlap.py`` runs it); megatron-core 0.19.2's HybridModel
+    has none."""
+    gpt = dry(SMALL + OVERLAP + ["--device", "cuda"], env={"WORLD_SIZE": "2"})
+    assert gpt.returncode == 0, gpt.stderr
+    delay = dry(SMALL + OVERLAP + ["--device", "cuda", "--delay-wgrad-compute"],
+                env={"WORLD_SIZE": "2"})  # fmt: skip
+    assert delay.returncode == 0, delay.stderr
+    argv = _without(_without(HYBRID, "--num-experts"), "--device") + OVERLAP + ["--device", "cuda"]
+    hybrid = dry(argv, env={"WORLD_SIZE": "2"}, model="hybrid")
+    errors = _errors(hybrid.stderr)
+    assert hybrid.returncode == 2 and len(errors) == 1, hybrid.stderr
+    assert "HybridModel builds no schedule plan" in errors[0]
 
 
 def test_the_legacy_hybrid_pattern_spellings_get_a_note():

@@ -83,6 +83,13 @@ _MODULES = (
     "megatron.core.optimizer.distrib_optimizer",
     "megatron.core.distributed.distributed_data_parallel",
     "megatron.core.distributed.param_and_grad_buffer",
+    # the all-to-all overlap's schedule (--overlap-moe-expert-parallel-comm): its streams and
+    # events
+    "megatron.core.pipeline_parallel.utils",
+    "megatron.core.pipeline_parallel.combined_1f1b",
+    "megatron.core.models.common.model_chunk_schedule_plan",
+    "megatron.core.models.common.utils",
+    "megatron.core.models.gpt.fine_grained_callables",
     "megatron.core.distributed.finalize_model_grads",
     "megatron.core.pipeline_parallel.schedules",
     "megatron.core.pipeline_parallel.p2p_communication",
@@ -179,11 +186,20 @@ class _Event:
         return True
 
 
-class _Stream:
-    """A CUDA stream on a synchronous device: work is already ordered."""
+class _Stream(torch.Stream):
+    """A CUDA stream on a synchronous device: work is already ordered. A ``torch.Stream`` (of
+    the CPU), so that ``tensor.record_stream(stream)`` accepts it (:func:`enable` gives
+    ``aten::record_stream`` a CPU kernel that does nothing)."""
+
+    def __new__(cls, *args, **kwargs):
+        return super().__new__(cls, device="cpu")
 
     def __init__(self, *args, **kwargs):
         pass
+
+    @staticmethod
+    def priority_range():
+        return (0, 0)
 
     def wait_stream(self, stream):
         return None
@@ -398,6 +414,14 @@ def _maybe_move_tensor_to_cpu(tensor, as_numpy=False, record_stream=False):
     return tensor
 
 
+def _should_free_input(name, is_moe, config, num_local_experts):
+    """CPU stand-in for the all-to-all overlap's ``should_free_input``
+    (``models/common/utils.py``): never. On a GPU a node frees its inputs after
+    ``record_stream`` on its CUDA stream; a CPU tensor has no stream to record (and keeping
+    the inputs changes no number)."""
+    return False
+
+
 _REPLACED = (
     ("megatron.core.tensor_parallel.random", "_get_cuda_rng_state", _get_rng_state),
     ("megatron.core.tensor_parallel.random", "_set_cuda_rng_state", _set_rng_state),
@@ -416,6 +440,7 @@ _REPLACED = (
         "maybe_move_tensor_to_cpu",
         _maybe_move_tensor_to_cpu,
     ),
+    ("megatron.core.models.common.utils", "should_free_input", _should_free_input),
 )
 
 
@@ -524,7 +549,21 @@ def enable(*, training: bool = False) -> None:
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
     logging.getLogger("megatron.core.tensor_parallel.random").addFilter(_RngWarningFilter())
+    _record_stream_on_cpu()
     _enabled = True
+
+
+_LIBRARIES: list = []  # torch.library registrations live as long as their Library object
+
+
+def _record_stream_on_cpu() -> None:
+    """``Tensor.record_stream`` on a CPU tensor does nothing (torch has no CPU kernel for it):
+    the all-to-all overlap's schedule records its tensors on its streams before it frees
+    them, and a CPU has one synchronous stream. Registered once per process, for CPU tensors
+    only."""
+    library = torch.library.Library("aten", "IMPL")
+    library.impl("record_stream", lambda tensor, stream: None, "CPU")
+    _LIBRARIES.append(library)
 
 
 def is_enabled() -> bool:

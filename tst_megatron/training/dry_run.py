@@ -129,8 +129,7 @@ def describe(args, plan) -> list[str]:
     if args.multi_latent_attention:
         q_rank = args.q_lora_rank if args.q_lora_rank else "none: no q compression"
         attention = (
-            f"MLA, {args.num_attention_heads} heads (q rank {q_rank}, kv rank "
-            f"{args.kv_lora_rank})"
+            f"MLA, {args.num_attention_heads} heads (q rank {q_rank}, kv rank {args.kv_lora_rank})"
         )
     else:
         groups = args.num_query_groups if args.group_query_attention else args.num_attention_heads

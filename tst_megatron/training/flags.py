@@ -15,8 +15,6 @@ from tst_megatron.superposition.schedule import TSTConfig
 #: (ignored, or a traceback at the first step), with why: refused before work
 #: (:func:`tst_megatron.training.checks.megatron.refused_flag_problems`) and marked in ``--help``.
 NOT_WIRED = {
-    "overlap_moe_expert_parallel_comm": "the forward step builds no schedule plan for "
-    "megatron-core's combined 1F1B",
     "hybrid_context_parallel": "it needs SFT batches with document boundaries (cu_seqlens)",
     "inprocess_restart": "it does not wrap pretrain() for in-process restart; a restarted "
     "job resumes exactly from --load",

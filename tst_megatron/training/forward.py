@@ -98,7 +98,7 @@ def make_phase1_step(
     seam on the last, MCE weights from ``phase1_weights``. ``cp_group`` splits the latent
     sequence (whole bags); ``check`` sees each loss sum (:func:`loss_checks`)."""
 
-    def forward_step(data_iterator, model):
+    def forward_step(data_iterator, model, return_schedule_plan: bool = False):
         # Every stage reads the micro-batch (cheap); only the first embeds, only the last scores.
         batch = next(data_iterator)
         gpt = unwrap_model(model)
@@ -106,7 +106,10 @@ def make_phase1_step(
         bags = phase1_inputs(batch["tokens"], bag_size, mode)  # [b, T, S] or [b, T, 1]
         local = _cp_split({"bags": bags, "targets": targets, "mask": mask}, cp_group)
         x = bag_embedding(gpt.embedding, local["bags"]) if gpt.pre_process else None
-        per_slot = model(None, None, None, decoder_input=x, labels=local["targets"])
+        if return_schedule_plan:  # megatron-core's combined 1F1B (the all-to-all overlap)
+            per_slot = phase1_schedule_plan(gpt, x, local["targets"])
+        else:
+            per_slot = model(None, None, None, decoder_input=x, labels=local["targets"])
         weights = _slot_weights(bag_size, weighting, mode, local["mask"].device)
 
         def loss_func(ce):
@@ -135,10 +138,13 @@ def make_phase2_step(
     rolled labels with it; without MTP the model does not read it.
     """
 
-    def forward_step(data_iterator, model):
+    def forward_step(data_iterator, model, return_schedule_plan: bool = False):
         batch = _cp_split(dict(next(data_iterator)), cp_group)
         loss_mask = batch["loss_mask"]
-        per_token = model(
+        # megatron-core's combined 1F1B (the all-to-all overlap) takes the model's schedule
+        # plan, built from the same inputs, where a plain step takes its output
+        run = unwrap_model(model).build_schedule_plan if return_schedule_plan else model
+        per_token = run(
             batch["tokens"],
             batch["position_ids"],
             batch.get("attention_mask"),
@@ -156,6 +162,21 @@ def make_phase2_step(
         return per_token, loss_func
 
     return forward_step
+
+
+def phase1_schedule_plan(gpt, decoder_input, targets):
+    """Phase 1's schedule plan for megatron-core's combined 1F1B
+    (``--overlap-moe-expert-parallel-comm``): ``GPTModel.build_schedule_plan`` with the bag
+    embedding ``[T, b, h]`` as ``decoder_input`` (the plan's pre-process node passes it on)
+    and the ``[b, T, k]`` targets as ``labels`` (its post-process node scores them through
+    the model's loss seam). Multi-token prediction's layer nodes are dropped, as a plain
+    phase-1 forward skips the MTP block: the post-process node then gives the MTP-only
+    parameters their zero gradient (``TSTGPTModel._postprocess``)."""
+    plan = gpt.build_schedule_plan(None, None, None, decoder_input=decoder_input, labels=targets)
+    if getattr(gpt, "mtp_process", False):
+        for _ in gpt.mtp.layers:  # the MTP layers' plans come last (FILO)
+            plan.pop_layer()
+    return plan
 
 
 # --- Megatron-LM's forward step -----------------------------------------------------------
@@ -227,7 +248,7 @@ class TSTForwardStep:
         self._raw = _RawTokens(plan) if is_last_rank() else None
         return phase1, make_phase2_step(cp_group=cp, check=check)
 
-    def __call__(self, data_iterator, model):
+    def __call__(self, data_iterator, model, return_schedule_plan: bool = False):
         from megatron.training import get_args
 
         args = get_args()
@@ -245,7 +266,10 @@ class TSTForwardStep:
         phase = plan.schedule.phase1 if in_phase1 else plan.schedule.phase2
         what = f"phase-{phase.index} step {args.curr_iteration}" if training else "validation"
         batches = _OnDevice(data_iterator, _device(), length=phase.data_seq_length, what=what)
-        return (phase1 if in_phase1 else phase2)(batches, model)
+        step = phase1 if in_phase1 else phase2
+        if return_schedule_plan:  # megatron-core's combined 1F1B asks for it
+            return step(batches, model, return_schedule_plan=True)
+        return step(batches, model)
 
     def _at_switch(self, args, plan: RunPlan) -> None:
         """At the last phase-1 training step set the intervals of :func:`switch_overrides` to

@@ -216,6 +216,12 @@ def problems(launch) -> list[str]:
             found += hybrid_package_problems(launch.args, launch.device)
         found += hybrid_mtp_problems(launch.args)
         found += hybrid_stage_problems(launch.args)
+        if launch.args.overlap_moe_expert_parallel_comm:
+            found.append(
+                "--overlap-moe-expert-parallel-comm: megatron-core 0.19.2's HybridModel builds "
+                "no schedule plan for its combined 1F1B (GPTModel does: launch "
+                f"{LAUNCHERS['gpt']} for a GPT-shaped model, or drop the flag)"
+            )
         if launch.args.transformer_impl == "inference_optimized":
             found.append(
                 "--transformer-impl inference_optimized: megatron-core's inference stack spec; "
