@@ -175,6 +175,38 @@ def test_gated_delta_net_layers_are_named_and_not_counted_and_refused_on_a_cpu()
     assert gated_delta_net_problems(args, "cuda", launch=False) == []  # the cluster's
 
 
+def test_the_dry_run_checks_the_data_files_that_are_here_and_names_those_that_are_not(tmp_path):
+    real = tmp_path / "real"
+    real.with_suffix(".bin").write_bytes(b"")
+    real.with_suffix(".idx").write_bytes(b"MMIDIDX\x00\x00")  # a header cut short
+    data = [a for a in SMALL if a != "--mock-data"] + ["--split", "100,0,0"]
+    cut = dry(data + ["--data-path", str(real), "--device", "cpu"])
+    assert cut.returncode == 2 and f"{real}.idx is not a Megatron index file" in cut.stderr
+    away = dry(data + ["--data-path", str(tmp_path / "cluster"), "--device", "cpu"])
+    assert away.returncode == 0, away.stderr
+    text = away.stdout + away.stderr
+    assert (
+        f"not here, so not checked: {tmp_path / 'cluster'}.bin, {tmp_path / 'cluster'}.idx" in text
+    )
+
+
+def test_the_readme_and_the_help_name_every_check_the_dry_run_skips():
+    """``DRY_RUN_SKIPS`` is the one list: a skipped check added there fails here until the
+    README's dry-run paragraph and ``--help`` say so."""
+    import argparse
+
+    from tst_megatron.training.checks import DRY_RUN_SKIPS
+    from tst_megatron.training.flags import add_tst_args
+
+    readme = " ".join(open(os.path.join(ROOT, "README.md")).read().split())
+    parser = add_tst_args(argparse.ArgumentParser())
+    (action,) = [a for a in parser._actions if "--dry-run" in a.option_strings]
+    assert "runs exactly the checks a launch runs" not in readme
+    for words in DRY_RUN_SKIPS.values():
+        assert words in readme, words
+        assert words in action.help, words
+
+
 def test_an_unknown_flag_is_one_error_line():
     r = dry(SMALL + ["--no-such-flag"])
     assert r.returncode == 2

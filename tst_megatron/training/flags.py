@@ -53,13 +53,16 @@ def _tst_group_factory():
 def add_tst_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Megatron-LM extra-args provider: ``--tst-*``, ``--dry-run``, ``--device``; returns
     ``parser``."""
+    from tst_megatron.training.checks import DRY_RUN_SKIPS  # it imports this module's users
+
     group = _tst_group_factory().build_group(parser, title="token superposition training (TST)")
     group.add_argument(
         "--dry-run",
         action="store_true",
-        help="Run every check of a launch for WORLD_SIZE processes, print the layout, the "
+        help="Run the checks of a launch for WORLD_SIZE processes, print the layout, the "
         "model size and the TST plan (or each problem on one line), and exit: 0 without "
-        "problems, 2 with. Starts no process, reads no data, needs no GPU.",
+        "problems, 2 with. Starts no process, needs no GPU. It cannot check what only the "
+        f"cluster has: {'; '.join(DRY_RUN_SKIPS.values())} (its assumed: lines say which).",
     )
     group.add_argument(
         "--dry-run-gpu",

@@ -20,6 +20,7 @@ from tst_megatron.runtime.cpu_settings import CPU_FLAGS, pick_device
 from tst_megatron.training.checks import (
     Launch,
     argv_problems,
+    dry_run_assumptions,
     launch_notes,
     launch_problems,
     validation_error,
@@ -158,6 +159,8 @@ def check(argv: Sequence[str], *, dry_run: bool = False, model: str = "gpt") -> 
         problem = validation_error(exc, "batch-size schedule")
         return Checked(args, device, [problem], [], assumed=assumptions)
     launch = Launch(args, tuple(user_argv), device, config, plan, launch=not dry_run, model=model)
+    if dry_run:
+        assumptions += dry_run_assumptions(launch)
     return Checked(
         args, device, launch_problems(launch), launch_notes(launch), plan, assumed=assumptions
     )

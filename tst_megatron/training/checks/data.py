@@ -67,6 +67,16 @@ def data_file_problems(args) -> list[str]:
     return problems
 
 
+#: The files each tokenizer type reads, by flag (a Hugging Face ``--tokenizer-model`` may be
+#: a hub name: not listed).
+_TOKENIZER_FILES = {
+    "SentencePieceTokenizer": ("--tokenizer-model",),
+    "GPTSentencePieceTokenizer": ("--tokenizer-model",),
+    "Llama2Tokenizer": ("--tokenizer-model",),
+    "GPT2BPETokenizer": ("--vocab-file", "--merge-file"),
+}
+
+
 def tokenizer_problems(args, *, launch: bool) -> list[str]:
     """The tokenizer settings Megatron-LM's ``set_global_variables`` stops on: a type without
     its ``--vocab-size`` / ``--tokenizer-model`` (``--tokenizer-type`` defaults to
@@ -82,14 +92,8 @@ def tokenizer_problems(args, *, launch: bool) -> list[str]:
         ]
     if not launch:
         return []
-    files = {
-        "SentencePieceTokenizer": ("--tokenizer-model",),
-        "GPTSentencePieceTokenizer": ("--tokenizer-model",),
-        "Llama2Tokenizer": ("--tokenizer-model",),
-        "GPT2BPETokenizer": ("--vocab-file", "--merge-file"),
-    }.get(kind, ())
     problems = []
-    for flag in files:
+    for flag in _TOKENIZER_FILES.get(kind, ()):
         path = getattr(args, flag[2:].replace("-", "_"), None)
         if not path or not os.path.isfile(path):
             problems.append(f"--tokenizer-type {kind}: {flag} {path} is not a file")
@@ -102,6 +106,26 @@ def problems(launch) -> list[str]:
 
 
 def file_problems(launch) -> list[str]:
-    """In a launch (a dry run may run where the cluster's files are not): the data files
-    (:func:`data_file_problems`)."""
-    return data_file_problems(launch.args) if launch.launch else []
+    """The data files (:func:`data_file_problems`): in a launch; in a dry run when they are on
+    this machine (it may run where the cluster's files are not: :func:`files_not_here`)."""
+    if launch.launch or not files_not_here(launch.args):
+        return data_file_problems(launch.args)
+    return []
+
+
+def files_not_here(args) -> list[str]:
+    """The data (``.bin``/``.idx``) and tokenizer files of the line that are not on this
+    machine: what a dry run cannot check (its ``assumed:`` line names them)."""
+    missing = []
+    try:
+        data = data_settings(args)
+        prefixes = [] if data.mock_data or not data.data_path else data_prefixes(data.data_path)
+    except (OSError, ValueError, ConfigError):  # an unreadable --data-args-path: the data rules'
+        prefixes, missing = [], [getattr(args, "data_args_path", None) or "--data-path"]
+    for prefix in prefixes:
+        missing += [p for p in (prefix + ".bin", prefix + ".idx") if not os.path.isfile(p)]
+    for flag in _TOKENIZER_FILES.get(args.tokenizer_type, ()):
+        path = getattr(args, flag[2:].replace("-", "_"), None)
+        if path and not os.path.isfile(path):
+            missing.append(path)
+    return missing
