@@ -375,6 +375,158 @@ QWEN3_30B_A3B = dict(
     + QWEN3_30B_A3B_AS_PUBLISHED["argv"][_i + 2 :],
 )
 
+# yanring/Megatron-MoE-ModelZoo (e8650517) best_practice/qwen3/run_h100_235b.sh, the "H100
+# config": DISPATCHER=deepep A2A_OVERLAP=1 TP=2 PP=8 VPP=4 EP=32 NNODES=32 (256 ranks)
+# GBS=2048 sbatch_benchmarking.sh with the script's own MBS=1 SEQ_LEN=4096
+# MOE_GROUPED_GEMM=true PR=bf16 COMMENT=baseline, i.e. model_configs/benchmarking/
+# Qwen3-235B-A22B.yaml turned into flags as sbatch_benchmarking.sh does (yq: "false" entries
+# dropped, "true" -> bare flag; LAYERS_PER_VP = runtime.conf's 96 layers / PP 8 / VPP 4 = 3),
+# then the command line's flags, then what the script appends: DISPATCHER=deepep's flex
+# dispatcher, PR=bf16's --tp-comm-overlap, A2A_OVERLAP=1's --delay-wgrad-compute
+# --overlap-moe-expert-parallel-comm (and CUDA_DEVICE_MAX_CONNECTIONS=32, exported after the
+# config's 1). LOAD_PATH/OUTPUT_PATH -> $CKPT, the tokenizer Qwen/Qwen3-235B-A22B -> $HF_DIR,
+# WANDB_PROJECT empty -> common.conf's moe-benchmarking-v$MCORE_RELEASE_VERSION (0.19.0).
+# The config's --cross-entropy-fusion-impl te is refused by Megatron-LM 0.19 itself (as for
+# QWEN3_30B_A3B_AS_PUBLISHED): QWEN3_235B_A22B_H100 takes native, as its message says.
+QWEN3_235B_A22B_H100_AS_PUBLISHED = {
+    "world_size": 256,
+    "env": {"CUDA_DEVICE_MAX_CONNECTIONS": "32"},
+    "argv": [
+        "--distributed-timeout-minutes", "220", "--tensor-model-parallel-size", "2",
+        "--pipeline-model-parallel-size", "8", "--num-layers-per-virtual-pipeline-stage", "3",
+        "--expert-model-parallel-size", "32", "--context-parallel-size", "1",
+        "--expert-tensor-parallel-size", "1", "--use-distributed-optimizer",
+        "--overlap-grad-reduce", "--overlap-param-gather",
+        "--no-create-attention-mask-in-dataloader", "--account-for-embedding-in-pipeline-split",
+        "--account-for-loss-in-pipeline-split",
+        "--use-mcore-models", "--sequence-parallel", "--use-flash-attn", "--disable-bias-linear",
+        "--micro-batch-size", "1", "--global-batch-size", "2048", "--train-samples",
+        "268554688", "--exit-duration-in-mins", "230", "--manual-gc", "--manual-gc-interval",
+        "5", "--cross-entropy-loss-fusion", "--cross-entropy-fusion-impl", "te",
+        "--enable-experimental",
+        "--transformer-impl", "transformer_engine",
+        "--data-cache-path", CACHE, "--tokenizer-type", "HuggingFaceTokenizer",
+        "--tokenizer-model", HF_DIR, "--data-path", DATA, "--split", "99,1,0",
+        "--no-mmap-bin-files", "--num-workers", "6",
+        "--untie-embeddings-and-output-weights", "--position-embedding-type", "rope",
+        "--rotary-percent", "1.0", "--rotary-base", "1000000",
+        "--rotary-seq-len-interpolation-factor", "1", "--normalization", "RMSNorm", "--swiglu",
+        "--norm-epsilon", "1e-06", "--num-layers", "94", "--hidden-size", "4096",
+        "--ffn-hidden-size", "12288", "--num-attention-heads", "64", "--kv-channels", "128",
+        "--group-query-attention", "--num-query-groups", "4", "--qk-layernorm",
+        "--seq-length", "4096", "--max-position-embeddings", "4096",
+        "--make-vocab-size-divisible-by", "1187",
+        "--attention-dropout", "0.0", "--hidden-dropout", "0.0", "--clip-grad", "1.0",
+        "--weight-decay", "0.1",
+        "--lr-decay-samples", "584765624", "--lr-warmup-samples", "1536000",
+        "--lr-warmup-init", "3.9e-7", "--lr", "3.9e-6", "--min-lr", "3.9e-7",
+        "--lr-decay-style", "cosine", "--adam-beta1", "0.9", "--adam-beta2", "0.95",
+        "--num-experts", "128", "--moe-ffn-hidden-size", "1536",
+        "--moe-router-load-balancing-type", "aux_loss", "--moe-router-topk", "8",
+        "--moe-grouped-gemm", "--moe-aux-loss-coeff", "1e-3", "--moe-permute-fusion",
+        "--moe-router-fusion", "--moe-router-dtype", "fp32",
+        "--eval-iters", "32", "--eval-interval", "500",
+        "--finetune", "--auto-detect-ckpt-format", "--load", CKPT, "--no-load-rng",
+        "--no-load-optim", "--save", f"{CKPT}/checkpoints", "--save-interval", "100",
+        "--dist-ckpt-strictness", "log_all",
+        "--init-method-std", "0.02",
+        "--log-timers-to-tensorboard", "--log-memory-to-tensorboard",
+        "--log-validation-ppl-to-tensorboard", "--log-throughput", "--log-interval", "1",
+        "--logging-level", "40", "--tensorboard-dir", TB, "--wandb-project",
+        "moe-benchmarking-v0.19.0", "--wandb-exp-name",
+        "Qwen3-235B-A22B-TP2PP8EP32CP1VPP4-MBS1GBS2048-baseline",
+        "--bf16",
+        # the command line
+        "--recompute-granularity", "selective", "--recompute-modules", "moe_act", "layernorm",
+        "--moe-router-force-load-balancing", "--cuda-graph-impl", "transformer_engine",
+        "--cuda-graph-scope", "moe_router", "moe_preprocess",
+        # appended by sbatch_benchmarking.sh: DISPATCHER=deepep, PR=bf16, A2A_OVERLAP=1
+        "--moe-token-dispatcher-type", "flex", "--moe-flex-dispatcher-backend", "deepep",
+        "--tp-comm-overlap",
+        "--delay-wgrad-compute", "--overlap-moe-expert-parallel-comm",
+    ] + TST,
+}  # fmt: skip
+
+_i = QWEN3_235B_A22B_H100_AS_PUBLISHED["argv"].index("--cross-entropy-fusion-impl")
+QWEN3_235B_A22B_H100 = dict(
+    QWEN3_235B_A22B_H100_AS_PUBLISHED,
+    argv=QWEN3_235B_A22B_H100_AS_PUBLISHED["argv"][: _i + 1]
+    + ["native"]
+    + QWEN3_235B_A22B_H100_AS_PUBLISHED["argv"][_i + 2 :],
+)
+
+# yanring/Megatron-MoE-ModelZoo (e8650517) best_practice/deepseek-v3/run_deepseek_v3_h100.sh,
+# "H100 config. best config on 1024 H100 GPUs": A2A_OVERLAP=1 PP=8 VPP=4 TP=2 EP=64
+# NNODES=128 (1024 ranks) GBS=8192 PR=fp8 sbatch_benchmarking.sh, MBS=1 SEQ_LEN=4096
+# MOE_GROUPED_GEMM=true; model_configs/benchmarking/DeepSeek-V3.yaml turned into flags as
+# sbatch_benchmarking.sh does ("false" entries dropped: --finetune, --log-num-zeros-in-grad,
+# --log-params-norm), the command line's flags (its --pipeline-model-parallel-layout, so no
+# virtual-stage or uneven-PP flags are added), then DISPATCHER's default deepep (flex),
+# PR=fp8's blockwise recipe and precision-aware optimizer, A2A_OVERLAP=1's
+# --delay-wgrad-compute --overlap-moe-expert-parallel-comm (and
+# CUDA_DEVICE_MAX_CONNECTIONS=32). LOAD_PATH/OUTPUT_PATH -> $CKPT, the tokenizer
+# unsloth/DeepSeek-V3 -> $HF_DIR, empty COMMENT and WANDB_PROJECT -> common.conf's
+# v$MCORE_RELEASE_VERSION (0.19.0) forms.
+DEEPSEEK_V3_H100 = {
+    "world_size": 1024,
+    "env": {"CUDA_DEVICE_MAX_CONNECTIONS": "32"},
+    "argv": [
+        "--distributed-timeout-minutes", "60", "--tensor-model-parallel-size", "2",
+        "--pipeline-model-parallel-size", "8", "--expert-model-parallel-size", "64",
+        "--context-parallel-size", "1", "--expert-tensor-parallel-size", "1",
+        "--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather",
+        "--use-mcore-models", "--sequence-parallel", "--use-flash-attn", "--disable-bias-linear",
+        "--micro-batch-size", "1", "--global-batch-size", "8192", "--train-samples",
+        "585937500", "--exit-duration-in-mins", "220", "--no-save-optim",
+        "--no-check-for-nan-in-loss-and-grad", "--cross-entropy-loss-fusion",
+        "--cross-entropy-fusion-impl", "native", "--manual-gc", "--manual-gc-interval", "10",
+        "--transformer-impl", "transformer_engine", "--seq-length", "4096",
+        "--data-cache-path", CACHE, "--tokenizer-type", "HuggingFaceTokenizer",
+        "--tokenizer-model", HF_DIR, "--data-path", DATA, "--split", "99,1,0",
+        "--no-mmap-bin-files", "--no-create-attention-mask-in-dataloader", "--num-workers", "6",
+        "--num-layers", "61", "--hidden-size", "7168", "--ffn-hidden-size", "18432",
+        "--num-attention-heads", "128", "--kv-channels", "128", "--max-position-embeddings",
+        "4096", "--position-embedding-type", "rope", "--rotary-base", "10000",
+        "--make-vocab-size-divisible-by", "3232", "--normalization", "RMSNorm",
+        "--norm-epsilon", "1e-6", "--swiglu", "--untie-embeddings-and-output-weights",
+        "--multi-latent-attention", "--attention-dropout", "0.0", "--hidden-dropout", "0.0",
+        "--clip-grad", "1.0", "--weight-decay", "0.1", "--qk-layernorm",
+        "--lr-decay-samples", "584765624", "--lr-warmup-samples", "1536000",
+        "--lr-warmup-init", "3.9e-7", "--lr", "3.9e-6", "--min-lr", "3.9e-7",
+        "--lr-decay-style", "cosine", "--adam-beta1", "0.9", "--adam-beta2", "0.95",
+        "--num-experts", "256", "--moe-layer-freq", "([0]*3+[1]*58)",
+        "--moe-ffn-hidden-size", "2048", "--moe-shared-expert-intermediate-size", "2048",
+        "--moe-router-load-balancing-type", "seq_aux_loss", "--moe-router-topk", "8",
+        "--moe-grouped-gemm", "--moe-aux-loss-coeff", "1e-4", "--moe-router-group-topk", "4",
+        "--moe-router-num-groups", "8", "--moe-router-topk-scaling-factor", "2.5",
+        "--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
+        "--moe-router-bias-update-rate", "1e-3", "--moe-router-dtype", "fp32",
+        "--moe-permute-fusion", "--moe-router-fusion", "--q-lora-rank", "1536",
+        "--kv-lora-rank", "512", "--qk-head-dim", "128", "--qk-pos-emb-head-dim", "64",
+        "--v-head-dim", "128", "--rotary-scaling-factor", "40", "--mscale", "1.0",
+        "--mscale-all-dim", "1.0", "--eval-iters", "32", "--eval-interval", "200",
+        "--no-load-optim", "--no-load-rng", "--auto-detect-ckpt-format", "--load", CKPT,
+        "--save", f"{CKPT}/checkpoints", "--save-interval", "500",
+        "--dist-ckpt-strictness", "log_all", "--init-method-std", "0.02",
+        "--log-timers-to-tensorboard", "--log-memory-to-tensorboard",
+        "--log-validation-ppl-to-tensorboard", "--log-throughput", "--log-interval", "1",
+        "--logging-level", "40", "--tensorboard-dir", TB, "--wandb-project",
+        "moe-benchmarking-v0.19.0", "--wandb-exp-name",
+        "DeepSeek-V3-TP2PP8EP64CP1VPP4-MBS1GBS8192-v0.19.0", "--bf16", "--enable-experimental",
+        # the command line
+        "--recompute-granularity", "selective", "--recompute-modules", "mla_up_proj", "mlp",
+        "--mtp-num-layers", "1", "--mtp-loss-scaling-factor", "0.1",
+        "--pipeline-model-parallel-layout", "Et|(tt|)*30mL",
+        # appended by sbatch_benchmarking.sh: DISPATCHER=deepep, PR=fp8, A2A_OVERLAP=1
+        "--moe-token-dispatcher-type", "flex", "--moe-flex-dispatcher-backend", "deepep",
+        "--fp8-recipe", "blockwise", "--fp8-format", "e4m3", "--fp8-param-gather",
+        "--use-precision-aware-optimizer", "--main-grads-dtype", "fp32", "--main-params-dtype",
+        "fp32", "--exp-avg-dtype", "bf16", "--exp-avg-sq-dtype", "bf16",
+        "--moe-router-padding-for-fp8",
+        "--delay-wgrad-compute", "--overlap-moe-expert-parallel-comm",
+    ] + TST,
+}  # fmt: skip
+
 #: The scripts that pass the dry run as they are (model families: dense GPT with a batch-size
 #: schedule, Llama, Mixtral, Qwen3-MoE, DeepSeek-V3 MLA + MoE, gpt-oss attention).
 SCRIPTS = {

@@ -91,6 +91,12 @@ def test_layouts_of_the_scripts():
             "native, or omit --cross-entropy-loss-fusion.",
         ),
         (
+            "QWEN3_235B_A22B_H100_AS_PUBLISHED",
+            "error: Megatron-LM's argument validation: Transformer Engine cross entropy loss "
+            "fusion is disabled due to stability issues. Use --cross-entropy-fusion-impl "
+            "native, or omit --cross-entropy-loss-fusion.",
+        ),
+        (
             "GPT_OSS_AS_PUBLISHED",
             "error: Megatron-LM's argument parser: unrecognized arguments: "
             "--export-force-local-attention --enable-gpt-oss",
@@ -147,3 +153,26 @@ def test_the_nemotron_line_keeps_its_moe_settings():
 def _run_hybrid(script):
     env = {"WORLD_SIZE": str(script["world_size"]), **script["env"]}
     return dry(script["argv"], env=env, model="hybrid")
+
+
+@pytest.mark.parametrize("name", ["QWEN3_235B_A22B_H100", "DEEPSEEK_V3_H100"])
+def test_modelzoo_large_moe_h100_lines_pass_with_the_all_to_all_overlap(name):
+    """Megatron-MoE-ModelZoo's H100 best practice for Qwen3-235B-A22B (256 ranks) and
+    DeepSeek-V3 (1024 ranks, MTP, FP8): the expert-parallel all-to-all overlap with
+    ``--delay-wgrad-compute``, the flex (DeepEP) dispatcher, PP 8 with virtual stages, at
+    ``CUDA_DEVICE_MAX_CONNECTIONS=32``; the Qwen3 line with the one change Megatron-LM 0.19
+    itself asks for (the cross-entropy fusion, above)."""
+    script = getattr(scripts, name)
+    assert "--overlap-moe-expert-parallel-comm" in script["argv"]
+    assert "--delay-wgrad-compute" in script["argv"]
+    result = _run(script)
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert out.rstrip().endswith("dry run: no problems found")
+    if name == "QWEN3_235B_A22B_H100":
+        assert "world 256 = TP 2 x CP 1 x PP 8 x DP 16; VPP 4; EP 32" in out
+        # Qwen/Qwen3-235B-A22B model card: 235B total; V = 151,936, h = 4096 (untied)
+        assert abs(_counted(out) + 2 * 151_936 * 4096 - 235e9) <= 0.5e9, out
+    else:
+        assert "world 1024 = TP 2 x CP 1 x PP 8 x DP 64; VPP 4; EP 64" in out
+        assert "MTP 1 layer(s)" in out
