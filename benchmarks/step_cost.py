@@ -42,6 +42,7 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
+from gpu_data import CARRIED_TOKENIZER  # noqa: E402
 from measure import CollectiveBytes, PeakTensorMemory, write, write_index  # noqa: E402
 
 from tst_megatron.runtime.cpu_settings import CPU_FLAGS  # noqa: E402
@@ -65,10 +66,6 @@ SIZES = {
     "real-moe": (REAL_MOE, 2, 8),
 }
 MICRO_BATCH = 4
-#: A tokenizer that travels with the tree (SentencePiece BPE, 32,000 pieces, trained on
-#: Python's standard library: ``tools/train_tokenizer.py --vocab-size 32000``), for real-text
-#: runs on a machine without network (the GPU check, the GPU study).
-CARRIED_TOKENIZER = os.path.join(HERE, "data", "code32k.model")
 
 #: Flags of a CUDA run without Transformer Engine or Apex (the lent GPU machine has neither):
 #: megatron-core's local spec, and the fusions that need their kernels (or a torch.compile

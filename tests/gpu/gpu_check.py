@@ -30,6 +30,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+from gpu_data import build_real_text  # noqa: E402
 from step_cost import LOCAL_CUDA_FLAGS  # noqa: E402
 
 LAUNCHER = "examples/pretrain_gpt_tst.py"
@@ -524,39 +525,6 @@ REAL_SIZE_ARGS = ["--bag-sizes", "4", "--repeats", "2", "--rounds", "4"]
 #: Text for them: the machine's own installed Python sources (no network there), tokenized
 #: with the tokenizer that travels with the tree; about 4M tokens, of which a TST run reads 1.2M.
 REAL_TEXT_BYTES = 16_000_000
-
-
-def build_real_text(directory: str, max_bytes: int = REAL_TEXT_BYTES, log: str = os.devnull) -> str:
-    """A Megatron dataset of real text in ``directory``: the installed packages' ``.py`` files
-    (``tools/build_corpus.py --source python-site-packages``, ``max_bytes``) tokenized with
-    ``benchmarks/data/code32k.model``; returns its prefix.
-
-    Raises:
-        RuntimeError: a tool exited non-zero (its output is appended to ``log``).
-    """
-    from step_cost import CARRIED_TOKENIZER
-
-    corpus = os.path.join(directory, "corpus.jsonl")
-    prefix = os.path.join(directory, "corpus")
-    steps = [
-        ["tools/build_corpus.py", "--source", "python-site-packages", "--max-bytes",
-         str(max_bytes), "--output", corpus],
-        ["tools/preprocess_data.py", "--input", corpus, "--output-prefix", prefix,
-         "--tokenizer-model", CARRIED_TOKENIZER, "--append-eod",
-         "--workers", str(max(1, min(8, (os.cpu_count() or 1) - 1)))],
-    ]  # fmt: skip
-    env = dict(
-        os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))
-    )
-    for step in steps:
-        result = subprocess.run(
-            [sys.executable, *step], cwd=ROOT, env=env, capture_output=True, text=True
-        )
-        with open(log, "a") as f:
-            f.write(f"\n$ {' '.join(step)}\n{result.stdout}{result.stderr}")
-        if result.returncode != 0:
-            raise RuntimeError(f"{step[0]} exited {result.returncode}; see {log}")
-    return prefix + "_text_document"
 
 
 def check_real_size(

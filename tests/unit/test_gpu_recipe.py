@@ -45,7 +45,8 @@ def test_recipe_passes_the_launchers_checks_for_cuda(name, monkeypatch):
         assert args.untie_embeddings_and_output_weights and args.bf16
         assert args.data_parallel_size == recipe.nodes * recipe.gpus_per_node
         assert args.lr_wsd_decay_iters == recipe.train_iters // 10  # WSD: the last 10 %
-        assert args.tst_bag_size == (1 if arm == "baseline" else 6)
+        assert args.tst_bag_size == (1 if arm == "baseline" else recipe.bag_size)
+        assert (args.transformer_impl == "local") == recipe.local_spec
         n1 = checked.plan.n1
         assert run_plan(args) == checked.plan
         assert n1 == (0 if arm == "baseline" else round(0.3 * recipe.train_iters))
@@ -153,3 +154,22 @@ def test_the_hybrid_recipe_passes_the_hybrid_launchers_checks_for_cuda(monkeypat
     baseline = flags[: flags.index("--tst-bag-size") + 1] + ["1"]
     baseline += flags[flags.index("--tst-bag-size") + 2 :]
     assert check(baseline, dry_run=True, model="hybrid").problems == []
+
+
+def test_the_gpu_study_script_runs_the_h200_recipe():
+    """``scripts/gpu_study.sh`` (issue 55) parses and runs a recipe that exists: ~98M tokens
+    per arm on real text at T 1024 with a vocabulary of 32,000 (the carried tokenizer's),
+    on one GPU, with the local spec (the lent H200 has no Transformer Engine)."""
+    script = os.path.join(ROOT, "scripts", "gpu_study.sh")
+    assert subprocess.run(["bash", "-n", script]).returncode == 0 and os.access(script, os.X_OK)
+    text = open(script).read()
+    assert "--preset h200-study-dense" in text and "--reuse" in text
+    recipe = RECIPES["h200-study-dense"]
+    assert recipe.local_spec and recipe.gpus_per_node * recipe.nodes == 1
+    tokens = recipe.global_batch_size * recipe.seq_length * recipe.train_iters
+    assert tokens >= 50e6 and recipe.seq_length >= 1024
+    import sentencepiece
+
+    carried = os.path.join(ROOT, "benchmarks", "data", "code32k.model")
+    vocab = sentencepiece.SentencePieceProcessor(model_file=carried).vocab_size()
+    assert vocab == recipe.vocab_size >= 16_000
