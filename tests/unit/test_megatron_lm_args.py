@@ -564,7 +564,7 @@ def test_the_help_of_each_refused_megatron_lm_flag_says_so():
     assert "Refused by this launcher: TST trains on megatron-core's GPTDataset" in helps["--sft"]
     marked = [flag for flag, text in helps.items() if "Refused by this launcher" in text]
     assert "--lr" not in marked and "--tst-bag-size" not in marked
-    assert len(marked) == 15, marked  # 12 data flags, 3 pretrain_gpt.py features
+    assert len(marked) == 14, marked  # 12 data flags, 2 pretrain_gpt.py features
     assert "Refused by this launcher" in parser.format_help()
 
 
