@@ -34,6 +34,11 @@ How:
    generator of its own (:class:`_OwnSeedDataLoader`): otherwise ``iter(loader)`` draws from
    torch's global CPU generator, which on a CPU is also dropout's, after a resume has
    restored it, and a resumed run with dropout would not continue bitwise.
+7. The all-to-all overlap's schedule (``--overlap-moe-expert-parallel-comm``: megatron-core's
+   combined 1F1B, ``_MODULES``' schedule-plan modules): its streams are :class:`_Stream`, a
+   ``torch.Stream`` of the CPU; ``tensor.record_stream`` on a CPU tensor does nothing (a CPU
+   kernel registered for ``aten::record_stream``, :func:`_record_stream_on_cpu`); and its
+   nodes keep their inputs instead of freeing them (``_should_free_input``).
 
 :func:`enable` is idempotent and may be called before or after ``torch.distributed`` is
 initialised; :func:`is_enabled` tells whether it ran.
