@@ -24,22 +24,34 @@ from tests.distributed.harness import run_distributed
 MICRO_BATCHES = 2
 
 
-def _child(rank, world, *, overlap, phase, mtp, delay_wgrad=False, switch=False):
+def _children(rank, world, *, runs):
+    """Each of ``runs`` (keyword dicts of :func:`_run`) in this process, one after another,
+    on one EP=2 parallel state (one spawn for a test's plain and overlapped runs)."""
+    from tst_megatron.runtime import ParallelConfig, initialize_model_parallel
+
+    initialize_model_parallel(ParallelConfig(expert_model_parallel_size=2))
+    return [_run(rank, **run) for run in runs]
+
+
+def _pair(**run):
+    """``(plain, overlapped)`` per rank: the same run without and with the overlap."""
+    ranks = run_distributed(_children, 2, runs=[dict(run, overlap=False), dict(run, overlap=True)])
+    return [(results[0], results[1]) for results in ranks]
+
+
+def _run(rank, *, overlap, phase, mtp, delay_wgrad=False, switch=False):
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from tests.distributed.harness import build_gpt_model
-    from tst_megatron.runtime import ParallelConfig, initialize_model_parallel, set_seed
+    from tst_megatron.runtime import set_seed
     from tst_megatron.training.forward import make_phase1_step, make_phase2_step
     from tst_megatron.training.gpt import TSTGPTModel
     from tst_megatron.training.model import gpt_block_spec, local_mtp_block_spec
 
-    initialize_model_parallel(ParallelConfig(expert_model_parallel_size=2))
     set_seed(7)
     config = gpt._config(1, 1, 2, "alltoall")
-    if (
-        delay_wgrad
-    ):  # validated as a bf16 model with the overlap (megatron-core's rule), run in fp32
+    if delay_wgrad:  # validated as a bf16 model with the overlap (megatron-core's rule), in fp32
         import dataclasses
 
         config = dataclasses.replace(
@@ -104,10 +116,7 @@ def _child(rank, world, *, overlap, phase, mtp, delay_wgrad=False, switch=False)
 @pytest.mark.parametrize("phase", [1, 2])
 @pytest.mark.parametrize("mtp", [False, True], ids=["", "mtp"])
 def test_the_all_to_all_overlap_equals_the_plain_schedule(phase, mtp):
-    plain = run_distributed(_child, 2, overlap=False, phase=phase, mtp=mtp)
-    overlapped = run_distributed(_child, 2, overlap=True, phase=phase, mtp=mtp)
-    for rank in range(2):
-        a, b = plain[rank], overlapped[rank]
+    for rank, (a, b) in enumerate(_pair(phase=phase, mtp=mtp)):
         assert len(a["losses"]) == MICRO_BATCHES
         for x, y in zip(a["losses"], b["losses"]):
             assert torch.equal(x, y), (rank, x, y)
@@ -131,10 +140,15 @@ def test_delayed_weight_gradients_with_the_overlap_equal_the_plain_schedule(phas
     """``--delay-wgrad-compute`` (every large-MoE recipe pairs it with the overlap): the same
     numbers. On the local spec the delay changes little (Transformer Engine's layers are where
     weight gradients really wait: not run here)."""
-    plain = run_distributed(_child, 2, overlap=False, phase=phase, mtp=False)
-    delayed = run_distributed(_child, 2, overlap=True, phase=phase, mtp=False, delay_wgrad=True)
-    for rank in range(2):
-        a, b = plain[rank], delayed[rank]
+    ranks = run_distributed(
+        _children,
+        2,
+        runs=[
+            dict(overlap=False, phase=phase, mtp=False),
+            dict(overlap=True, phase=phase, mtp=False, delay_wgrad=True),
+        ],
+    )
+    for rank, (a, b) in enumerate(ranks):
         assert all(torch.equal(x, y) for x, y in zip(a["losses"], b["losses"]))
         assert a["grads"].keys() == b["grads"].keys()
         for name, grad in a["grads"].items():
@@ -146,10 +160,7 @@ def test_the_all_to_all_overlap_equals_the_plain_schedule_through_the_switch():
     """A phase-1 step, an update, then a phase-2 step (the switch, at megatron-core's level:
     the launcher picks the step function by iteration, the plan is built per micro-batch):
     every loss and the phase-2 gradients bitwise."""
-    plain = run_distributed(_child, 2, overlap=False, phase=2, mtp=False, switch=True)
-    overlapped = run_distributed(_child, 2, overlap=True, phase=2, mtp=False, switch=True)
-    for rank in range(2):
-        a, b = plain[rank], overlapped[rank]
+    for rank, (a, b) in enumerate(_pair(phase=2, mtp=False, switch=True)):
         assert len(a["losses"]) == 2 * MICRO_BATCHES
         assert all(torch.equal(x, y) for x, y in zip(a["losses"], b["losses"]))
         for name, grad in a["grads"].items():
