@@ -19,9 +19,6 @@ checkpoint's tensors read with stock ``torch.distributed.checkpoint``, mapped by
 
 from __future__ import annotations
 
-import contextlib
-import importlib.util
-import io
 import json
 import math
 import os
@@ -215,20 +212,9 @@ def _hf_logits(path):
         return _hf_model(path)(TOKENS).logits.double()
 
 
+from tests.unit.test_conversion_output import _cli, snapshot  # noqa: E402  (the CLI, in process)
+
 # --- children --------------------------------------------------------------------------------
-
-
-def _cli(*argv):
-    """``tools/convert_checkpoint.py`` run in this process: ``(status, stdout, stderr)``."""
-    spec = importlib.util.spec_from_file_location(
-        "convert_checkpoint", os.path.join(ROOT, "tools", "convert_checkpoint.py")
-    )
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        status = tool.main([str(a) for a in argv])
-    return status, out.getvalue(), err.getvalue()
 
 
 def _make_hf(path, model_type, kwargs, dtype):
@@ -291,8 +277,6 @@ def _convert_child(rank, world, *, roots, hf_root):
         p: os.path.getmtime(os.path.join(switch, p)) for p in os.listdir(switch)
     }
     # the cases that once deleted a run (issue 56): with --force, each is one line, exit 2
-    from tests.unit.test_conversion_output import snapshot
-
     ck = os.path.join(q, "ckpt")
     before = snapshot(q)
     out["own_checkpoint"] = [

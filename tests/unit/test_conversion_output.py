@@ -21,6 +21,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def _cli(*argv):
+    """``tools/convert_checkpoint.py`` run in this process: ``(status, stdout, stderr)``."""
     spec = importlib.util.spec_from_file_location(
         "convert_checkpoint", os.path.join(ROOT, "tools", "convert_checkpoint.py")
     )

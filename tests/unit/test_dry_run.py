@@ -151,6 +151,14 @@ def test_the_dry_run_checks_the_line_for_the_gpu_it_names():
     assert "--dry-run-gpu: validated as for the GB200 (compute capability 10.0)" in text
     bad = dry(tp + ["--dry-run-gpu", "X100"], env=env)
     assert bad.returncode == 2 and "--dry-run-gpu" in bad.stderr
+    # a launch (not a dry run) does not honour it: one line
+    from tst_megatron.training.checks import hardware
+
+    args = SimpleNamespace(dry_run_gpu="GB200", wandb_project=None)
+    launch = SimpleNamespace(args=args, device="cuda", launch=True, argv=())
+    with mock.patch.object(hardware, "without_te_problems", lambda *a, **k: []):
+        lines = hardware.problems(launch)
+    assert [line for line in lines if line.startswith("--dry-run-gpu GB200 names the GPU")]
 
 
 def test_gated_delta_net_layers_are_named_and_not_counted_and_refused_on_a_cpu():
@@ -195,7 +203,7 @@ def test_the_readme_and_the_help_name_every_check_the_dry_run_skips():
     README's dry-run paragraph and ``--help`` say so."""
     import argparse
 
-    from tst_megatron.training.checks import DRY_RUN_SKIPS
+    from tst_megatron.runtime.assumed import DRY_RUN_SKIPS
     from tst_megatron.training.flags import add_tst_args
 
     readme = " ".join(open(os.path.join(ROOT, "README.md")).read().split())

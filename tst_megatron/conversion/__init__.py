@@ -20,6 +20,7 @@ Both build the 1-process model the way the launcher does
 from __future__ import annotations
 
 import os
+import re
 import shutil
 from typing import Optional
 
@@ -40,6 +41,7 @@ from tst_megatron.conversion.output import (
     replace_dir,
     temporary_dir,
 )
+from tst_megatron.training.plan import run_plan
 
 
 def export_checkpoint(
@@ -123,10 +125,6 @@ def _phase1_position(saved, path: str) -> Optional[tuple[int, int]]:
     """``(iteration, N1)`` when the checkpoint ``path`` of a TST run (its saved ``args``) is
     before the switch, else None. Such a model was trained on bags only: the paper's phase-1
     -only models scored 4.6-6.6 next-token loss where the baseline scored 3.2 (270M)."""
-    import re
-
-    from tst_megatron.training.plan import run_plan
-
     found = re.fullmatch(r"iter_(\d+)", os.path.basename(os.path.normpath(path)))
     if found is None or getattr(saved, "tst_bag_size", None) is None:
         return None
@@ -195,7 +193,6 @@ def import_checkpoint(
         write_release(tmp, ns, state)
         with open(os.path.join(tmp, IMPORT_MARKER), "w") as f:  # lets --force replace it later
             f.write(f"imported from {os.path.abspath(hf_dir)}\n")
-        os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes 0700
     except BaseException:
         discard(tmp)
         raise
@@ -207,9 +204,3 @@ def import_checkpoint(
         "flags": flags,
         "tokenizer": tokenizer,
     }
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask

@@ -19,7 +19,13 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from tst_megatron.conversion import mlm
-from tst_megatron.conversion.output import check_output, discard, replace_dir, temporary_dir
+from tst_megatron.conversion.output import (
+    check_output,
+    discard,
+    replace_dir,
+    temporary_dir,
+    umask,
+)
 from tst_megatron.conversion.rules import ARCHITECTURES, Architecture, Shapes, architecture_for
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -396,11 +402,9 @@ def write_hf_dir(
                 json.dump(index, f, indent=2, sort_keys=True)
         if tokenizer_model:
             write_tokenizer(tmp, tokenizer_model, max_length=config.max_position_embeddings)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes 0700
+        mask = umask()
         for name in os.listdir(tmp):  # safetensors writes 0600; give every file the usual mode
-            os.chmod(os.path.join(tmp, name), 0o666 & ~umask)
+            os.chmod(os.path.join(tmp, name), 0o666 & ~mask)
     except BaseException:
         discard(tmp)
         raise

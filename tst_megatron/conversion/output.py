@@ -117,12 +117,21 @@ def check_output(save: str, *, reads: Mapping[str, str], force: bool, kind: str)
         raise FileExistsError(f"{save} exists ({previous}); pass --force to replace it")
 
 
+def umask() -> int:
+    """This process's umask (the usual modes: folders ``0o777 & ~umask``, files ``0o666``)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def temporary_dir(save: str) -> str:
     """A new, empty hidden folder next to ``save`` to build the output in (never an existing
-    path: nothing is removed to make room)."""
+    path: nothing is removed to make room), with the mode ``mkdir`` would give it."""
     parent = os.path.dirname(os.path.abspath(save))
     os.makedirs(parent, exist_ok=True)
-    return tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.abspath(save))}.tmp-", dir=parent)
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.abspath(save))}.tmp-", dir=parent)
+    os.chmod(tmp, 0o777 & ~umask())  # mkdtemp makes 0700
+    return tmp
 
 
 def replace_dir(tmp: str, save: str) -> None:

@@ -47,6 +47,17 @@ GPUS = {
 DEFAULT_GPU = "H100"
 ASSUMED_GPU = GPUS[DEFAULT_GPU]
 
+#: What a dry run leaves unchecked because the machine running it need not hold the
+#: cluster's files and packages: ``{key: words}``. Its ``assumed:`` lines say which applied
+#: (``training.checks.dry_run_assumptions``); ``--dry-run``'s help and the README name each
+#: (``tests/unit/test_dry_run.py`` holds them together).
+DRY_RUN_SKIPS = {
+    "files": "the data and tokenizer files, where they are not on this machine",
+    "packages": "whether Transformer Engine, Apex and grouped_gemm are installed",
+    "kernels": "whether mamba_ssm and fla (hybrid M and G layers) are installed",
+}
+
+
 #: The TE version answered when TE is not installed (the highest megatron-core 0.19 asks about).
 ASSUMED_TE_VERSION = "2.14.0"
 

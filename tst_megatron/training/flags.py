@@ -8,7 +8,7 @@ import copy
 import dataclasses
 import typing
 
-from tst_megatron.runtime.assumed import DEFAULT_GPU, GPUS
+from tst_megatron.runtime.assumed import DEFAULT_GPU, DRY_RUN_SKIPS, GPUS
 from tst_megatron.superposition.schedule import TSTConfig
 
 #: Megatron-LM flags for features of ``pretrain_gpt.py`` that this launcher does not have
@@ -53,8 +53,6 @@ def _tst_group_factory():
 def add_tst_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Megatron-LM extra-args provider: ``--tst-*``, ``--dry-run``, ``--device``; returns
     ``parser``."""
-    from tst_megatron.training.checks import DRY_RUN_SKIPS  # it imports this module's users
-
     group = _tst_group_factory().build_group(parser, title="token superposition training (TST)")
     group.add_argument(
         "--dry-run",

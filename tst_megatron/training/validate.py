@@ -25,6 +25,7 @@ from tst_megatron.training.checks import (
     launch_problems,
     validation_error,
 )
+from tst_megatron.training.checks.resume import checkpoint_to_resume
 from tst_megatron.training.flags import add_tst_args
 from tst_megatron.training.plan import RunPlan, run_plan
 
@@ -191,9 +192,6 @@ def _resumed(args) -> Optional[tuple[int, object]]:
     """``(iteration, saved args)`` of the checkpoint this launch resumes, for
     :func:`~tst_megatron.training.plan.run_plan` (None: none, or unreadable, which the resume
     rules report)."""
-    from tst_megatron.errors import ConfigError
-    from tst_megatron.training.checks.resume import checkpoint_to_resume
-
     try:
         found = checkpoint_to_resume(args)
     except ConfigError:

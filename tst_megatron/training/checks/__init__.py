@@ -17,6 +17,7 @@ import os
 import traceback
 from typing import Any, Optional, Sequence
 
+from tst_megatron.runtime import assumed
 from tst_megatron.training.checks import (
     batch,
     data,
@@ -108,32 +109,18 @@ def launch_problems(launch: Launch) -> list[str]:
     return []
 
 
-#: What a dry run leaves unchecked because the machine running it need not hold the
-#: cluster's files and packages: ``{key: words}``. Its ``assumed:`` lines say which applied
-#: (:func:`dry_run_assumptions`); ``--dry-run``'s help and the README name each
-#: (``tests/unit/test_dry_run.py`` holds them together).
-DRY_RUN_SKIPS = {
-    "files": "the data and tokenizer files, where they are not on this machine",
-    "packages": "whether Transformer Engine, Apex and grouped_gemm are installed",
-    "kernels": "whether mamba_ssm and fla (hybrid M and G layers) are installed",
-}
-
-
 def dry_run_assumptions(launch: Launch) -> list[str]:
-    """The ``assumed:`` lines of a dry run for :data:`DRY_RUN_SKIPS`: each check it could not
-    run here, and why."""
+    """The ``assumed:`` lines of a dry run for
+    :data:`~tst_megatron.runtime.assumed.DRY_RUN_SKIPS`: each check it could not run here, and
+    why."""
     lines = []
     if missing := data.files_not_here(launch.args):
         shown = ", ".join(missing[:3]) + (", ..." if len(missing) > 3 else "")
-        lines.append(f"not here, so not checked: {shown} ({DRY_RUN_SKIPS['files']})")
+        lines.append(f"not here, so not checked: {shown} ({assumed.DRY_RUN_SKIPS['files']})")
     if launch.device == "cuda":
         absent = [
             name
-            for name, module in (
-                ("Transformer Engine", "transformer_engine"),
-                ("Apex", "fused_weight_gradient_mlp_cuda"),
-                ("grouped_gemm", "grouped_gemm"),
-            )
+            for name, module in hardware.CLUSTER_PACKAGES.items()
             if importlib.util.find_spec(module) is None
         ]
         if absent:

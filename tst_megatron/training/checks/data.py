@@ -120,7 +120,7 @@ def files_not_here(args) -> list[str]:
     try:
         data = data_settings(args)
         prefixes = [] if data.mock_data or not data.data_path else data_prefixes(data.data_path)
-    except (OSError, ValueError, ConfigError):  # an unreadable --data-args-path: the data rules'
+    except (OSError, ValueError, AssertionError, ConfigError):  # the data rules report it
         prefixes, missing = [], [getattr(args, "data_args_path", None) or "--data-path"]
     for prefix in prefixes:
         missing += [p for p in (prefix + ".bin", prefix + ".idx") if not os.path.isfile(p)]

@@ -149,6 +149,15 @@ def cpu_flag_problems(argv: Sequence[str]) -> list[str]:
     return problems
 
 
+#: The packages a dry run assumes the cluster has (``{name: module it imports}``):
+#: :func:`problems` checks them only in a launch.
+CLUSTER_PACKAGES = {
+    "Transformer Engine": "transformer_engine",
+    "Apex": "fused_weight_gradient_mlp_cuda",
+    "grouped_gemm": "grouped_gemm",
+}
+
+
 def problems(launch) -> list[str]:
     """The hardware rules of a :class:`~tst_megatron.training.checks.Launch`: in a launch,
     this machine's packages and GPU; in a dry run, the cluster's (a CUDA run is assumed to
@@ -161,11 +170,16 @@ def problems(launch) -> list[str]:
         )
 
     found = installed_problems(args) if launch.launch else []
+    if launch.launch and getattr(args, "dry_run_gpu", None):  # honoured only by --dry-run
+        found.append(
+            f"--dry-run-gpu {args.dry_run_gpu} names the GPU a --dry-run checks the line for; a "
+            "launch runs on this machine's GPU: drop it, or add --dry-run"
+        )
     found += without_te_problems(
         args,
-        te=here("transformer_engine"),
-        apex=here("fused_weight_gradient_mlp_cuda"),
-        grouped_gemm=here("grouped_gemm"),
+        te=here(CLUSTER_PACKAGES["Transformer Engine"]),
+        apex=here(CLUSTER_PACKAGES["Apex"]),
+        grouped_gemm=here(CLUSTER_PACKAGES["grouped_gemm"]),
     )
     if device == "cpu":
         found += cpu_problems(args) + cpu_flag_problems(launch.argv)

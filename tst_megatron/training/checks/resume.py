@@ -3,10 +3,13 @@ plan, the model, the learning-rate schedule), read before any work."""
 
 from __future__ import annotations
 
+import glob
 import os
 import warnings
 from types import SimpleNamespace
 from typing import Optional
+
+import torch
 
 from tst_megatron.errors import ConfigError
 from tst_megatron.training.plan import run_plan
@@ -71,10 +74,6 @@ def read_common_state(path: str) -> dict:
     Raises:
         ConfigError: none of these formats.
     """
-    import glob
-
-    import torch
-
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         if os.path.isfile(os.path.join(path, "metadata.json")):

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from tst_megatron.errors import ConfigError
+from tst_megatron.training.checks.resume import checkpoint_to_resume
+
 
 def tst_problems(args, plan, *, config=None) -> list[str]:
     """What TST cannot run (:func:`tst_setting_problems`), then with ``--fp8-format`` the GEMM
@@ -70,9 +73,6 @@ def notes(launch) -> list[str]:
 
 def _past_switch(args, plan) -> bool:
     """The checkpoint this launch resumes is at or past ``N1``: only phase 2 is left."""
-    from tst_megatron.errors import ConfigError
-    from tst_megatron.training.checks.resume import checkpoint_to_resume
-
     try:
         found = checkpoint_to_resume(args)
     except ConfigError:  # the resume rules report it
