@@ -73,6 +73,7 @@ def build_gpt_model(
     pre_process: bool = True,
     post_process: bool = True,
     share_embeddings_and_output_weights: bool = False,
+    vp_stage=None,
 ):
     """One stage of the launcher's model (``TSTGPTModel``, rope, vocab-parallel logits) from a
     ``TransformerConfig``, for tests that build a model without Megatron-LM's arguments: the
@@ -83,7 +84,7 @@ def build_gpt_model(
     from tst_megatron.training.model import gpt_block_spec, tag_expert_grad_reduction
 
     if transformer_impl == "local":
-        spec = gpt_block_spec(config)
+        spec = gpt_block_spec(config, vp_stage=vp_stage)
     else:
         spec = get_gpt_decoder_block_spec(
             config, use_transformer_engine=True, normalization=config.normalization
@@ -98,6 +99,7 @@ def build_gpt_model(
         parallel_output=True,
         share_embeddings_and_output_weights=share_embeddings_and_output_weights,
         position_embedding_type="rope",
+        vp_stage=vp_stage,
     )
     tag_expert_grad_reduction(model, config)
     return model
