@@ -28,6 +28,7 @@ CACHE = "runs/launch-script/data_cache"
 DATA = "data/corpus_text_document"  # a Megatron .bin/.idx prefix
 SP_MODEL = "data/tokenizer.model"  # a SentencePiece model (Llama2Tokenizer)
 HF_DIR = "data/qwen3-tokenizer"  # a local Hugging Face tokenizer directory
+TIKTOKEN = "data/tiktoken-vocab.json"  # a local TikTokenizer vocabulary
 
 TST = ["--tst-bag-size", "4"]
 
@@ -612,6 +613,104 @@ NEMOTRON3_NANO = {
         "--attention-dropout", "0.0", "--hidden-dropout", "0.0",
         "--adam-beta1", "0.9", "--adam-beta2", "0.95", "--log-interval", "10",
         "--eval-interval", "2000", "--eval-iters", "32", "--tensorboard-dir", TB,
+    ] + TST,
+}  # fmt: skip
+
+# NVIDIA Nemotron 3 Super (Mamba-2, attention, a 512-expert latent MoE, 2 MTP layers; MXFP8) as
+# NVIDIA/Megatron-LM main (d98e8a64dd, 2026-08-22) publishes its GB200 release run:
+# tests/functional_tests/test_cases/nemotron/nemotron3_super_release_gb200/model_config.yaml
+# (ENV_VARS and MODEL_ARGS; its runner, shell_test_utils/_run_training.sh, passes `true` as the
+# bare flag and "[a b]" as two words, to pretrain_hybrid.py). CI placeholders: ${DATA_BLEND},
+# ${DATA_CACHE_PATH}, the checkpoint, TensorBoard and W&B paths -> local names;
+# ${TOKENIZER_TYPE}/${TOKENIZER_MODEL_PATH} -> TikTokenizer and a local vocabulary file (the
+# line sets --tiktoken-pattern). World size: 64 GPUs (EP 64 needs a multiple of 64; Megatron-
+# Bridge's recipe of the same layout, nemotron_3_super_pretrain_64gpu_gb200_fp8mx_config, is
+# "64 x GB200"; the release job's node count is not public).
+NEMOTRON3_SUPER_GB200 = {
+    "world_size": 64,
+    "gpu": "GB200",
+    "env": {
+        "CUDA_DEVICE_MAX_CONNECTIONS": "32", "NCCL_GRAPH_REGISTER": "0", "NCCL_NVLS_ENABLE": "0",
+        "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True,garbage_collection_threshold:0.8",
+        "TORCH_NCCL_AVOID_RECORD_STREAMS": "1", "TORCH_NCCL_HIGH_PRIORITY": "1",
+        "NUM_OF_HYBRID_EP_RANKS_PER_NVLINK_DOMAIN": "64",
+        "NUM_OF_TOKENS_PER_CHUNK_COMBINE_API": "128", "NVLINK_DOMAIN_SIZE": "72", "USE_MNNVL": "1",
+        "NVTE_BWD_LAYERNORM_SM_MARGIN": "20", "NVTE_FWD_LAYERNORM_SM_MARGIN": "20",
+        "TORCHINDUCTOR_WORKER_START": "fork", "QUANTIZATION_TYPE_DEBUG": "1",
+        "NON_DETERMINSTIC_RESULTS": "1",
+    },
+    "argv": [
+        # Distributed args
+        "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "1",
+        "--expert-model-parallel-size", "64", "--expert-tensor-parallel-size", "1",
+        "--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather",
+        "--sequence-parallel", "--ddp-num-buckets", "10", "--ddp-pad-buckets-for-high-nccl-busbw",
+        "--high-priority-stream-groups", "ep", "--distributed-timeout-minutes", "10",
+        "--disable-gloo-process-groups",
+        # Training args
+        "--micro-batch-size", "1", "--global-batch-size", "512", "--train-samples", "12207031",
+        "--cross-entropy-loss-fusion", "--cross-entropy-fusion-impl", "native",
+        "--attention-backend", "fused", "--transformer-impl", "transformer_engine",
+        "--cuda-graph-impl", "transformer_engine",
+        "--cuda-graph-modules", "attn", "mamba", "moe_router", "moe_preprocess",
+        "--cuda-graph-warmup-steps", "3", "--te-rng-tracker", "--manual-gc",
+        "--manual-gc-interval", "100", "--no-create-attention-mask-in-dataloader",
+        "--num-workers", "1", "--exit-interval", "23840", "--override-opt_param-scheduler",
+        # Network size args
+        "--use-mcore-models",
+        "--spec", "megatron.core.models.hybrid.hybrid_layer_specs", "hybrid_stack_spec",
+        "--is-hybrid-model", "--mamba-num-heads", "128", "--num-layers", "88",
+        "--hidden-size", "4096", "--ffn-hidden-size", "2688", "--num-attention-heads", "32",
+        "--group-query-attention", "--num-query-groups", "2", "--kv-channels", "128",
+        "--hybrid-layer-pattern",
+        "MEMEMEM*EMEMEMEM*EMEMEMEM*EMEMEMEMEM*EMEMEMEMEM*EMEMEMEMEM*EMEMEMEMEM*EMEMEMEM*EMEMEMEME"
+        "/*E/*E",
+        "--position-embedding-type", "none", "--normalization", "RMSNorm",
+        "--untie-embeddings-and-output-weights", "--init-method-std", "0.014",
+        "--disable-bias-linear", "--squared-relu", "--use-fused-weighted-squared-relu",
+        # Data args
+        "--seq-length", "8192", "--max-position-embeddings", "8192",
+        "--data-path", DATA, "--data-cache-path", CACHE, "--tiktoken-pattern", "v2",
+        "--tokenizer-type", "TikTokenizer", "--tokenizer-model", TIKTOKEN, "--no-mmap-bin-files",
+        # MoE args
+        "--num-experts", "512", "--moe-router-topk", "22", "--moe-router-topk-scaling-factor",
+        "5.0", "--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
+        "--moe-router-dtype", "fp32", "--moe-router-load-balancing-type", "seq_aux_loss",
+        "--moe-aux-loss-coeff", "1e-4", "--moe-router-padding-for-quantization",
+        "--moe-token-dispatcher-type", "flex", "--moe-flex-dispatcher-backend", "hybridep",
+        "--moe-hybridep-num-sms", "32", "--moe-grouped-gemm", "--moe-permute-fusion",
+        "--moe-latent-size", "1024", "--moe-shared-expert-intermediate-size", "5376",
+        # MTP args
+        "--mtp-num-layers", "2", "--calculate-per-token-loss", "--mtp-loss-scaling-factor", "0.3",
+        # Mixed precision / quantization args
+        "--bf16", "--grad-reduce-in-bf16", "--first-last-layers-bf16",
+        "--num-layers-at-start-in-bf16", "0", "--num-layers-at-end-in-bf16", "14",
+        "--fp8-format", "e4m3", "--fp8-recipe", "mxfp8", "--fp8-param-gather",
+        "--reuse-grad-buf-for-mxfp8-param-ag",
+        # Regularization args
+        "--attention-dropout", "0.0", "--hidden-dropout", "0.0", "--clip-grad", "1.0",
+        "--weight-decay", "0.1",
+        # Learning rate args
+        "--lr", "4.5e-4", "--min-lr", "4.5e-6", "--lr-decay-style", "WSD",
+        "--lr-warmup-samples", "24414063", "--lr-decay-samples", "3048706055",
+        "--lr-wsd-decay-style", "minus_sqrt", "--lr-wsd-decay-samples", "610351563",
+        "--adam-beta1", "0.9", "--adam-beta2", "0.95",
+        # Checkpointing args
+        "--save", CKPT, "--load", CKPT, "--ckpt-format", "torch_dist",
+        "--ckpt-fully-parallel-save", "--ckpt-fully-parallel-load",
+        "--ckpt-assume-constant-structure", "--dist-ckpt-strictness", "log_all", "--async-save",
+        "--async-strategy", "nvrx", "--async-ckpt-use-cpu-shm", "--use-persistent-ckpt-worker",
+        "--save-interval", "200", "--save-retain-interval", "2000",
+        # Validation args
+        "--eval-interval", "100", "--eval-iters", "14",
+        # Logging args
+        "--log-interval", "10", "--log-params-norm", "--log-num-zeros-in-grad",
+        "--log-timers-to-tensorboard", "--log-memory-to-tensorboard", "--log-throughput",
+        "--log-progress", "--log-energy", "--log-memory-interval", "50", "--logging-level", "20",
+        "--timing-log-option", "minmax", "--check-weight-hash-across-dp-replicas-interval",
+        "2000", "--tensorboard-dir", TB, "--wandb-project", "megatron-core-release-runs",
+        "--wandb-entity", "adlr", "--wandb-exp-name", "nemotron3-super-tst",
+        "--wandb-save-dir", "runs/launch-script/wandb",
     ] + TST,
 }  # fmt: skip
 

@@ -176,3 +176,26 @@ def test_modelzoo_large_moe_h100_lines_pass_with_the_all_to_all_overlap(name):
     else:
         assert "world 1024 = TP 2 x CP 1 x PP 8 x DP 64; VPP 4; EP 64" in out
         assert "MTP 1 layer(s)" in out
+
+
+def test_the_nemotron_3_super_gb200_line_passes_with_its_gpu_named():
+    """NVIDIA's Nemotron 3 Super GB200 release line (``CUDA_DEVICE_MAX_CONNECTIONS=32`` with TP 2,
+    Blackwell's rule; MXFP8, TE CUDA graphs, the hybridep dispatcher, 2 MTP layers) passes the
+    hybrid dry run unchanged with ``--dry-run-gpu GB200``; as for the default H100 it is
+    Megatron-LM's own Hopper rule, in one line."""
+    script = scripts.NEMOTRON3_SUPER_GB200
+    env = {"WORLD_SIZE": str(script["world_size"]), **script["env"]}
+    result = dry(script["argv"] + ["--dry-run-gpu", script["gpu"]], env=env, model="hybrid")
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert "assumed: --dry-run-gpu: validated as for the GB200 (compute capability 10.0)" in out
+    assert "world 64 = TP 2 x CP 1 x PP 1 x DP 32; VPP 1; EP 64, ETP 1" in out
+    assert "40 Mamba-2 (M), 8 attention (*), 40 MoE (E); MTP 2 x '*E'" in out
+    assert "512 experts of 2688, top-22, shared expert 5376" in out
+    assert out.rstrip().endswith("dry run: no problems found")
+    as_h100 = dry(script["argv"], env=env, model="hybrid")
+    assert as_h100.returncode == 2
+    assert _errors(as_h100.stderr) == [
+        "error: Megatron-LM's argument validation: Using tensor model parallelism or context "
+        "parallelism require setting the environment variable CUDA_DEVICE_MAX_CONNECTIONS to 1"
+    ]
