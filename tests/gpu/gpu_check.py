@@ -66,6 +66,9 @@ HYBRID_MAMBA = [
     "--mamba-num-groups", "2", "--mamba-state-dim", "64",
 ]  # fmt: skip
 
+#: Expert parallelism over 2 GPUs (``--overlap-moe-expert-parallel-comm`` needs EP >= 2).
+EP2 = ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall"]
+
 #: name -> (extra flags, the run it is compared with or None, what is checked)
 RUNS = {
     "local bf16": (LOCAL, None, "reference: local spec, bf16, through the switch"),
@@ -107,6 +110,18 @@ RUNS = {
         "local bf16",
         "per-layer CUDA graphs (`--cuda-graph-impl local`) through the switch, close to local bf16",
     ),
+    # the expert-parallel all-to-all overlap (megatron-core's combined 1F1B): EP 2, so 2 GPUs
+    "local EP2 alltoall": (
+        LOCAL + EP2,
+        "local bf16",
+        "2 GPUs: EP 2, alltoall dispatcher (the overlap's reference), close to local bf16",
+    ),
+    "local EP2 overlap": (
+        # (--delay-wgrad-compute needs the TE spec: Megatron-LM's validate_args)
+        LOCAL + EP2 + ["--overlap-moe-expert-parallel-comm"],
+        "local EP2 alltoall",
+        "2 GPUs: the all-to-all overlap through the switch, close to EP 2 without it",
+    ),
     "hybrid local bf16": (
         LOCAL + HYBRID_MOE,
         "local bf16",
@@ -132,6 +147,11 @@ def argv_of(name: str) -> list:
         at = BASE.index("--num-layers")
         return BASE[:at] + BASE[at + 2 :] + RUNS[name][0]
     return BASE + RUNS[name][0]
+
+
+def gpus_of(name: str) -> int:
+    """GPUs (processes) run ``name`` takes: 2 for the expert-parallel runs, else 1."""
+    return 2 if "--expert-model-parallel-size" in RUNS.get(name, ((),))[0] else 1
 
 
 def is_hybrid(name: str) -> bool:
@@ -171,6 +191,7 @@ def validate_all(world_size: int = 1) -> None:
         for name in [*RUNS, *saves]:
             argv = saves[name] if name in saves else argv_of(name)
             model = "hybrid" if name in RUNS and is_hybrid(name) else "gpt"
+            os.environ["WORLD_SIZE"] = str(world_size * gpus_of(name))
             problems = check(argv, dry_run=True, model=model).problems
             if problems:
                 raise ConfigError(f"{name}: " + "\n".join(problems))
@@ -225,8 +246,9 @@ def parse_losses(text: str) -> dict:
 RUN_TIMEOUT = 180
 
 
-def _train(argv: list, log: str, launcher: str = LAUNCHER) -> dict:
-    """Run ``launcher`` on 1 GPU with ``argv``; return ``{"train": {iteration: loss}}``.
+def _train(argv: list, log: str, launcher: str = LAUNCHER, gpus: int = 1) -> dict:
+    """Run ``launcher`` on 1 GPU with ``argv`` (``gpus`` > 1: one process per GPU through
+    ``torch.distributed.run``); return ``{"train": {iteration: loss}}``.
 
     Raises:
         RuntimeError: the child exited non-zero or ran past :data:`RUN_TIMEOUT`.
@@ -243,9 +265,15 @@ def _train(argv: list, log: str, launcher: str = LAUNCHER) -> dict:
         CUDA_DEVICE_MAX_CONNECTIONS="1",
         PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])),
     )
+    command = [sys.executable, launcher, *argv]
+    if gpus > 1:  # torchrun sets each process's rank; the log lines come from the last rank
+        for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+            del env[key]
+        command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(gpus)]
+        command += ["--master-port", env["MASTER_PORT"], launcher, *argv]
     try:
         result = subprocess.run(
-            [sys.executable, launcher, *argv],
+            command,
             cwd=ROOT,
             env=env,
             capture_output=True,
@@ -322,6 +350,13 @@ def skip_reason(name: str):
         return "skipped: this Transformer Engine has no current scaling"
     if name == "hybrid TE Mamba" and not mamba_ssm_installed():
         return NO_MAMBA
+    if gpus_of(name) > 1:
+        import torch
+
+        if torch.cuda.device_count() < gpus_of(name):
+            return (
+                f"skipped: needs {gpus_of(name)} GPUs, this machine has {torch.cuda.device_count()}"
+            )
     return None
 
 
@@ -339,7 +374,7 @@ def check_training(rows: list, log: str) -> dict:
             continue
         start = time.time()
         try:
-            results[name] = _train(argv_of(name), log, launcher_of(name))["train"]
+            results[name] = _train(argv_of(name), log, launcher_of(name), gpus_of(name))["train"]
         except RuntimeError as exc:
             rows.append((what, str(exc), "FAIL"))
             continue

@@ -13,6 +13,7 @@ import sys
 import time
 
 import pytest
+import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(ROOT, "scripts", "gpu_check.sh")
@@ -168,19 +169,27 @@ def test_without_transformer_engine_its_rows_say_skipped(monkeypatch):
     module = _load()
     trained = []
 
-    def fake_train(argv, log, launcher=None):
+    def fake_train(argv, log, launcher=None, gpus=1):
         trained.append(argv)
         return {"train": {i: 5.0 for i in range(1, module.N + 1)}}
 
     monkeypatch.setattr(module, "te_installed", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.setattr(module, "_train", fake_train)
     rows = []
     results = module.check_training(rows, "log")
     module.check_fp8_resume(rows, "log", results)
     local = [n for n in module.RUNS if "TE" not in n.split()]
-    assert local == ["local bf16", "local distopt alltoall", "local cudagraph", "hybrid local bf16"]
+    assert local == [
+        "local bf16",
+        "local distopt alltoall",
+        "local cudagraph",
+        "local EP2 alltoall",
+        "local EP2 overlap",
+        "hybrid local bf16",
+    ]
     assert list(results) == local and trained == [module.argv_of(n) for n in local]
-    assert [r[2] for r in rows if r[1] != module.NO_TE] == ["pass"] * 4
+    assert [r[2] for r in rows if r[1] != module.NO_TE] == ["pass"] * 6
     te_rows = [r for r in rows if r[1] == module.NO_TE]
     assert len(te_rows) == len(module.RUNS) - len(local) + 1  # every TE run, the FP8 resume
     assert all(r[2] == "-" for r in te_rows)
@@ -193,7 +202,7 @@ def test_without_transformer_engine_its_rows_say_skipped(monkeypatch):
     # a run whose launcher fails is a FAIL row, and the runs after it still run
     calls = []
 
-    def failing(argv, log, launcher=None):
+    def failing(argv, log, launcher=None, gpus=1):
         calls.append(argv)
         raise RuntimeError("launcher exited 1; see log")
 
@@ -203,6 +212,29 @@ def test_without_transformer_engine_its_rows_say_skipped(monkeypatch):
     assert len(calls) == 1  # the reference failed: the runs compared with it are not started
     assert rows[0] == (module.RUNS["local bf16"][2], "launcher exited 1; see log", "FAIL")
     assert all(r[2] in ("FAIL", "-") for r in rows) and len(rows) == len(module.RUNS)
+
+
+def test_the_expert_parallel_rows_take_two_gpus(monkeypatch, tmp_path):
+    """The all-to-all overlap needs EP 2: its rows run 2 processes through torchrun, pass the
+    launcher's checks at world size 2, and are skipped (not failed) on a 1-GPU machine."""
+    module = _load()
+    assert module.gpus_of("local EP2 overlap") == module.gpus_of("local EP2 alltoall") == 2
+    assert module.gpus_of("local bf16") == 1
+    assert "--overlap-moe-expert-parallel-comm" in module.argv_of("local EP2 overlap")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert module.skip_reason("local EP2 overlap") == "skipped: needs 2 GPUs, this machine has 1"
+    calls = []
+
+    def fake_run(cmd, **kwargs):
+        calls.append((cmd, kwargs))
+        return subprocess.CompletedProcess(cmd, 0, stdout=LOG, stderr="")
+
+    monkeypatch.setattr(module.subprocess, "run", fake_run)
+    module._train(module.argv_of("local EP2 overlap"), str(tmp_path / "log"), gpus=2)
+    ((cmd, kwargs),) = calls
+    assert cmd[:5] == [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
+    assert cmd[7:] == [module.LAUNCHER, *module.argv_of("local EP2 overlap")]
+    assert "RANK" not in kwargs["env"] and "WORLD_SIZE" not in kwargs["env"]
 
 
 def test_the_mamba_row_is_skipped_without_mamba_ssm(monkeypatch):
