@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.distributed.harness import run_distributed
+from tests.distributed.harness import run_distributed, tp_layer_config
 
 V, H, B, T = 32, 16, 2, 6  # vocab, hidden, micro-batch, latent length
 
@@ -43,22 +43,13 @@ def _embedding_child(rank, world, *, sp, position, bag_size, seed, dtype=torch.f
     from megatron.core.models.common.embeddings.language_model_embedding import (
         LanguageModelEmbedding,
     )
-    from megatron.core.transformer.transformer_config import TransformerConfig
 
     from tst_megatron.runtime import ParallelConfig, initialize_model_parallel, set_seed
     from tst_megatron.superposition import bag_embedding
 
     initialize_model_parallel(ParallelConfig(tensor_model_parallel_size=world))
     set_seed(seed)
-    config = TransformerConfig(
-        num_layers=1,
-        hidden_size=H,
-        num_attention_heads=2,
-        tensor_model_parallel_size=world,
-        sequence_parallel=sp,
-        use_cpu_initialization=True,
-        hidden_dropout=0.0,
-    )
+    config = tp_layer_config(world, hidden_size=H, sequence_parallel=sp)
     emb = LanguageModelEmbedding(
         config, vocab_size=V, max_sequence_length=T, position_embedding_type=position
     ).to(dtype)

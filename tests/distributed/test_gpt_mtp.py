@@ -15,40 +15,16 @@ globals stay out of pytest's process), a tiny GPT with one MTP layer on the loca
 
 from __future__ import annotations
 
-import zlib
-
 import torch
-import torch.nn.functional as F
 
-from tests.distributed.harness import run_distributed
+from tests.distributed.harness import (
+    reference_bag_ce,
+    run_distributed,
+    set_weights,
+    small_config,
+)
 
 V, T, S, B = 64, 8, 2, 2
-
-
-def _config(**extra):
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    return TransformerConfig(
-        num_layers=2,
-        hidden_size=16,
-        num_attention_heads=2,
-        ffn_hidden_size=32,
-        normalization="RMSNorm",
-        add_bias_linear=False,
-        use_cpu_initialization=True,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        calculate_per_token_loss=True,
-        **extra,
-    )
-
-
-def _set_weights(model):
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
-            base = 1.0 if "norm" in name else 0.0
-            param.copy_(base + 0.2 * torch.randn(param.shape, generator=g))
 
 
 def _grads(model):
@@ -60,18 +36,7 @@ def _reference_mce(logits, stream, mask):
     scored when it exists and its label's mask is 1; uniform weights, so the MCE is the mean
     CE over scored slots. Returns ``(MCE * scored positions, scored positions)``, what the
     phase-1 loss function returns (``training/forward.py``)."""
-    logits = logits.double()
-    terms, positions = [], 0
-    for b in range(B):
-        for j in range(T):
-            scored = False
-            for k in range(S):
-                t = (j + 1) * S + k  # index in the stream of S*T + 1 tokens
-                if t > S * T or mask[b, t - 1] == 0:
-                    continue
-                terms.append(F.cross_entropy(logits[b, j][None], stream[b, t][None]))
-                scored = True
-            positions += scored
+    terms, positions = reference_bag_ce(logits, stream, mask, S=S, T=T)
     return torch.stack(terms).mean() * positions, positions
 
 
@@ -89,16 +54,16 @@ def _mtp_child(rank, world):
 
     initialize_model_parallel(ParallelConfig())
     set_seed(3)
-    config = _config(mtp_num_layers=1, mtp_loss_scaling_factor=0.3)
+    config = small_config(mtp_num_layers=1, mtp_loss_scaling_factor=0.3)
     spec = gpt_block_spec(config)
     mtp_spec = local_mtp_block_spec(config)
     common = dict(vocab_size=V, max_sequence_length=T)
     model = TSTGPTModel(config, spec, mtp_block_spec=mtp_spec, **common)
-    _set_weights(model)
+    set_weights(model)
     # megatron-core's own model, same weights, same MTP; and one without MTP at all
     with_mtp = GPTModel(config, spec, mtp_block_spec=mtp_spec, **common)
     with_mtp.load_state_dict(model.state_dict())
-    plain_config = _config()
+    plain_config = small_config()
     without_mtp = GPTModel(plain_config, gpt_block_spec(plain_config), **common)
     shared = {k: v for k, v in model.state_dict().items() if not k.startswith("mtp.")}
     without_mtp.load_state_dict(shared)

@@ -13,39 +13,20 @@
 """
 
 import dataclasses
-import zlib
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from tests.distributed.harness import run_distributed
+from tests.distributed.harness import run_distributed, set_weights, small_config
 
 V, T, S, B = 96, 8, 4, 2
 
 
 def _config(*, experts=None, hidden=16, tp=1, hidden_dropout=0.0, **extra):
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    moe = (
-        dict(num_moe_experts=experts, moe_router_topk=2, moe_ffn_hidden_size=16) if experts else {}
-    )
-    return TransformerConfig(
-        num_layers=2,
-        hidden_size=hidden,
-        num_attention_heads=2,
-        ffn_hidden_size=32,
-        normalization="RMSNorm",
-        add_bias_linear=False,
-        use_cpu_initialization=True,
-        hidden_dropout=hidden_dropout,
-        attention_dropout=0.0,
-        tensor_model_parallel_size=tp,
-        sequence_parallel=tp > 1,
-        calculate_per_token_loss=True,
-        **moe,
-        **extra,
+    return small_config(
+        experts=experts, hidden_size=hidden, tp=tp, hidden_dropout=hidden_dropout, **extra
     )
 
 
@@ -54,14 +35,6 @@ def _init(tp=1):
 
     initialize_model_parallel(ParallelConfig(tensor_model_parallel_size=tp))
     set_seed(3)
-
-
-def _set_weights(model):
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
-            base = 1.0 if "norm" in name else 0.0
-            param.copy_(base + 0.2 * torch.randn(param.shape, generator=g))
 
 
 def _keys_child(rank, world):
@@ -138,7 +111,7 @@ def _seam_child(rank, world):
 
     _init()
     model = build_gpt_model(_config(experts=4), vocab_size=V, max_sequence_length=T)
-    _set_weights(model)
+    set_weights(model)
     tokens, upstream = _batch()
     targets, _ = align_bag_targets(tokens[:, 1:], torch.ones(B, S * T), S)
     bags = fold_bags(tokens[:, :-1], S)
@@ -253,7 +226,7 @@ def _embedding_child(rank, world, *, cases):
         emb = LanguageModelEmbedding(
             config, vocab_size=V, max_sequence_length=T, position_embedding_type=case["position"]
         )
-        _set_weights(emb)
+        set_weights(emb)
         g = torch.Generator().manual_seed(5)
         ids = torch.randint(0, V, (B, T), generator=g)
         positions = torch.arange(T).expand(B, T)
@@ -361,7 +334,7 @@ def _masked_child(rank, world):
 
     _init(world)
     model = build_gpt_model(_config(experts=4, tp=world), vocab_size=V, max_sequence_length=T)
-    _set_weights(model)
+    set_weights(model)
     batch = _phase2_batch()
     scored = batch["loss_mask"] > 0
     upstream = 0.37 + torch.rand((), generator=torch.Generator().manual_seed(4))  # non-unit

@@ -334,9 +334,8 @@ def _router_grads_child(rank, world):
         finalize_model_grads,
     )
     from megatron.core.pipeline_parallel import get_forward_backward_func
-    from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from tests.distributed.harness import build_gpt_model
+    from tests.distributed.harness import build_gpt_model, small_config
     from tst_megatron.runtime import ParallelConfig, initialize_model_parallel, set_seed
     from tst_megatron.training.forward import make_phase1_step, make_phase2_step
 
@@ -346,25 +345,8 @@ def _router_grads_child(rank, world):
     for case, (aux, z) in CASES.items():
         for phase in (1, 2):
             set_seed(1)
-            config = TransformerConfig(
-                num_layers=1,
-                hidden_size=H,
-                num_attention_heads=2,
-                ffn_hidden_size=32,
-                num_moe_experts=E,
-                moe_router_topk=2,
-                moe_ffn_hidden_size=16,
-                moe_aux_loss_coeff=aux,
-                moe_z_loss_coeff=z,
-                normalization="RMSNorm",
-                add_bias_linear=False,
-                tensor_model_parallel_size=world,
-                sequence_parallel=world > 1,
-                use_cpu_initialization=True,
-                hidden_dropout=0.0,
-                attention_dropout=0.0,
-                calculate_per_token_loss=True,
-            )
+            balancing = dict(moe_aux_loss_coeff=aux, moe_z_loss_coeff=z)
+            config = small_config(num_layers=1, hidden_size=H, experts=E, tp=world, **balancing)
             model = build_gpt_model(config, vocab_size=V, max_sequence_length=T)
             with torch.no_grad():
                 for name, param in model.named_parameters():

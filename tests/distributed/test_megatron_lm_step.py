@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.distributed.harness import run_distributed
+from tests.distributed.harness import reference_bag_ce, run_distributed
 
 S, T, B, V = 2, 8, 2, 128
 ARGS = [
@@ -24,21 +24,8 @@ ARGS = [
 def _reference_mce(logits, stream, mask):
     """float64 MCE: position j predicts tokens ``stream[(j+1)S + k]``, k < S, each scored
     when it exists and its label's mask is 1; the mean over scored slots."""
-    import torch.nn.functional as F
-
-    logits = logits.double()
-    total, count, positions = 0.0, 0, 0
-    for b in range(B):
-        for j in range(T):
-            scored = False
-            for k in range(S):
-                t = (j + 1) * S + k  # index in the stream of S*T + 1 tokens
-                if t > S * T or mask[b, t - 1] == 0:
-                    continue
-                ce = F.cross_entropy(logits[b, j][None], stream[b, t][None], reduction="sum")
-                total, count, scored = total + float(ce), count + 1, True
-            positions += scored
-    return total / count, positions
+    terms, positions = reference_bag_ce(logits, stream, mask, S=S, T=T)
+    return sum(float(ce) for ce in terms) / len(terms), positions
 
 
 def _step_child(rank, world):

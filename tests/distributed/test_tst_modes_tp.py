@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.distributed.harness import run_distributed
+from tests.distributed.harness import run_distributed, tp_layer_config
 
 V, H, B, T, S = 32, 16, 2, 6, 3
 
@@ -96,22 +96,13 @@ def _mode_case(rank, world, mode, weighting, sp, *, seed):
     from megatron.core.models.common.embeddings.language_model_embedding import (
         LanguageModelEmbedding,
     )
-    from megatron.core.transformer.transformer_config import TransformerConfig
 
     from tst_megatron.runtime import set_seed
     from tst_megatron.superposition import vocab_parallel_multi_target_cross_entropy
     from tst_megatron.training.forward import make_phase1_step
 
     set_seed(seed)
-    config = TransformerConfig(
-        num_layers=1,
-        hidden_size=H,
-        num_attention_heads=2,
-        tensor_model_parallel_size=world,
-        sequence_parallel=sp,
-        use_cpu_initialization=True,
-        hidden_dropout=0.0,
-    )
+    config = tp_layer_config(world, hidden_size=H, sequence_parallel=sp)
     word, pos, out = _weights(seed)
     shard = V // world
     mine = slice(rank * shard, (rank + 1) * shard)
