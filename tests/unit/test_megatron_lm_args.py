@@ -105,25 +105,14 @@ def test_tst_flags_parse_into_the_config():
 
 def _megatron_args(**overrides):
     """The Megatron-LM arguments the TST checks read, with a valid TST run as defaults."""
-    values = dict(
-        vars(_parse(["--tst-bag-size", "4"])),
-        train_iters=100,
-        train_samples=None,
-        global_batch_size=8,
-        micro_batch_size=2,
-        data_parallel_size=2,
-        seq_length=32,
-        reset_position_ids=False,
-        reset_attention_mask=False,
-        step_batch_size_schedule=None,
-        mtp_num_layers=None,
-        overlap_param_gather=False,
-        phase_transition_iterations=None,
-        dataloader_type="single",
-        train_data_path=None,
-        valid_data_path=None,
-        test_data_path=None,
-    )
+    values = dict(vars(_parse(["--tst-bag-size", "4"])))
+    # 100 iterations of a global batch 8 = micro-batch 2 x DP 2, samples of 32 tokens
+    values.update(train_iters=100, train_samples=None, step_batch_size_schedule=None)
+    values.update(global_batch_size=8, micro_batch_size=2, data_parallel_size=2, seq_length=32)
+    # the data and loop settings the checks read, as a plain run has them
+    values.update(dataloader_type="single", reset_position_ids=False, reset_attention_mask=False)
+    values.update(train_data_path=None, valid_data_path=None, test_data_path=None)
+    values.update(mtp_num_layers=None, overlap_param_gather=False, phase_transition_iterations=None)
     values.update(overrides)
     return argparse.Namespace(**values)
 
@@ -187,6 +176,16 @@ def test_phase1_refusals_do_not_apply_without_a_phase1():
     assert tst_problems(args) == []
 
 
+def _refusal(done) -> str:
+    """The one ``error:`` line of a launch refused before any work: exit status 2, no
+    traceback."""
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert len(errors) == 1, errors
+    assert "Traceback" not in done.stderr
+    return errors[0]
+
+
 @pytest.mark.slow
 def test_launcher_refuses_before_any_work_with_one_error_line(run_launcher):
     argv = [
@@ -197,10 +196,7 @@ def test_launcher_refuses_before_any_work_with_one_error_line(run_launcher):
         "--lr", "1e-3", "--eval-interval", "5", "--tst-bag-size", "2", "--reset-position-ids",
     ]  # fmt: skip
     done = run_launcher(*argv, timeout=300)
-    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
-    assert done.returncode == 2, done.stderr[-2000:]
-    assert len(errors) == 1 and "--reset-position-ids" in errors[0], errors
-    assert "Traceback" not in done.stderr
+    assert "--reset-position-ids" in _refusal(done)
     # refused before pretrain(): no model, no data
     assert "number of parameters on" not in done.stdout
     assert "> building train, validation, and test datasets" not in done.stdout
@@ -209,17 +205,8 @@ def test_launcher_refuses_before_any_work_with_one_error_line(run_launcher):
 def _switch_args(**overrides):
     """A run switching at N1 = 30 of 100 iterations, saving every 40, validating every 25
     (2 iterations of the global batch 8), logging every 20."""
-    values = dict(
-        save="/ckpt",
-        save_interval=40,
-        eval_interval=25,
-        log_interval=20,
-        eval_iters=2,
-        do_valid=True,
-        skip_train=False,
-        start_eval_at_iter=None,
-        full_validation=False,
-    )
+    values = dict(save="/ckpt", save_interval=40, eval_interval=25, log_interval=20, eval_iters=2)
+    values.update(do_valid=True, skip_train=False, start_eval_at_iter=None, full_validation=False)
     values.update(overrides)
     return _megatron_args(**values)
 
@@ -380,22 +367,16 @@ def test_a_resume_with_another_bag_size_or_train_iters_stops_with_one_line(run_l
     first = run_launcher(*argv)
     assert first.returncode == 0, first.stderr[-3000:]
     again = run_launcher(*megatron_lm_with(argv, "--tst-bag-size", "4"))
-    errors = [line for line in again.stderr.splitlines() if line.startswith("error:")]
-    assert again.returncode == 2, again.stderr[-3000:]
-    assert len(errors) == 1 and "--tst-bag-size 2" in errors[0], errors
-    assert "Traceback" not in again.stderr
+    assert "--tst-bag-size 2" in _refusal(again)
     # another --train-iters: Megatron-LM's scheduler would assert after building the model
     longer = run_launcher(*megatron_lm_with(argv, "--train-iters", "8"))
-    errors = [line for line in longer.stderr.splitlines() if line.startswith("error:")]
-    assert longer.returncode == 2, longer.stderr[-3000:]
-    assert len(errors) == 1 and "--override-opt-param-scheduler" in errors[0], errors
-    assert "lr_decay_steps 12 -> 16" in errors[0], errors  # iterations x global batch 2
-    assert "Traceback" not in longer.stderr and "building GPT model" not in longer.stdout
+    error = _refusal(longer)
+    assert "--override-opt-param-scheduler" in error
+    assert "lr_decay_steps 12 -> 16" in error  # iterations x global batch 2
+    assert "building GPT model" not in longer.stdout
     # another model: Megatron-LM's check_checkpoint_args asserts while loading
     wider = run_launcher(*megatron_lm_with(argv, "--hidden-size", "64"))
-    errors = [line for line in wider.stderr.splitlines() if line.startswith("error:")]
-    assert wider.returncode == 2 and len(errors) == 1, wider.stderr[-3000:]
-    assert "is of another model: --hidden-size 32 (this run: 64)" in errors[0], errors
+    assert "is of another model: --hidden-size 32 (this run: 64)" in _refusal(wider)
     # run to the end, then again: nothing left to train is a note and status 0
     i = argv.index("--exit-interval")
     to_end = argv[:i] + argv[i + 2 :]  # resumes at 1 and trains to 6, saving every iteration
@@ -427,10 +408,8 @@ def test_the_resume_rules_read_every_checkpoint_format(run_launcher, tmp_path, c
         ("--seq-length", "8", "--seq-length"),
     ):
         again = run_launcher(*megatron_lm_with(argv, flag, value))
-        errors = [line for line in again.stderr.splitlines() if line.startswith("error:")]
-        assert again.returncode == 2, again.stderr[-3000:]
-        assert len(errors) == 1 and words in errors[0], errors
-        assert "Traceback" not in again.stderr and "building GPT model" not in again.stdout
+        assert words in _refusal(again)
+        assert "building GPT model" not in again.stdout
 
 
 @pytest.mark.slow
@@ -449,9 +428,7 @@ def test_another_global_batch_after_the_switch_keeps_the_checkpoint_s_switch_sam
     early = run_launcher(*argv, "--exit-interval", "2")
     assert early.returncode == 0, early.stderr[-3000:]
     refused = run_launcher(*megatron_lm_with(argv, "--global-batch-size", "4"))
-    errors = [line for line in refused.stderr.splitlines() if line.startswith("error:")]
-    assert refused.returncode == 2 and len(errors) == 1, refused.stderr[-3000:]
-    assert "switched at sample 6; this run would switch at sample 12" in errors[0], errors
+    assert "switched at sample 6; this run would switch at sample 12" in _refusal(refused)
     first = run_launcher(*argv, "--exit-interval", "4")
     assert first.returncode == 0, first.stderr[-3000:]
     dry = run_launcher(*megatron_lm_with(argv, "--global-batch-size", "4"), "--dry-run")
@@ -633,10 +610,9 @@ def test_another_seed_after_the_switch_is_refused_and_phase_1_only_advice_runs(
     first = run_launcher(*argv)
     assert first.returncode == 0, first.stderr[-3000:]
     again = run_launcher(*megatron_lm_with(argv, "--seed", "99"))
-    errors = [line for line in again.stderr.splitlines() if line.startswith("error:")]
-    assert again.returncode == 2, again.stderr[-3000:]
-    assert len(errors) == 1 and "--seed 1234" in errors[0] and "--seed 99" in errors[0], errors
-    assert "Traceback" not in again.stderr and "building GPT model" not in again.stdout
+    error = _refusal(again)
+    assert "--seed 1234" in error and "--seed 99" in error
+    assert "building GPT model" not in again.stdout
 
     short = str(tmp_path / "short")
     only1 = megatron_lm_with(megatron_lm_with(argv, "--save", short), "--load", short)
