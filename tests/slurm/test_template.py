@@ -58,9 +58,9 @@ CASES["hybrid_cpu_variant"] = (
 )
 
 
-def dry_run(tmp_path, variables: dict) -> list:
-    """The launcher flags the template would run with ``variables`` (its script checked: the
-    hybrid launcher where ``HYBRID_LAYER_PATTERN`` is set, else the GPT one)."""
+def run_template(tmp_path, variables: dict, check: bool = False) -> subprocess.CompletedProcess:
+    """The template run by bash with ``TST_DRY_RUN=1`` and ``variables`` in a bare environment
+    (job ``tst-job``, runs under ``tmp_path/runs``): it prints its launcher command line."""
     env = {
         "PATH": "/usr/bin:/bin",
         "SLURM_JOB_NAME": "tst-job",
@@ -69,9 +69,14 @@ def dry_run(tmp_path, variables: dict) -> list:
         "TST_DRY_RUN": "1",
         **variables,
     }
-    out = subprocess.run(
-        ["bash", str(TEMPLATE)], env=env, capture_output=True, text=True, check=True
-    )
+    command = ["bash", str(TEMPLATE)]
+    return subprocess.run(command, env=env, capture_output=True, text=True, check=check)
+
+
+def dry_run(tmp_path, variables: dict) -> list:
+    """The launcher flags the template would run with ``variables`` (its script checked: the
+    hybrid launcher where ``HYBRID_LAYER_PATTERN`` is set, else the GPT one)."""
+    out = run_template(tmp_path, variables, check=True)
     argv = shlex.split(out.stdout)
     script = (
         "pretrain_hybrid_tst.py" if variables.get("HYBRID_LAYER_PATTERN") else "pretrain_gpt_tst.py"
@@ -136,14 +141,6 @@ def test_extra_args_reach_the_launcher(tmp_path, monkeypatch):
     ],
 )
 def test_missing_data_settings_stop_before_srun(variables, message, tmp_path):
-    env = {
-        "PATH": "/usr/bin:/bin",
-        "SLURM_JOB_NAME": "tst-job",
-        "SLURM_SUBMIT_DIR": str(REPO),
-        "RUNS_DIR": str(tmp_path / "runs"),
-        "TST_DRY_RUN": "1",
-        **variables,
-    }
-    out = subprocess.run(["bash", str(TEMPLATE)], env=env, capture_output=True, text=True)
+    out = run_template(tmp_path, variables)
     assert out.returncode == 2 and out.stdout == ""
     assert out.stderr.strip().startswith(message)

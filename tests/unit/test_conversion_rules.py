@@ -205,14 +205,12 @@ def test_config_round_trip_through_transformers(tmp_path):
     back = mlm.megatron_lm_namespace(
         flags + hf.run_flags_from_hf(loaded), padded_vocab_size=128, vocab_size=100
     )
-    for name in (
-        "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
-        "group_query_attention", "num_query_groups", "kv_channels", "position_embedding_type",
-        "normalization", "swiglu", "untie_embeddings_and_output_weights", "add_bias_linear",
-        "qk_layernorm", "num_experts", "moe_ffn_hidden_size", "moe_router_topk",
-        "moe_router_pre_softmax", "moe_router_score_function", "layernorm_epsilon", "rotary_base",
-        "vocab_size", "padded_vocab_size", "params_dtype",
-    ):  # fmt: skip
+    names = """num_layers hidden_size ffn_hidden_size num_attention_heads group_query_attention
+        num_query_groups kv_channels position_embedding_type normalization swiglu
+        untie_embeddings_and_output_weights add_bias_linear qk_layernorm num_experts
+        moe_ffn_hidden_size moe_router_topk moe_router_pre_softmax moe_router_score_function
+        layernorm_epsilon rotary_base vocab_size padded_vocab_size params_dtype"""
+    for name in names.split():
         assert getattr(back, name) == getattr(args, name), name
     assert mlm.layer_freq(back) == mlm.layer_freq(args) == 2
     assert back.layernorm_epsilon == 1e-6 and back.rotary_base == 1000000

@@ -17,8 +17,24 @@ def _run(code):
     )
 
 
+#: Appended to a script that enables the CPU runtime: torch itself still refuses CUDA.
+_TORCH_UNTOUCHED = """
+try:
+    torch.zeros(1, device="cuda")
+except (RuntimeError, AssertionError):
+    print("REAL_TORCH_UNCHANGED")
+"""
+
+
+def _run_leaving_torch_untouched(code):
+    """Runs ``code`` (which imports torch) and then :data:`_TORCH_UNTOUCHED`; both pass."""
+    result = _run(textwrap.dedent(code) + _TORCH_UNTOUCHED)
+    assert result.returncode == 0, result.stderr
+    assert "REAL_TORCH_UNCHANGED" in result.stdout
+
+
 def test_cpu_enable_is_idempotent_and_scoped():
-    result = _run("""
+    _run_leaving_torch_untouched("""
         import torch
         from tst_megatron.runtime import cpu
         assert not cpu.is_enabled()
@@ -32,17 +48,11 @@ def test_cpu_enable_is_idempotent_and_scoped():
         assert moe_utils.te_general_gemm is None
         # torch itself is untouched
         assert torch.cuda.current_device is not clip_grads.torch.cuda.current_device
-        try:
-            torch.zeros(1, device="cuda")
-        except (RuntimeError, AssertionError):
-            print("REAL_TORCH_UNCHANGED")
         """)
-    assert result.returncode == 0, result.stderr
-    assert "REAL_TORCH_UNCHANGED" in result.stdout
 
 
 def test_cpu_enable_for_megatron_training_loop_is_scoped():
-    result = _run("""
+    _run_leaving_torch_untouched("""
         import torch
         from tst_megatron.runtime import cpu
         cpu.enable(training=True)
@@ -61,14 +71,7 @@ def test_cpu_enable_for_megatron_training_loop_is_scoped():
         assert m.cuda(training.torch.cuda.current_device()) is m
         assert m.weight.device.type == "cpu"
         assert torch.nn.Linear(2, 2).cuda is not m.cuda  # other modules keep torch's .cuda
-        # torch itself is untouched
-        try:
-            torch.zeros(1, device="cuda")
-        except (RuntimeError, AssertionError):
-            print("REAL_TORCH_UNCHANGED")
         """)
-    assert result.returncode == 0, result.stderr
-    assert "REAL_TORCH_UNCHANGED" in result.stdout
 
 
 def test_cpu_enable_after_init_process_group():
