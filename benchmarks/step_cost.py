@@ -45,7 +45,7 @@ sys.path.insert(0, HERE)
 from gpu_data import CARRIED_TOKENIZER  # noqa: E402
 from measure import CollectiveBytes, PeakTensorMemory, write, write_index  # noqa: E402
 
-from tst_megatron.runtime.cpu_settings import CPU_FLAGS  # noqa: E402
+from tst_megatron.training.argv import CPU_FLAGS  # noqa: E402
 
 SMOKE_SIZE = "--num-layers 2 --hidden-size 64 --seq-length 32 --num-experts 4 "
 SMOKE_SIZE += "--moe-ffn-hidden-size 64 --vocab-size 512 --num-attention-heads 4"
@@ -270,8 +270,7 @@ def run_launcher(argv: list[str], memory_at: set) -> tuple[dict, dict, float, di
 
     from megatron.training.training import destroy_global_state
 
-    from tst_megatron.training import forward
-    from tst_megatron.training.cli import main as launch
+    from tst_megatron.training import cli
 
     timed = _timed_forward_step_class()
     timed.memory_at = set(memory_at)
@@ -281,8 +280,8 @@ def run_launcher(argv: list[str], memory_at: set) -> tuple[dict, dict, float, di
         steps.append(timed(plan))
         return steps[-1]
 
-    with mock.patch.object(forward, "TSTForwardStep", make):  # cli.main imports it at call
-        launch(argv)
+    with mock.patch.object(cli, "TSTForwardStep", make):  # the forward step cli.main builds
+        cli.main(argv)
     destroy_global_state()
     step = steps[0]
     return step.times, step.peaks, step.flops, step.allocator

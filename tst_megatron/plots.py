@@ -11,6 +11,7 @@ from tst_megatron.data.files import atomic_path
 def read_scalars(tensorboard_dir: str) -> dict:
     """``{tag: [(step, value), ...]}`` of every scalar in ``tensorboard_dir`` (last write of
     a step wins, so a resumed run's events replace the overlapping ones)."""
+    # TensorBoard's reader: heavy, only for plots
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     if not os.path.isdir(tensorboard_dir):
@@ -49,10 +50,11 @@ def plot_losses(tensorboard_dir: str, output: str, *, title: str = "TST pretrain
     Raises:
         ValueError: ``tensorboard_dir`` is missing or holds no training loss.
     """
+    # matplotlib: optional and heavy, only for plots
     import matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # after use(): pyplot takes its backend on import
 
     scalars = read_scalars(tensorboard_dir)
     if not any(tag in scalars for tag in ("mce loss", "lm loss")):
@@ -92,6 +94,7 @@ def plot_losses(tensorboard_dir: str, output: str, *, title: str = "TST pretrain
 def save_figure(fig, ax, path: str) -> str:
     """Grid, legend and tight layout on ``ax``, then write ``fig`` as PNG to ``path``
     atomically (temporary name, then rename) and close it. Returns ``path``."""
+    # matplotlib: optional and heavy, only for plots
     import matplotlib.pyplot as plt
 
     ax.grid(alpha=0.3)

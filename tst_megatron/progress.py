@@ -29,6 +29,7 @@ def progress(
     """
     stream = sys.stderr if stream is None else stream
     if stream.isatty():
+        # tqdm: optional, only for a progress bar
         from tqdm import tqdm
 
         yield from tqdm(items, desc=desc, unit=unit, total=total, file=stream)

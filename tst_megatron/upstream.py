@@ -95,7 +95,7 @@ WORKAROUNDS = (
         ("megatron.core.datasets.utils.compile_helpers", '["make", "-C"'),
     ),
     Workaround(
-        "tst_megatron.training.model.ExpertRowParallelLinear",
+        "tst_megatron.training.layers.ExpertRowParallelLinear",
         "at expert TP = EP = 1 the expert bias is added in place to a view (autograd error)",
         "tests/distributed/test_megatron_lm_moe.py",
         (
@@ -104,7 +104,7 @@ WORKAROUNDS = (
         ),
     ),
     Workaround(
-        "tst_megatron.training.model.tag_expert_grad_reduction",
+        "tst_megatron.training.layers.tag_expert_grad_reduction",
         "the experts' fc2 bias is tagged sequence_parallel: its gradient is summed over TP "
         "on top of expert DP",
         "tests/distributed/test_megatron_lm_moe.py",
@@ -205,6 +205,7 @@ def distributed_optimizer_resume() -> Iterator[None]:
     ``--ckpt-format torch`` (a fourth bug) is refused before work instead
     (``checks.hardware.without_te_problems``).
     """
+    # megatron-core: heavy, imported when used
     from megatron.core.optimizer import distrib_optimizer
 
     cls = distrib_optimizer.DistributedOptimizer

@@ -53,8 +53,7 @@ def _chunks(config, *, mtp):
     from megatron.core import parallel_state as ps
 
     from tests.distributed.harness import build_gpt_model
-    from tst_megatron.training.gpt import TSTGPTModel
-    from tst_megatron.training.model import gpt_block_spec, local_mtp_block_spec
+    from tst_megatron.training.gpt import TSTGPTModel, gpt_block_spec, local_mtp_block_spec
 
     if mtp:
         config.mtp_num_layers = 1

@@ -188,14 +188,14 @@ def _layer_child(rank, world):
     with non-zero biases: one forward and backward with a random upstream gradient."""
     from megatron.core import mpu, tensor_parallel
 
-    from tst_megatron.training.model import model_provider
+    from tst_megatron.training.family import GPT
     from tst_megatron.training.validate import parse
 
     parse(MOE + ["--lr", "1e-3"])
     mpu.initialize_model_parallel()
     tensor_parallel.model_parallel_cuda_manual_seed(3)
     torch.manual_seed(3)
-    model = model_provider()
+    model = GPT.model_provider()
     moe = model.decoder.layers[0].mlp
     with torch.no_grad():  # non-zero biases, so a missing or doubled bias shows
         if getattr(moe.router, "bias", None) is not None:

@@ -33,14 +33,14 @@ def _step_child(rank, world):
     from megatron.core import mpu, tensor_parallel
     from megatron.training import get_args
 
+    from tst_megatron.training.family import GPT
     from tst_megatron.training.forward import TSTForwardStep
-    from tst_megatron.training.model import model_provider
     from tst_megatron.training.validate import parse
 
     plan = parse(ARGS).plan
     mpu.initialize_model_parallel()
     tensor_parallel.model_parallel_cuda_manual_seed(7)
-    model = model_provider()
+    model = GPT.model_provider()
     args = get_args()
     g = torch.Generator().manual_seed(0)
     stream = torch.randint(0, V, (B, S * T + 1), generator=g)

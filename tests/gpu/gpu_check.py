@@ -172,6 +172,7 @@ def validate_all(world_size: int = 1) -> None:
         ConfigError: the problems of the first launch line that has any, one per line.
     """
     from tst_megatron.errors import ConfigError
+    from tst_megatron.training.family import GPT, HYBRID
     from tst_megatron.training.validate import check
 
     saved = os.environ.get("WORLD_SIZE")
@@ -190,9 +191,9 @@ def validate_all(world_size: int = 1) -> None:
                 )
         for name in [*RUNS, *saves]:
             argv = saves[name] if name in saves else argv_of(name)
-            model = "hybrid" if name in RUNS and is_hybrid(name) else "gpt"
+            family = HYBRID if name in RUNS and is_hybrid(name) else GPT
             os.environ["WORLD_SIZE"] = str(world_size * gpus_of(name))
-            problems = check(argv, dry_run=True, model=model).problems
+            problems = check(argv, dry_run=True, family=family).problems
             if problems:
                 raise ConfigError(f"{name}: " + "\n".join(problems))
     finally:

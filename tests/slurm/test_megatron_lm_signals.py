@@ -13,21 +13,21 @@ from tests.distributed.test_megatron_lm import BASE
 
 
 def _signal_during_setup_child(rank, world, *, argv):
-    from tst_megatron.training import model
+    import dataclasses
+
     from tst_megatron.training.cli import main
+    from tst_megatron.training.family import GPT
 
-    real_provider = model.model_provider  # cli.main imports it when called
-
-    def provider_after_signal(*args, **kwargs):
+    def build_after_signal(*args, **kwargs):
         os.kill(os.getpid(), signal.SIGTERM)  # the notice arrives before the model exists
-        return real_provider(*args, **kwargs)
+        return GPT.build(*args, **kwargs)
 
-    model.model_provider = provider_after_signal  # this spawned test process only
+    family = dataclasses.replace(GPT, build=build_after_signal)
     out = io.StringIO()
     status = None
     with contextlib.redirect_stdout(out):
         try:
-            main(argv)
+            main(argv, family=family)
         except SystemExit as exc:  # Megatron-LM's train() exits after a signal save
             status = exc.code
     return status, out.getvalue()

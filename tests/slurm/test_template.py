@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from tst_megatron.training.family import GPT, HYBRID
 from tst_megatron.training.validate import check
 
 REPO = Path(__file__).resolve().parents[2]
@@ -91,8 +92,8 @@ def checked(argv: list, world: int, monkeypatch) -> object:
     with every problem found."""
     monkeypatch.setenv("WORLD_SIZE", str(world))
     monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")
-    model = "hybrid" if "--hybrid-layer-pattern" in argv else "gpt"
-    checked = check(argv, dry_run=True, model=model)
+    family = HYBRID if "--hybrid-layer-pattern" in argv else GPT
+    checked = check(argv, dry_run=True, family=family)
     args, problems = checked.args, checked.problems
     assert not problems, problems
     return args

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from tst_megatron.conversion import hf, mlm, rules
+from tst_megatron.training.pattern import gpt_equivalent
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("megatron.training")
@@ -304,16 +305,14 @@ def test_a_gpt_shaped_hybrid_is_the_gpt_of_its_pairs():
     ]:
         args = _hybrid_args(pattern)
         mlm.check_supported(args)
-        gpt = mlm.gpt_equivalent(args)
+        gpt = gpt_equivalent(args)
         assert gpt.hybrid_layer_pattern is None and gpt.num_layers == layers
         assert gpt.moe_layer_freq == freq and gpt.num_experts == 3
         assert args.hybrid_layer_pattern == pattern  # the checkpoint's args are left alone
-    assert hf.target_architecture(mlm.gpt_equivalent(_hybrid_args("*E*-*E*-"))).name == (
-        "Qwen3-MoE"
-    )
+    assert hf.target_architecture(gpt_equivalent(_hybrid_args("*E*-*E*-"))).name == ("Qwen3-MoE")
     with pytest.raises(ValueError, match="every n-th layer"):  # MoE at layers 1 and 2 only
-        hf.target_architecture(mlm.gpt_equivalent(_hybrid_args("*-*E*E*-")))
-    dense = mlm.gpt_equivalent(_hybrid_args("*-*-*-"))
+        hf.target_architecture(gpt_equivalent(_hybrid_args("*-*E*E*-")))
+    dense = gpt_equivalent(_hybrid_args("*-*-*-"))
     assert dense.num_layers == 3 and dense.num_experts is None
     assert hf.target_architecture(dense).name == "Qwen3"
     # --num-experts given but no E layer (the Slurm template's default): a dense GPT whose
@@ -321,12 +320,12 @@ def test_a_gpt_shaped_hybrid_is_the_gpt_of_its_pairs():
     assert dense.moe_ffn_hidden_size is None
     assert mlm.transformer_config(dense).num_moe_experts is None
     plain = _args()
-    assert mlm.gpt_equivalent(plain) is plain
+    assert gpt_equivalent(plain) is plain
 
 
 def test_a_hybrids_tensors_get_the_names_of_its_gpt():
     args = _hybrid_args("*E*E")
-    gpt_state = _megatron_state(mlm.gpt_equivalent(args))
+    gpt_state = _megatron_state(gpt_equivalent(args))
     # the same tensors as a 4-layer hybrid names them (megatron-core's migration guide)
     hybrid_state = {}
     for name, tensor in gpt_state.items():

@@ -37,13 +37,14 @@ def dry(argv, env=None, model="gpt"):
     (no RANK/WORLD_SIZE/CUDA_DEVICE_MAX_CONNECTIONS), for the launcher of ``model`` (``"gpt"``
     or ``"hybrid"``): ``(returncode, stdout, stderr)``."""
     from tst_megatron.training.dry_run import dry_run
+    from tst_megatron.training.family import FAMILIES
 
     drop = ("RANK", "WORLD_SIZE", "SLURM_PROCID", "CUDA_DEVICE_MAX_CONNECTIONS")
     environ = {k: v for k, v in os.environ.items() if k not in drop}
     out, err = io.StringIO(), io.StringIO()
     with mock.patch.dict(os.environ, {**environ, **(env or {})}, clear=True):
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            code = dry_run([*argv, "--dry-run"], model=model)
+            code = dry_run([*argv, "--dry-run"], family=FAMILIES[model])
     return SimpleNamespace(returncode=code, stdout=out.getvalue(), stderr=err.getvalue())
 
 
@@ -203,7 +204,7 @@ def test_the_readme_and_the_help_name_every_check_the_dry_run_skips():
     README's dry-run paragraph and ``--help`` say so."""
     import argparse
 
-    from tst_megatron.runtime.assumed import DRY_RUN_SKIPS
+    from tst_megatron.training.assumed import DRY_RUN_SKIPS
     from tst_megatron.training.flags import add_tst_args
 
     readme = " ".join(open(os.path.join(ROOT, "README.md")).read().split())
@@ -505,7 +506,7 @@ def test_a_cuda_run_without_te_apex_or_grouped_gemm_is_told_which_flag_avoids_ea
     """Megatron-LM's defaults (the TE spec, gradient accumulation fusion) fail after set-up
     where Transformer Engine or Apex is missing (the lent H200 has neither): one line each,
     naming the flag; the CPU flags (local spec, no fusion) avoid them all."""
-    from tst_megatron.runtime.cpu_settings import CPU_FLAGS
+    from tst_megatron.training.argv import CPU_FLAGS
     from tst_megatron.training.checks.hardware import without_te_problems
     from tst_megatron.training.validate import _parse
 
@@ -711,7 +712,10 @@ def test_a_kernel_family_needs_its_package_in_a_gpu_launch():
 
 
 def test_the_stage_layers_of_a_hybrid_pattern_are_megatron_cores():
-    from tst_megatron.training.checks.model import stage_layers
+    from tst_megatron.training.pattern import HybridPattern
+
+    def stage_layers(pattern, pp):
+        return HybridPattern.parse(pattern).stage_layers(pp)
 
     assert stage_layers("*|E|*|E", 2) == ["**", "EE"]  # segment v * pp + r on rank r
     assert stage_layers("*E|*E", 2) == ["*E", "*E"]

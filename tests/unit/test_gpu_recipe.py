@@ -15,6 +15,7 @@ from recipes import RECIPES, estimate  # noqa: E402
 from study.definitions import lr_flags, tst_flags  # noqa: E402
 from tst_vs_baseline import parse  # noqa: E402
 
+from tst_megatron.training.family import HYBRID  # noqa: E402
 from tst_megatron.training.plan import run_plan  # noqa: E402
 from tst_megatron.training.validate import check  # noqa: E402
 
@@ -146,14 +147,14 @@ def test_the_hybrid_recipe_passes_the_hybrid_launchers_checks_for_cuda(monkeypat
     # packages; a real launch without mamba_ssm stops in one line)
     monkeypatch.setenv("WORLD_SIZE", "1")
     flags = _hybrid_recipe()
-    checked = check(flags, dry_run=True, model="hybrid")
+    checked = check(flags, dry_run=True, family=HYBRID)
     assert checked.problems == [], checked.problems
     args = checked.args
     assert args.hybrid_layer_pattern.count("M") == 12 and args.num_layers == 32
     assert args.tst_bag_size == 6 and checked.plan.n1 == 600
     baseline = flags[: flags.index("--tst-bag-size") + 1] + ["1"]
     baseline += flags[flags.index("--tst-bag-size") + 2 :]
-    assert check(baseline, dry_run=True, model="hybrid").problems == []
+    assert check(baseline, dry_run=True, family=HYBRID).problems == []
 
 
 def test_the_gpu_study_script_runs_the_h200_recipe():

@@ -47,7 +47,7 @@ def _rope_child(rank, world, *, cases):
     from megatron.training.global_vars import unset_global_variables
 
     from tst_megatron.runtime import ParallelConfig, initialize_model_parallel, set_seed
-    from tst_megatron.training.model import model_provider
+    from tst_megatron.training.family import GPT
     from tst_megatron.training.validate import parse
 
     initialize_model_parallel(ParallelConfig())
@@ -57,7 +57,7 @@ def _rope_child(rank, world, *, cases):
     results = {}
     for name, (extra, _, _) in cases.items():
         parse(BASE + extra)
-        model = model_provider()
+        model = GPT.model_provider()
         with torch.no_grad():
             for i, p in enumerate(model.parameters()):  # the same weights in every case
                 g = torch.Generator().manual_seed(i)

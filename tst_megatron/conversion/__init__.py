@@ -12,7 +12,7 @@
   ``--load``) reads into any layout.
 
 Both build the 1-process model the way the launcher does
-(:func:`~tst_megatron.training.model.build_model_from_args` on the Megatron-LM
+(:attr:`~tst_megatron.training.family.ModelFamily.build` on the Megatron-LM
 ``args``). The name and layout mapping is data (:mod:`.rules`); :mod:`.hf` and
 :mod:`.megatron` hold the file handling of each side. CLI: ``tools/convert_checkpoint.py``.
 """
@@ -41,6 +41,7 @@ from tst_megatron.conversion.output import (
     replace_dir,
     temporary_dir,
 )
+from tst_megatron.training.pattern import gpt_equivalent
 from tst_megatron.training.plan import run_plan
 
 
@@ -87,7 +88,7 @@ def export_checkpoint(
     hf.require_transformers()
     path = resolve_checkpoint(load, ckpt_step)
     saved = read_args(path)
-    hf.target_architecture(mlm.gpt_equivalent(saved))  # before the weights are read
+    hf.target_architecture(gpt_equivalent(saved))  # before the weights are read
     phase1 = _phase1_position(saved, path)
     args, state = read_checkpoint(path)
     arch = hf.target_architecture(args)

@@ -331,6 +331,7 @@ def read_hf_dir(path: str) -> Tuple[object, Dict[str, torch.Tensor]]:
         ValueError: a tied model stores an ``lm_head.weight`` different from the embedding.
     """
     transformers = require_transformers()
+    # Hugging Face packages: optional (the hf extra), only for conversion
     from safetensors.torch import load_file
 
     if not os.path.isdir(path):
@@ -381,6 +382,7 @@ def write_hf_dir(
             files) or the tokenizer model (:func:`.output.check_output`; nothing is written).
     """
     require_transformers()
+    # Hugging Face packages: optional (the hf extra), only for conversion
     from huggingface_hub import split_torch_state_dict_into_shards
     from safetensors.torch import save_file
     from transformers import GenerationConfig
@@ -417,6 +419,7 @@ def special_ids(tokenizer_model: Optional[str], vocab_size: int) -> dict:
     model, Megatron's NullTokenizer convention: EOD = ``vocab_size - 1``."""
     if not tokenizer_model:
         return {"eos_token_id": vocab_size - 1}
+    # SentencePiece: heavy, only for a tokenizer file
     import sentencepiece
 
     sp = sentencepiece.SentencePieceProcessor(model_file=tokenizer_model)
@@ -427,6 +430,7 @@ def special_ids(tokenizer_model: Optional[str], vocab_size: int) -> dict:
 def write_tokenizer(out: str, tokenizer_model: str, max_length: int = 1 << 30) -> None:
     """Copy a SentencePiece model as ``tokenizer.model`` with a ``LlamaTokenizer`` config
     (special pieces read from the model; no BOS/EOS added, as Megatron's tokenizer)."""
+    # SentencePiece: heavy, only for a tokenizer file
     import sentencepiece
 
     sp = sentencepiece.SentencePieceProcessor(model_file=tokenizer_model)

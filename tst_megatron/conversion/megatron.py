@@ -4,7 +4,7 @@ dict of a 1-process megatron-core model.
 A checkpoint of Megatron-LM's own loop (``megatron.training.pretrain()``, e.g. the launcher
 ``examples/pretrain_gpt_tst.py``) saved with any TP/PP/VPP/EP/expert-TP layout and either
 layer spec (Transformer Engine or local) is read by building its model with every parallel
-size 1 (the launcher's :func:`~tst_megatron.training.model.build_model_from_args` on
+size 1 (the launcher's builder, :attr:`~tst_megatron.training.family.ModelFamily.build`, on
 the checkpoint's own ``args``, :func:`.mlm.one_process_args`) and letting
 ``dist_checkpointing`` reshard into it; an imported model is written the same way, as
 Megatron-LM's weights-only ``release`` checkpoint, which Megatron-LM's ``load_checkpoint``
@@ -22,10 +22,14 @@ import os
 from typing import Dict, Iterator, Optional, Tuple
 
 import torch
+import torch.distributed as dist
 
 from tst_megatron.conversion import mlm
 from tst_megatron.conversion.output import RELEASE, TRACKER
-from tst_megatron.runtime.distributed import free_port
+from tst_megatron.runtime import destroy, init_distributed, initialize_model_parallel
+from tst_megatron.runtime.distributed import ParallelConfig, free_port
+from tst_megatron.training.family import HYBRID, family_of
+from tst_megatron.training.pattern import gpt_equivalent
 
 #: Megatron-LM's tracker file of a ``--save`` root and its weights-only checkpoint name.
 #: The last commit of this project whose converter reads the hand-written trainer's format.
@@ -48,11 +52,6 @@ def single_process() -> Iterator[None]:
     Raises:
         RuntimeError: an existing process group has more than one rank.
     """
-    import torch.distributed as dist
-
-    from tst_megatron.runtime import destroy, init_distributed, initialize_model_parallel
-    from tst_megatron.runtime.distributed import ParallelConfig
-
     owned = not dist.is_initialized()
     saved = {
         k: os.environ.get(k)
@@ -70,6 +69,7 @@ def single_process() -> Iterator[None]:
     elif dist.get_world_size() != 1:
         raise RuntimeError("conversion runs in one process; start it without torchrun/srun")
     initialize_model_parallel(ParallelConfig())
+    # megatron-core: heavy, imported when used
     from megatron.core import tensor_parallel
 
     tensor_parallel.model_parallel_cuda_manual_seed(1234)
@@ -87,15 +87,10 @@ def single_process() -> Iterator[None]:
 
 def build_model(ns):
     """The whole model of checkpoint ``args`` ``ns`` in this 1-process world (eval mode, CPU):
-    :func:`~tst_megatron.training.model.build_model_from_args` (a ``HybridModel``:
-    :func:`~tst_megatron.training.hybrid.build_hybrid_model_from_args`) on
-    :func:`.mlm.one_process_args`. Call inside :func:`single_process`."""
-    if mlm.hybrid_main_pattern(ns) is not None:
-        from tst_megatron.training.hybrid import build_hybrid_model_from_args as build
-    else:
-        from tst_megatron.training.model import build_model_from_args as build
-
-    return build(mlm.one_process_args(ns)).eval()
+    its family's builder (:func:`~tst_megatron.training.family.family_of`,
+    :attr:`~tst_megatron.training.family.ModelFamily.build`) on :func:`.mlm.one_process_args`.
+    Call inside :func:`single_process`."""
+    return family_of(ns).build(mlm.one_process_args(ns)).eval()
 
 
 def tensor_names(model) -> Dict[str, torch.Size]:
@@ -164,6 +159,7 @@ def read_args(path: str):
             format (a dict as ``args``: no longer read; names :data:`LAST_OLD_FORMAT_COMMIT`),
             or has a setting the converter cannot hold (named).
     """
+    # megatron-core: heavy, imported when used
     from megatron.core import dist_checkpointing
 
     common = dist_checkpointing.load_common_state_dict(path)
@@ -206,6 +202,7 @@ def load_sharded(request: dict, path: str, *, strict: str = "assume_ok_unexpecte
     Raises:
         megatron-core's ``CheckpointingException``: any other tensor or object is missing.
     """
+    # megatron-core: heavy, imported when used
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
     from megatron.core.dist_checkpointing.serialization import load_sharded_metadata
@@ -257,7 +254,7 @@ def read_checkpoint(path: str) -> Tuple[object, Dict[str, torch.Tensor]]:
         ``(args, state)``: the stored Megatron-LM ``args`` and the model's weights
         ``{megatron name: tensor}`` (parameter dtype). A GPT-shaped ``HybridModel``
         (``*-``/``*E`` pairs) comes back as the ``GPTModel`` it equals: its
-        :func:`.mlm.gpt_equivalent` ``args`` and its weights under GPT names
+        :func:`~tst_megatron.training.pattern.gpt_equivalent` ``args`` and its weights under GPT names
         (:func:`.mlm.hybrid_to_gpt_names`).
 
     Raises:
@@ -269,8 +266,8 @@ def read_checkpoint(path: str) -> Tuple[object, Dict[str, torch.Tensor]]:
         load_weights(path, model)
         weights = model.state_dict()
         state = {name: weights[name].detach().clone() for name in tensor_names(model)}
-    if mlm.hybrid_main_pattern(args) is not None:
-        state, args = mlm.hybrid_to_gpt_names(state, args), mlm.gpt_equivalent(args)
+    if family_of(args) is HYBRID:
+        state, args = mlm.hybrid_to_gpt_names(state, args), gpt_equivalent(args)
     return args, state
 
 
@@ -288,6 +285,7 @@ def write_release(root: str, ns, state: Dict[str, torch.Tensor]) -> str:
         ValueError: ``state``'s names differ from the model's (listing them).
         FileExistsError: ``root`` already holds a ``release``.
     """
+    # megatron-core: heavy, imported when used
     from megatron.core import dist_checkpointing
 
     with single_process():

@@ -12,14 +12,14 @@ whole ``argparse.Namespace`` as ``args`` in its common state
   changes the model's function but has no place in a Hugging Face target, so nothing is
   dropped silently; a ``HybridModel`` checkpoint only where its pattern is GPT-shaped
   (:func:`check_hybrid`).
-- :func:`gpt_equivalent` / :func:`hybrid_to_gpt_names`: a GPT-shaped ``HybridModel``
-  (``*-`` / ``*E`` pairs, ``examples/pretrain_hybrid_tst.py``) as the ``GPTModel`` it equals,
-  so that it exports to the same Hugging Face families.
+- :func:`~tst_megatron.training.pattern.gpt_equivalent` / :func:`hybrid_to_gpt_names`: a
+  GPT-shaped ``HybridModel`` (``*-`` / ``*E`` pairs, ``examples/pretrain_hybrid_tst.py``) as
+  the ``GPTModel`` it equals, so that it exports to the same Hugging Face families.
 - :func:`one_process_args` / :func:`transformer_config`: the namespace of the same model in
   one CPU process, and its ``TransformerConfig`` by Megatron-LM's own
   ``core_transformer_config_from_args`` (the shapes the Hugging Face side needs are read
   from it); the model itself is built by the launcher's
-  :func:`~tst_megatron.training.model.build_model_from_args`.
+  :attr:`~tst_megatron.training.family.ModelFamily.build`.
 - :func:`megatron_lm_namespace`: model flags -> the ``Namespace`` Megatron-LM's parser and
   ``validate_args`` produce, which an imported ``release`` checkpoint stores so that
   Megatron-LM's ``load_checkpoint`` (``--load``, ``--use-checkpoint-args``) reads it.
@@ -37,6 +37,9 @@ import sys
 from typing import Iterator, Optional, Sequence
 
 import torch
+
+from tst_megatron.training.flags import add_tst_args
+from tst_megatron.training.pattern import pattern_of
 
 #: Megatron-LM settings (``args`` dest, default, flag) that change the model's function and
 #: that neither the converter's dict nor a Qwen3-MoE/Mixtral/Qwen3/Llama config can hold.
@@ -109,6 +112,7 @@ def _vocab_size(ns) -> int:
     """
     if getattr(ns, "vocab_size", None):
         return int(ns.vocab_size)
+    # megatron-core: heavy, imported when used
     from megatron.core.tokenizers.utils.build_tokenizer import build_tokenizer
 
     probe = copy.copy(ns)
@@ -147,67 +151,35 @@ _ONE_PROCESS = dict(
 #: ``dist_checkpointing.gpt_checkpoint_interop.gpt_compatible_layer_maps`` pairs the i-th
 #: ``*`` and the i-th MLP layer with GPT layer i; adjacent pairs compute what the GPT layer
 #: computes (a pre-norm residual attention block, then a pre-norm residual MLP block).
-GPT_SHAPED_PATTERN = re.compile(r"(\*[-E])+")
-
 #: Hybrid layer symbols with no place in the Hugging Face targets (megatron-core 0.19.2's
 #: ``hybrid_layer_allocation.Symbols``).
 _NO_PLACE = {"M": "Mamba-2", "G": "gated delta net", "D": "DeepSeek sparse attention",
              "+": "multi-latent attention"}  # fmt: skip
 
 
-def hybrid_main_pattern(ns) -> Optional[str]:
-    """The layer pattern of a ``HybridModel`` checkpoint's ``args`` ``ns`` without pipeline
-    separators (``|``) and without its MTP part (after ``/``); None for a ``GPTModel``."""
-    pattern = getattr(ns, "hybrid_layer_pattern", None)
-    if not pattern:
-        return None
-    return pattern.split("/")[0].replace("|", "")
-
-
 def check_hybrid(ns) -> None:
     """Refuse a ``HybridModel`` checkpoint's ``args`` ``ns`` whose pattern is not
-    GPT-shaped (:data:`GPT_SHAPED_PATTERN`): the Hugging Face targets hold GPT layers.
+    GPT-shaped (:attr:`~tst_megatron.training.pattern.HybridPattern.gpt_shaped`): the Hugging
+    Face targets hold GPT layers.
 
     Raises:
         ValueError: one line naming the pattern and what has no place.
     """
-    main = hybrid_main_pattern(ns)
-    if main is None:
+    pattern = pattern_of(ns)
+    if pattern is None:
         return
-    pattern = ns.hybrid_layer_pattern
-    head = f"--hybrid-layer-pattern {pattern}: the Hugging Face targets hold GPT layers"
-    if "/" in pattern:
+    head = f"--hybrid-layer-pattern {pattern.text}: the Hugging Face targets hold GPT layers"
+    if pattern.mtp_depths:
         raise ValueError(f"{head}; its multi-token prediction layers (after '/') have no place")
-    families = sorted({c for c in main if c in _NO_PLACE})
+    families = sorted({c for c in pattern.main if c in _NO_PLACE})
     if families:
         names = ", ".join(f"{c} ({_NO_PLACE[c]})" for c in families)
         raise ValueError(f"{head}; its {names} layers have no place")
-    if not GPT_SHAPED_PATTERN.fullmatch(main):
+    if not pattern.gpt_shaped:
         raise ValueError(
             f"{head}, each an attention layer '*' followed by its MLP '-' or MoE 'E' layer; "
-            f"{main!r} does not pair up that way"
+            f"{pattern.main!r} does not pair up that way"
         )
-
-
-def gpt_equivalent(ns):
-    """The ``args`` of the ``GPTModel`` a GPT-shaped ``HybridModel`` checkpoint's ``ns``
-    equals (``ns`` itself for a ``GPTModel``): no pattern, one layer per ``*X`` pair, MoE
-    layers where the pattern has ``E`` (``--moe-layer-freq`` as a 0/1 list), no experts
-    without any ``E``. Call :func:`check_hybrid` first."""
-    main = hybrid_main_pattern(ns)
-    if main is None:
-        return ns
-    out = copy.copy(ns)
-    out.hybrid_layer_pattern = None
-    kinds = main[1::2]
-    out.num_layers = len(kinds)
-    if "E" in kinds:
-        out.moe_layer_freq = [int(k == "E") for k in kinds]
-    else:  # and what validate_args filled in for --num-experts
-        out.num_experts = None
-        out.moe_layer_freq = 1
-        out.moe_ffn_hidden_size = out.moe_shared_expert_intermediate_size = None
-    return out
 
 
 _LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.*)")
@@ -215,7 +187,7 @@ _LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.*)")
 
 def hybrid_to_gpt_names(state: dict, ns) -> dict:
     """``state`` (``{name: tensor}`` of a 1-process GPT-shaped ``HybridModel``) under the
-    names of the ``GPTModel`` it equals (:func:`gpt_equivalent`): hybrid layer ``2i``
+    names of the ``GPTModel`` it equals (:func:`~tst_megatron.training.pattern.gpt_equivalent`): hybrid layer ``2i``
     (attention: ``input_layernorm``, ``self_attention``) and ``2i + 1`` (``pre_mlp_layernorm``,
     ``mlp``) are GPT layer ``i``; ``decoder.final_norm`` is ``decoder.final_layernorm``
     (``gpt_checkpoint_interop``'s ``_GPT_FINAL_NORM_KEY_MAP``).
@@ -290,6 +262,7 @@ def transformer_config(ns):
     """megatron-core's ``TransformerConfig`` of checkpoint ``args`` ``ns`` in one process:
     Megatron-LM's ``core_transformer_config_from_args`` on :func:`one_process_args` (what the
     launcher's model provider uses, through ``gpt_config_from_args``)."""
+    # Megatron-LM's training package: heavy, imported where it runs
     from megatron.training.argument_utils import core_transformer_config_from_args
 
     return core_transformer_config_from_args(one_process_args(ns))
@@ -345,9 +318,8 @@ def megatron_lm_namespace(
     Raises:
         ValueError: Megatron-LM's validation refused the flags (its message).
     """
+    # megatron.training (Megatron-LM) is heavy: imported by the conversions that need it
     from megatron.training.arguments import parse_args, validate_args
-
-    from tst_megatron.training.flags import add_tst_args
 
     argv = [*flags, "--micro-batch-size", "1", "--train-iters", "0", "--lr", "0"]
     with _one_process_argv(argv), contextlib.redirect_stdout(io.StringIO()):  # its listing

@@ -56,6 +56,7 @@ def python_stdlib_documents() -> Iterator[str]:
         paths += [os.path.join(directory, f) for f in files if f.endswith(".py")]
     for path in sorted(paths):
         yield _read(path)
+    # the stdlib's documentation text: only for that corpus source
     from pydoc_data.topics import topics
 
     for name in sorted(topics):

@@ -147,6 +147,7 @@ def open_data_file(prefix: str) -> DataFile:
         ConfigError: a missing file, a file that is not a Megatron index, a truncated or
             mismatched ``.idx``/``.bin``, or an empty dataset, naming the file.
     """
+    # megatron-core: heavy, imported when used
     from megatron.core.datasets.indexed_dataset import DType
 
     for suffix in (".bin", ".idx"):

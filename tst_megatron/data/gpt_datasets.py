@@ -15,6 +15,7 @@ from megatron.core.datasets.utils import get_blend_from_list
 from tst_megatron.data.files import open_data_file, token_ranges
 from tst_megatron.data.index_cache import CachedGPTDatasetConfig, build_splits
 from tst_megatron.errors import ConfigError
+from tst_megatron.runtime import resolve_process
 
 
 @dataclasses.dataclass(frozen=True)
@@ -207,8 +208,6 @@ def build_datasets(data, tokenizer, *, seq_length: int, samples: tuple[int, int,
         ConfigError: a split asked for samples has no document (:func:`check_split`), or a
             damaged index cache on a rank that only reads it.
     """
-    from tst_megatron.runtime import resolve_process
-
     if data.mock_data:
         blend, prefixes, cls = None, None, MockGPTDataset
         documents = {"--mock-data": MockGPTLowLevelDataset.size}
@@ -238,6 +237,7 @@ def use_prebuilt_dataset_helpers() -> None:
         from megatron.core.datasets import helpers_cpp  # noqa: F401
     except ImportError:
         return  # a source checkout: let Megatron-LM compile it
+    # megatron-core: heavy, imported when used
     import megatron.core.datasets.utils as dataset_utils
 
     dataset_utils.compile_helpers = lambda: None

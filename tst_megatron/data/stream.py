@@ -17,8 +17,10 @@ from typing import Optional
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from tst_megatron.data.files import atomic_path
+from tst_megatron.data.index_cache import is_cache_builder, npy_problem
 from tst_megatron.errors import ConfigError
 
 FORMAT = 1
@@ -133,8 +135,6 @@ def cache_files(directory: str, description: dict, parts: int) -> dict:
 def cache_problem(files: dict, description: dict) -> Optional[str]:
     """Why the cache ``files`` cannot be used (missing, truncated or corrupt file, other
     description), or None. Reads headers only."""
-    from tst_megatron.data.index_cache import npy_problem
-
     for name, path in files.items():
         if not os.path.isfile(path):
             return f"{path} is missing"
@@ -282,10 +282,6 @@ def open_stream(dataset, *, bag_size: int, phase1_samples: int, seed: int, cache
     Raises:
         ConfigError: as :class:`TrainStream`, or another rank's failure (its message).
     """
-    import torch.distributed as dist
-
-    from tst_megatron.data.index_cache import is_cache_builder
-
     settings = dict(bag_size=bag_size, phase1_samples=phase1_samples, seed=seed)
     if cache_dir is None or not (dist.is_available() and dist.is_initialized()):
         return TrainStream(dataset, cache_dir=cache_dir, **settings)
@@ -301,8 +297,6 @@ def open_stream(dataset, *, bag_size: int, phase1_samples: int, seed: int, cache
 def _everywhere(make, mine: bool):
     """``make()`` where ``mine`` (else None); the first failure of any rank is raised on all as
     a ConfigError (``all_gather_object``)."""
-    import torch.distributed as dist
-
     result, error = None, None
     try:
         result = make() if mine else None

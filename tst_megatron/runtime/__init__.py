@@ -1,9 +1,9 @@
 """Where the process runs: torch.distributed + megatron-core parallel state + seeds
-(:mod:`.distributed`; torchrun's or Slurm's environment, :mod:`.slurm`), the CPU/gloo
-redirection of megatron-core's CUDA assumptions (:mod:`.cpu`) and what a CPU run adds to and
-refuses in a command line (:mod:`.cpu_settings`), a sequence-parallel-capable norm for the
-local layer spec (:mod:`.norm`), Transformer Engine's FP8 shape rules (:mod:`.fp8`), and what
-a dry run answers for a cluster's GPU and TE (:mod:`.assumed`).
+(:mod:`.distributed`; torchrun's or Slurm's environment, :mod:`.slurm`) and the CPU/gloo
+redirection of megatron-core's CUDA assumptions (:mod:`.cpu`). The launcher starts its
+processes through Megatron-LM's ``pretrain()``; :func:`init_distributed` and
+:class:`ParallelConfig` start them for the tools, benchmarks and tests that run megatron-core
+without Megatron-LM's loop.
 """
 
 from tst_megatron.runtime.distributed import (
@@ -16,12 +16,10 @@ from tst_megatron.runtime.distributed import (
     resolve_process,
     set_seed,
 )
-from tst_megatron.runtime.norm import SequenceParallelNorm
 
 __all__ = [
     "ParallelConfig",
     "ProcessInfo",
-    "SequenceParallelNorm",
     "destroy",
     "init_distributed",
     "initialize_model_parallel",

@@ -233,7 +233,7 @@ _NO_GPU = types.SimpleNamespace(
 
 class _CpuCuda(types.ModuleType):
     """What megatron-core sees as ``torch.cuda`` under :func:`enable` (and a dry run's
-    validation, with ``gpu`` the assumed cluster GPU: :mod:`tst_megatron.runtime.assumed`)."""
+    validation, with ``gpu`` the assumed cluster GPU: :mod:`tst_megatron.training.assumed`)."""
 
     Stream = _Stream
     Event = _Event
@@ -460,6 +460,7 @@ def check_version() -> str:
     Raises:
         RuntimeError: it is outside :data:`SUPPORTED_MEGATRON_CORE`.
     """
+    # megatron-core: heavy, imported when used
     import megatron.core
     from packaging.specifiers import SpecifierSet
     from packaging.version import InvalidVersion, Version
@@ -581,6 +582,7 @@ def fork_checkpoint_results_queue() -> None:
     persistent checkpoint worker does (``megatron.training.async_utils``), for a CPU run: at the
     first save its default ``spawn`` re-imports torch and megatron-core (about 8 s on 2 cores).
     Idempotent."""
+    # megatron-core: heavy, imported when used
     from megatron.core.dist_checkpointing.strategies.filesystem_async import (
         get_write_results_queue,
     )

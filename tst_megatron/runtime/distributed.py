@@ -116,6 +116,18 @@ def _env_int(env: Mapping[str, str], *names: str, default: Optional[int] = None)
     return default
 
 
+def is_rank_zero(env: Optional[Mapping[str, str]] = None) -> bool:
+    """Whether this process is the job's rank 0, by :func:`resolve_process`'s rule without
+    its checks: ``RANK`` (torchrun's) when set, else ``SLURM_PROCID`` in an ``srun`` step, else
+    rank 0 of 1."""
+    env = os.environ if env is None else env
+    if "RANK" in env:
+        return env["RANK"].strip() == "0"
+    if in_srun_step(env):
+        return env.get("SLURM_PROCID", "0").strip() == "0"
+    return True
+
+
 def resolve_process(
     env: Optional[Mapping[str, str]] = None, *, device: str = "auto"
 ) -> ProcessInfo:

@@ -14,14 +14,33 @@ import sys
 import typing
 from typing import Optional, Sequence
 
+from megatron.core.enums import ModelType
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from tst_megatron import upstream
+from tst_megatron.data.gpt_datasets import use_prebuilt_dataset_helpers
 from tst_megatron.errors import ConfigError
-from tst_megatron.runtime.distributed import export_torchrun_env, one_process_env
+from tst_megatron.runtime import cpu
+from tst_megatron.runtime.distributed import (
+    export_torchrun_env,
+    is_rank_zero,
+    one_process_env,
+    report_error,
+)
+from tst_megatron.training.checks.resume import checkpoint_to_resume
+from tst_megatron.training.datasets import TSTDatasets
+from tst_megatron.training.dry_run import dry_run
+from tst_megatron.training.family import GPT, ModelFamily
+from tst_megatron.training.forward import TSTForwardStep
+from tst_megatron.training.switch import FreshAdamForMTP
+from tst_megatron.training.validate import parse
 
 
-def main(argv: Optional[Sequence[str]] = None, *, model: str = "gpt") -> None:
+def main(argv: Optional[Sequence[str]] = None, *, family: ModelFamily = GPT) -> None:
     """Check ``argv`` (default ``sys.argv[1:]``), then run Megatron-LM's ``pretrain()`` with
-    TST's model provider (``model="gpt"``: ``pretrain_gpt.py``'s ``GPTModel``;
-    ``"hybrid"``: ``pretrain_hybrid.py``'s ``HybridModel``), datasets provider and forward step,
+    ``family``'s model provider (:data:`~tst_megatron.training.family.GPT`:
+    ``pretrain_gpt.py``'s ``GPTModel``; :data:`~tst_megatron.training.family.HYBRID`:
+    ``pretrain_hybrid.py``'s ``HybridModel``), TST's datasets provider and forward step,
     which share the run plan the checks built (and, with MTP, the optimizer hook
     :class:`~tst_megatron.training.switch.FreshAdamForMTP`), with megatron-core's
     distributed-optimizer resume mended (:func:`tst_megatron.upstream.distributed_optimizer_resume`).
@@ -31,28 +50,16 @@ def main(argv: Optional[Sequence[str]] = None, *, model: str = "gpt") -> None:
             check, or a :class:`ConfigError` inside ``pretrain()``); with ``--dry-run``,
             :func:`tst_megatron.training.dry_run.dry_run`'s status (0 or 2).
     """
-    from megatron.core.enums import ModelType
-    from torch.optim.optimizer import register_optimizer_step_pre_hook
-
-    from tst_megatron import upstream
-    from tst_megatron.data.gpt_datasets import use_prebuilt_dataset_helpers
-    from tst_megatron.training.datasets import TSTDatasets
-    from tst_megatron.training.forward import TSTForwardStep
-    from tst_megatron.training.model import hybrid_model_provider, model_provider
-    from tst_megatron.training.switch import FreshAdamForMTP
-    from tst_megatron.training.validate import parse
-
     argv = sys.argv[1:] if argv is None else list(argv)
     if "--dry-run" in argv:
-        from tst_megatron.training.dry_run import dry_run
-
-        raise SystemExit(dry_run(argv, model=model))
+        raise SystemExit(dry_run(argv, family=family))
     try:
         export_torchrun_env()
         alone = one_process_env(os.environ)
-        checked = parse(argv, model)
+        checked = parse(argv, family)
     except ConfigError as exc:
         _exit_on(exc)
+    # Megatron-LM's training loop is heavy: imported once the checks passed
     from megatron.training.argument_utils import pretrain_cfg_container_from_args
     from megatron.training.training import pretrain
 
@@ -62,12 +69,10 @@ def main(argv: Optional[Sequence[str]] = None, *, model: str = "gpt") -> None:
     os.environ.update(alone)
     use_prebuilt_dataset_helpers()
     if checked.device == "cpu":
-        from tst_megatron.runtime import cpu
-
         cpu.enable(training=True)  # again: modules imported since
         cpu.fork_checkpoint_results_queue()
     cfg = pretrain_cfg_container_from_args(checked.args)
-    provider = hybrid_model_provider if model == "hybrid" else model_provider
+    provider = family.model_provider
     hook = None
     if getattr(checked.args, "mtp_num_layers", None) and plan.n1 > 0:
         fresh = FreshAdamForMTP(plan.n1)
@@ -93,12 +98,10 @@ def _nothing_left_to_train(args, n: int) -> bool:
     """True (after a ``note:`` on rank 0) when the checkpoint to resume is already at
     iteration ``n`` (the run's last) and not ``--skip-train``: Megatron-LM 0.19.2's sampler
     would stop with "no samples left to consume"."""
-    from tst_megatron.training.checks.resume import checkpoint_to_resume
-
     found = None if args.skip_train else checkpoint_to_resume(args)
     if found is None or found[0] < n:
         return False
-    if os.environ.get("RANK", "0") == "0":
+    if is_rank_zero():
         print(
             f"note: the checkpoint in --load {args.load} is at iteration {found[0]} of "
             f"--train-iters {n}: nothing left to train",
@@ -109,7 +112,5 @@ def _nothing_left_to_train(args, n: int) -> bool:
 
 def _exit_on(exc: ConfigError) -> typing.NoReturn:
     """Report ``exc`` once for the job (rank 0) and exit with status 2."""
-    from tst_megatron.runtime import report_error
-
     report_error(str(exc))
     raise SystemExit(2) from None

@@ -8,6 +8,18 @@ from typing import Optional, Sequence
 
 import torch
 
+from tst_megatron.data.gpt_datasets import (
+    build_datasets,
+    check_data_files,
+    check_mock_data,
+    data_prefixes,
+    data_settings,
+    dataset_pad_id,
+    training_windows,
+)
+from tst_megatron.data.index_cache import cache_dir_of
+from tst_megatron.data.stream import open_stream
+from tst_megatron.runtime import resolve_process
 from tst_megatron.training.plan import RunPlan
 from tst_megatron.training.switch import switch_validation_samples
 
@@ -50,20 +62,8 @@ class TSTDatasets:
         self.plan = plan
 
     def __call__(self, num_samples: Sequence[Optional[int]], vp_stage: Optional[int] = None):
+        # Megatron-LM's globals: set by its pretrain(), which calls this provider
         from megatron.training import get_args, get_tokenizer
-
-        from tst_megatron.data.gpt_datasets import (
-            build_datasets,
-            check_data_files,
-            check_mock_data,
-            data_prefixes,
-            data_settings,
-            dataset_pad_id,
-            training_windows,
-        )
-        from tst_megatron.data.index_cache import cache_dir_of
-        from tst_megatron.data.stream import open_stream
-        from tst_megatron.runtime import resolve_process
 
         args, tokenizer = get_args(), get_tokenizer()
         plan = self.plan

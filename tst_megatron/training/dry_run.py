@@ -3,14 +3,27 @@ with ``dry_run=True``) plus a report of what the launch line would do at ``WORLD
 the layout, the batch, the model, Megatron-LM's parameter count and the TST plan; or every
 problem found, one ``error: ...`` line each. Exit status 0 or 2. Nothing is started: no process group, no model, no data, no GPU (a launch
 line for CUDA is checked as for an H100 with Transformer Engine when this machine has
-neither: :mod:`tst_megatron.runtime.assumed`).
+neither: :mod:`tst_megatron.training.assumed`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import copy
+import io
 import os
 import sys
 from typing import Sequence
+
+from megatron.core.models.gpt.experimental_attention_variant_module_specs import (
+    get_linear_attention_pattern,
+    get_moe_layer_pattern,
+)
+
+from tst_megatron.runtime.distributed import is_rank_zero
+from tst_megatron.training.family import GPT, ModelFamily
+from tst_megatron.training.pattern import FAMILIES, gpt_equivalent, pattern_of
+from tst_megatron.training.validate import check
 
 
 def parameter_lines(args) -> list[str]:
@@ -24,10 +37,7 @@ def parameter_lines(args) -> list[str]:
     Returns:
         ``["parameters (Megatron-LM): ...", ...]``, or one line saying why it could not count.
     """
-    import contextlib
-    import copy
-    import io
-
+    # megatron.training (Megatron-LM) is heavy: imported once the line is known good
     from megatron.training.theoretical_memory_usage import (
         NUM_BYTES_IN_MEGABYTE,
         compute_weight_and_optimizer_memory,
@@ -36,7 +46,7 @@ def parameter_lines(args) -> list[str]:
     counted = copy.copy(args)
     counted.padded_vocab_size = 0  # a tokenizer file's vocabulary: a dry run reads none
     if args.tokenizer_type == "NullTokenizer" and args.vocab_size:  # given by --vocab-size
-        from megatron.training.vocab_utils import calculate_padded_vocab_size
+        from megatron.training.vocab_utils import calculate_padded_vocab_size  # heavy, as above
 
         counted.padded_vocab_size = calculate_padded_vocab_size(
             args.vocab_size,
@@ -110,13 +120,9 @@ def describe(args, plan) -> list[str]:
         f"sequence parallel {'on' if args.sequence_parallel else 'off'}"
     ]
     lines += _batch_lines(args, plan, dp)
-    if args.hybrid_layer_pattern:
+    if pattern_of(args) is not None:
         return lines + _hybrid_lines(args) + _tst_lines(args, plan)
     if args.num_experts:
-        from megatron.core.models.gpt.experimental_attention_variant_module_specs import (
-            get_moe_layer_pattern,
-        )
-
         n_moe = sum(get_moe_layer_pattern(args))
         kind = (
             f"MoE {n_moe} of {args.num_layers} layers: {args.num_experts} experts of "
@@ -165,37 +171,23 @@ def _variant_layers(args, variant: str) -> str:
     keeps every N-th layer standard attention, a list marks each layer), else all."""
     if variant != "gated_delta_net" or args.linear_attention_freq is None:
         return f"{variant} attention in every layer"
-    from megatron.core.models.gpt.experimental_attention_variant_module_specs import (
-        get_linear_attention_pattern,
-    )
-
     pattern = get_linear_attention_pattern(args)
     return f"gated delta net in {sum(pattern)} of {args.num_layers} layers (the rest standard)"
 
 
 def _hybrid_lines(args) -> list[str]:
-    """A ``HybridModel``'s layers by family (megatron-core's ``get_hybrid_layer_counts``), its
-    widths and experts, and its parameters: Megatron-LM 0.19's arithmetic
-    (:func:`parameter_lines`) covers GPT models only, so a GPT-shaped pattern (``*-``/``*E``
-    pairs, :data:`~tst_megatron.conversion.mlm.GPT_SHAPED_PATTERN`; no MTP; pipeline segments
-    of equal length) is counted as the ``GPTModel`` it equals
-    (:func:`~tst_megatron.conversion.mlm.gpt_equivalent`), any other pattern not at all."""
-    from megatron.core.models.hybrid.hybrid_layer_allocation import (
-        get_hybrid_layer_counts,
-        parse_hybrid_pattern,
-    )
-
-    from tst_megatron.training.hybrid import FAMILIES
-
-    pattern = args.hybrid_layer_pattern
-    counts = get_hybrid_layer_counts(pattern.split("/")[0])  # the MTP part is listed apart
+    """A ``HybridModel``'s layers by family, its widths and experts, and its parameters:
+    Megatron-LM 0.19's arithmetic (:func:`parameter_lines`) covers GPT models only, so a
+    pattern :attr:`~tst_megatron.training.pattern.HybridPattern.counted_as_gpt` (``*-``/``*E``
+    pairs, no MTP, pipeline segments of equal length) is counted as the ``GPTModel`` it
+    equals (:func:`~tst_megatron.training.pattern.gpt_equivalent`), any other not at all."""
+    pattern = pattern_of(args)
     families = ", ".join(
-        f"{counts[symbol]} {name} ({symbol})"
+        f"{pattern.count(symbol)} {name} ({symbol})"
         for symbol, name in FAMILIES.items()
-        if counts.get(symbol)
+        if pattern.count(symbol)
     )
-    parsed = parse_hybrid_pattern(pattern)
-    mtp = f"; MTP {parsed.mtp_num_depths} x '{parsed.mtp_pattern}'" if parsed.mtp_pattern else ""
+    mtp = f"; MTP {pattern.mtp_depths} x '{pattern.mtp}'" if pattern.mtp_depths else ""
     experts = ""
     if args.num_experts:
         experts = (
@@ -204,30 +196,19 @@ def _hybrid_lines(args) -> list[str]:
         )
         if args.moe_shared_expert_intermediate_size:
             experts += f", shared expert {args.moe_shared_expert_intermediate_size}"
-    return [
-        f"model: HybridModel '{pattern}': {families}{mtp}; hidden {args.hidden_size}, FFN "
+    lines = [
+        f"model: HybridModel '{pattern.text}': {families}{mtp}; hidden {args.hidden_size}, FFN "
         f"{args.ffn_hidden_size}{' (gated)' if args.swiglu else ''}, "
         f"{args.num_attention_heads} heads{experts}; {args.normalization}, "
         f"{args.position_embedding_type} positions, {args.transformer_impl}, "
-        f"{args.params_dtype}",
-        *_hybrid_parameter_lines(args),
+        f"{args.params_dtype}"
     ]
-
-
-def _hybrid_parameter_lines(args) -> list[str]:
-    """See :func:`_hybrid_lines`."""
-    from tst_megatron.conversion.mlm import GPT_SHAPED_PATTERN, gpt_equivalent
-
-    segments = args.hybrid_layer_pattern.split("|")
-    gpt_shaped = "/" not in args.hybrid_layer_pattern and all(
-        GPT_SHAPED_PATTERN.fullmatch(s) for s in segments
-    )
-    if not (gpt_shaped and len({len(s) for s in segments}) == 1):
-        return [
+    if not pattern.counted_as_gpt:
+        return lines + [
             "parameters: not counted (Megatron-LM 0.19's arithmetic covers GPT models; this "
             "pattern is not '*-'/'*E' pairs split evenly, without MTP)"
         ]
-    return [  # its parameter and memory lines
+    return lines + [  # its parameter and memory lines
         line.replace("(Megatron-LM)", "(Megatron-LM, as the equivalent GPT)", 1)
         for line in parameter_lines(gpt_equivalent(args))
     ]
@@ -251,20 +232,18 @@ def _tst_lines(args, plan) -> list[str]:
     ]
 
 
-def dry_run(argv: Sequence[str], *, out=None, err=None, model: str = "gpt") -> int:
-    """``--dry-run``: :func:`~tst_megatron.training.validate.check` ``argv`` for
-    ``WORLD_SIZE`` processes (default 1) as the launch does, and print the run (stdout) or
-    every problem (``error: ...`` lines on stderr). Prints from rank 0 only (``RANK``, else
-    ``SLURM_PROCID``, default 0).
+def dry_run(argv: Sequence[str], *, out=None, err=None, family: ModelFamily = GPT) -> int:
+    """``--dry-run`` of ``family``'s launcher: :func:`~tst_megatron.training.validate.check`
+    ``argv`` for ``WORLD_SIZE`` processes (default 1) as the launch does, and print the run
+    (stdout) or every problem (``error: ...`` lines on stderr). Prints from rank 0 only
+    (:func:`~tst_megatron.runtime.distributed.is_rank_zero`).
 
     Returns:
         0 when no problem was found, else 2.
     """
-    from tst_megatron.training.validate import check
-
     out, err = out or sys.stdout, err or sys.stderr
-    checked = check(argv, dry_run=True, model=model)
-    rank0 = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0"
+    checked = check(argv, dry_run=True, family=family)
+    rank0 = is_rank_zero()
     problems, notes, assumed = list(checked.problems), checked.notes, checked.assumed
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if not problems:

@@ -1,5 +1,5 @@
-"""The launcher's own flags (``--tst-*``, ``--dry-run``, ``--device``) and the Megatron-LM
-flags it refuses (:func:`refused_flags`)."""
+"""The launcher's own flags (``--tst-*``, ``--dry-run``, ``--dry-run-gpu``, ``--device``) and
+the Megatron-LM flags it refuses (:data:`REFUSED_FLAGS`)."""
 
 from __future__ import annotations
 
@@ -8,31 +8,38 @@ import copy
 import dataclasses
 import typing
 
-from tst_megatron.runtime.assumed import DEFAULT_GPU, DRY_RUN_SKIPS, GPUS
 from tst_megatron.superposition.schedule import TSTConfig
+from tst_megatron.training.assumed import DEFAULT_GPU, DRY_RUN_SKIPS, GPUS
 
-#: Megatron-LM flags for features of ``pretrain_gpt.py`` that this launcher does not have
-#: (ignored, or a traceback at the first step), with why: refused before work
-#: (:func:`tst_megatron.training.checks.megatron.refused_flag_problems`) and marked in ``--help``.
-NOT_WIRED = {
+#: Every Megatron-LM flag the launcher refuses, ``{argparse dest: why}``: refused before work
+#: (:func:`tst_megatron.training.checks.megatron.refused_flag_problems`) and marked in
+#: ``--help``. Data flags it does not honour (never ignored: per-split paths would have trained
+#: on mock data), then features of ``pretrain_gpt.py`` it does not have (ignored, or a
+#: traceback at the first step).
+REFUSED_FLAGS = {
+    "train_data_path": "use --data-path (or --data-args-path) with --split, or --mock-data",
+    "valid_data_path": "use --data-path (or --data-args-path) with --split, or --mock-data",
+    "test_data_path": "use --data-path (or --data-args-path) with --split, or --mock-data",
+    "per_split_data_args_path": "use --data-path (or --data-args-path) with --split",
+    "multiple_validation_sets": "its validation sets come from per-split paths (above)",
+    "sft": "TST trains on megatron-core's GPTDataset (pretraining), not SFT conversations",
+    "fim_data": "TST trains on megatron-core's GPTDataset; its FIM samples are not supported",
+    "object_storage_cache_path": "the launcher checks and reads local .bin/.idx files only",
+    "dataloader_inter_document_masking": "the forward step passes no document boundaries",
+    "per_dataset_sequences_path": "the launcher reads every .idx at start-up (its checks)",
+    "dataloader_fast_cache_load": "the launcher builds and loads the index caches itself",
+    "dataloader_defer_npy_index_mmap": "the launcher builds and loads the index caches itself",
     "hybrid_context_parallel": "it needs SFT batches with document boundaries (cu_seqlens)",
     "inprocess_restart": "it does not wrap pretrain() for in-process restart; a restarted "
     "job resumes exactly from --load",
 }
 
 
-def refused_flags() -> dict:
-    """``{argparse dest: why}`` of every Megatron-LM flag the launcher refuses: :data:`NOT_WIRED`
-    and the data flags (``tst_megatron.training.checks.data.REFUSED_DATA_FLAGS``)."""
-    from tst_megatron.training.checks.data import REFUSED_DATA_FLAGS
-
-    return {**REFUSED_DATA_FLAGS, **NOT_WIRED}
-
-
 def _tst_group_factory():
     """Megatron-LM's ``ArgumentGroupFactory`` for :class:`TSTConfig`, flags and destinations
     prefixed ``tst`` (``bag_size``: ``--tst-bag-size``, dest ``tst_bag_size``), with the field
     types resolved (the factory would read postponed annotations as strings)."""
+    # megatron.training (Megatron-LM) is heavy and optional for megatron-core users
     from megatron.training.argument_utils import ArgumentGroupFactory
 
     hints = typing.get_type_hints(TSTConfig)
@@ -83,10 +90,10 @@ def add_tst_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 def _fix_help(parser: argparse.ArgumentParser) -> None:
     """Megatron-LM's help texts as ``--help`` shows them: each flag the launcher refuses says
-    so (:func:`refused_flags`), and each ``%`` argparse cannot expand is
+    so (:data:`REFUSED_FLAGS`), and each ``%`` argparse cannot expand is
     doubled (Megatron-LM 0.19.2's ``--moe-paged-stash-buffer-size-factor-cuda`` help,
     ``10%)``, makes ``--help`` raise ``ValueError: unsupported format character``)."""
-    refused = refused_flags()
+    refused = REFUSED_FLAGS
     formatter = parser._get_formatter()
     for action in parser._actions:
         if action.help and action.dest in refused:

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from megatron.core.utils import unwrap_model
 
+from tst_megatron.runtime import cpu
 from tst_megatron.superposition import (
     bag_embedding,
     multi_hot_cross_entropy,
@@ -57,6 +58,7 @@ def _cp_split(batch: dict, cp_group: Optional[dist.ProcessGroup]) -> dict:
     each chunk holds whole bags and exactly their targets. ``batch`` is not modified."""
     if cp_group is None:
         return batch
+    # megatron-core: heavy, imported when used
     from megatron.core.utils import get_batch_on_this_cp_rank
 
     return get_batch_on_this_cp_rank(dict(batch), is_hybrid_cp=False, cp_group=cp_group)
@@ -68,6 +70,7 @@ def loss_checks(args) -> Callable[[torch.Tensor, str], None]:
     ``--check-for-nan-in-loss-and-grad`` (fatal; with reruns disabled a ``RuntimeError``, under
     Megatron-LM's default ``validate_results`` the iteration is rerun first), and a loss 10
     times the largest seen (per ``key``) with ``--check-for-spiky-loss``."""
+    # megatron-core: heavy, imported when used
     from megatron.core.rerun_state_machine import get_rerun_state_machine
 
     def check(loss: torch.Tensor, key: str) -> None:
@@ -232,6 +235,7 @@ class TSTForwardStep:
         self._raw = None
 
     def _build(self, args):
+        # megatron-core: heavy, imported when used
         from megatron.core import mpu
         from megatron.training.utils import is_last_rank
 
@@ -249,6 +253,7 @@ class TSTForwardStep:
         return phase1, make_phase2_step(cp_group=cp, check=check)
 
     def __call__(self, data_iterator, model, return_schedule_plan: bool = False):
+        # Megatron-LM's training package: heavy, imported where it runs
         from megatron.training import get_args
 
         args = get_args()
@@ -306,6 +311,7 @@ class TSTForwardStep:
         """One line on rank 0 when training enters a phase (at the start, and at the switch)."""
         if phase == self._announced:
             return
+        # Megatron-LM's training package: heavy, imported where it runs
         from megatron.training.utils import print_rank_0
 
         self._announced = phase
@@ -330,6 +336,7 @@ class _RawTokens:
 
     def step(self, args) -> None:
         """Called at every training forward; acts once per iteration."""
+        # megatron-core: heavy, imported when used
         from megatron.core.num_microbatches_calculator import (
             get_current_running_global_batch_size,
         )
@@ -361,8 +368,6 @@ class _RawTokens:
 
 
 def _device() -> torch.device:
-    from tst_megatron.runtime import cpu
-
     if cpu.is_enabled() or not torch.cuda.is_available():
         return torch.device("cpu")
     return torch.device("cuda", torch.cuda.current_device())

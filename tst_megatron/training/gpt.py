@@ -1,14 +1,40 @@
-"""A megatron-core ``GPTModel`` that also scores bags: the loss seam
-and phase 1's MTP skip (:mod:`tst_megatron.training.seams`, shared with the ``HybridModel`` of
-:mod:`tst_megatron.training.hybrid`), the latter entered in :meth:`TSTGPTModel._postprocess`.
+"""The ``GPTModel`` family (Megatron-LM's ``pretrain_gpt.py``): :class:`TSTGPTModel`, a
+megatron-core ``GPTModel`` that also scores bags (the loss seam and phase 1's MTP skip,
+:mod:`tst_megatron.training.seams`, shared with :mod:`tst_megatron.training.hybrid`), its
+local layer specs (:func:`gpt_block_spec`, :func:`local_mtp_block_spec`) and its builder
+(:func:`build_gpt_model_from_args`: the launcher's, and the checkpoint converter's).
 No parameter or buffer is added: state dicts and ``sharded_state_dict`` keys are a baseline
 ``GPTModel``'s.
 """
 
 from __future__ import annotations
 
-from megatron.core.models.gpt import GPTModel
+import dataclasses
+import inspect
+from typing import Optional
 
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import (
+    get_gpt_decoder_block_spec,
+    get_gpt_decoder_layer_specs,
+    get_gpt_mtp_block_spec,
+)
+from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.enums import AttnBackend
+from megatron.core.transformer.heterogeneous.heterogeneous_config import (
+    HeterogeneousTransformerConfig,
+)
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from tst_megatron.training.layers import (
+    SequenceParallelNorm,
+    finish,
+    model_arguments,
+    with_expert_fc2,
+    with_norm,
+)
 from tst_megatron.training.seams import PhaseOneMTPSkip, TSTLossSeam, idle_gradient
 
 
@@ -55,3 +81,116 @@ class TSTGPTModel(TSTLossSeam, PhaseOneMTPSkip, GPTModel):
         if self.config.use_mup:
             logits = self._scale_logits(logits)
         return idle_gradient(self.compute_language_model_loss(labels, logits), idle)
+
+
+def gpt_block_spec(config: TransformerConfig, *, vp_stage: Optional[int] = None):
+    """megatron-core's local decoder block spec (``get_gpt_decoder_block_spec``, dense/MoE
+    layers by ``config.moe_layer_freq``) for this pipeline (and virtual) stage, with every norm
+    a :class:`~tst_megatron.training.layers.SequenceParallelNorm` (TP + SP + MoE without TE or
+    Apex) and the experts' second linear layer an :class:`~tst_megatron.training.layers.ExpertRowParallelLinear` (MoE with
+    biases). Returns a ``TransformerBlockSubmodules``."""
+    block = get_gpt_decoder_block_spec(
+        config,
+        use_transformer_engine=False,
+        normalization=config.normalization,
+        qk_l2_norm=config.qk_l2_norm,
+        vp_stage=vp_stage,
+    )
+    return TransformerBlockSubmodules(
+        layer_specs=[
+            with_expert_fc2(with_norm(spec, SequenceParallelNorm)) for spec in block.layer_specs
+        ],
+        layer_norm=SequenceParallelNorm,
+    )
+
+
+def local_mtp_block_spec(config: TransformerConfig, *, vp_stage: Optional[int] = None):
+    """megatron-core's local multi-token prediction block spec (``get_gpt_mtp_block_spec`` on
+    the last decoder layer's spec, as Megatron-LM's ``mtp_block_spec`` builds it) with
+    :func:`gpt_block_spec`'s norms and expert fc2; None when this stage has no MTP layer."""
+    if not config.mtp_num_layers:
+        return None
+    layers = get_gpt_decoder_layer_specs(
+        config,
+        use_transformer_engine=False,
+        normalization=config.normalization,
+        qk_l2_norm=config.qk_l2_norm,
+        vp_stage=vp_stage,
+    )
+    last = with_expert_fc2(with_norm(layers[-1], SequenceParallelNorm))
+    block = get_gpt_mtp_block_spec(config, last, use_transformer_engine=False, vp_stage=vp_stage)
+    if block is None:
+        return None
+    norms = dict(enorm=SequenceParallelNorm, hnorm=SequenceParallelNorm)
+    norms["layer_norm"] = SequenceParallelNorm
+    specs = [
+        dataclasses.replace(s, submodules=dataclasses.replace(s.submodules, **norms))
+        for s in block.layer_specs
+    ]
+    return dataclasses.replace(block, layer_specs=specs)
+
+
+def build_gpt_model_from_args(
+    args,
+    *,
+    pre_process: bool = True,
+    post_process: bool = True,
+    vp_stage: Optional[int] = None,
+    config=None,
+    pg_collection=None,
+):
+    """A :class:`TSTGPTModel` (a ``GPTModel`` with the TST loss seam; same parameters and
+    state-dict keys) for Megatron-LM's ``args`` (the launcher's, or a checkpoint's: the
+    converter calls this too). megatron-core's parallel state must be initialised.
+
+    Configuration from Megatron-LM's ``gpt_config_from_args``; the layer spec is ``--spec``,
+    else with ``--transformer-impl local`` :func:`gpt_block_spec` (and
+    :func:`local_mtp_block_spec`), else Megatron-LM's ``default_layer_spec`` and
+    ``mtp_block_spec``. The ``GPTModel`` arguments are those of Megatron-LM 0.19.2's
+    ``GPTModelBuilder.build_model``, which cannot build a subclass (it names ``GPTModel``).
+    Expert parameters are tagged and a CPU run's model kept on the CPU
+    (:func:`~tst_megatron.training.layers.finish`).
+    """
+    # megatron.training (Megatron-LM) is heavy and optional for megatron-core users
+    from megatron.training.argument_utils import gpt_config_from_args
+    from megatron.training.models.gpt import default_layer_spec, mtp_block_spec
+
+    cfg = gpt_config_from_args(args, config=config)
+    spec = cfg.transformer_layer_spec
+    plain_local = (
+        cfg.transformer.transformer_impl == "local"
+        and cfg.transformer.experimental_attention_variant is None
+        and not isinstance(cfg.transformer, HeterogeneousTransformerConfig)
+    )
+    local = spec is None and plain_local
+    if local:
+        # megatron-core's local block spec with the project's norms (TP + SP without TE or
+        # Apex) and expert fc2 (MoE with biases)
+        spec = gpt_block_spec(cfg.transformer, vp_stage=vp_stage)
+    elif spec is None:
+        spec = default_layer_spec(cfg, vp_stage)
+    elif not isinstance(spec, ModuleSpec) and callable(spec):  # as GPTModelBuilder calls it
+        takes_stage = "vp_stage" in inspect.signature(spec).parameters
+        spec = spec(cfg, vp_stage=vp_stage) if takes_stage else spec(cfg)
+    if cfg.attention_backend == AttnBackend.local and hasattr(spec, "submodules"):
+        spec.submodules.self_attention.submodules.core_attention = DotProductAttention
+    model = TSTGPTModel(
+        transformer_layer_spec=spec,
+        mtp_block_spec=(
+            local_mtp_block_spec(cfg.transformer, vp_stage=vp_stage)  # the same norms
+            if local
+            else mtp_block_spec(cfg, spec, vp_stage=vp_stage)
+        ),
+        rope_scaling=cfg.rope_scaling,
+        rope_scaling_factor=cfg.rope_scaling_factor,
+        scatter_embedding_sequence_parallel=cfg.scatter_embedding_sequence_parallel,
+        **model_arguments(
+            args,
+            cfg,
+            pre_process=pre_process,
+            post_process=post_process,
+            pg_collection=pg_collection,
+            vp_stage=vp_stage,
+        ),
+    )
+    return finish(model, cfg.transformer)

@@ -16,9 +16,17 @@ from __future__ import annotations
 
 from typing import Optional
 
+from megatron.core.models.backends import LocalSpecProvider
 from megatron.core.models.hybrid.hybrid_block import HybridStack, HybridStackSubmodules
+from megatron.core.models.hybrid.hybrid_layer_specs import hybrid_stack_spec
 from megatron.core.models.hybrid.hybrid_model import HybridModel
 from megatron.core.ssm.mlp_layer import MLPLayer
+from megatron.core.transformer.multi_token_prediction import (
+    MultiTokenPredictionBlock,
+    MultiTokenPredictionBlockSubmodules,
+    MultiTokenPredictionLayer,
+    MultiTokenPredictionLayerSubmodules,
+)
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import (
@@ -27,19 +35,13 @@ from megatron.core.transformer.transformer_layer import (
     TransformerLayerSubmodules,
 )
 
-from tst_megatron.runtime.norm import SequenceParallelNorm
+from tst_megatron.training.layers import (
+    SequenceParallelNorm,
+    finish,
+    local_layer_specs,
+    model_arguments,
+)
 from tst_megatron.training.seams import PhaseOneMTPSkip, TSTLossSeam, idle_gradient
-
-#: The layer families of ``--hybrid-layer-pattern`` by megatron-core's symbol.
-FAMILIES = {
-    "M": "Mamba-2",
-    "G": "gated delta net",
-    "*": "attention",
-    "D": "DeepSeek sparse attention",
-    "+": "MLA",
-    "-": "MLP",
-    "E": "MoE",
-}
 
 #: What each family :func:`local_hybrid_stack_spec` does not build needs (the others: ``*``,
 #: ``-``, ``E``).
@@ -90,7 +92,7 @@ class TSTHybridModel(TSTLossSeam, PhaseOneMTPSkip, HybridModel):
 
 class LocalHybridStack(HybridStack):
     """megatron-core's ``HybridStack`` with its final norm a
-    :class:`~tst_megatron.runtime.norm.SequenceParallelNorm`. Same parameter names
+    :class:`~tst_megatron.training.layers.SequenceParallelNorm`. Same parameter names
     (``final_norm.weight``, ``final_norm.bias``).
 
     Workaround: ``HybridStack`` builds Transformer Engine's ``TENorm`` whatever its spec
@@ -109,13 +111,11 @@ class LocalHybridStack(HybridStack):
 
 def local_hybrid_stack_spec(config: TransformerConfig) -> ModuleSpec:
     """A ``HybridStack`` spec of megatron-core's local modules for ``*``, ``-`` and ``E``, from the local GPT layer specs
-    (:func:`tst_megatron.training.model.local_layer_specs`: the same attention, MLP and MoE
+    (:func:`tst_megatron.training.layers.local_layer_specs`: the same attention, MLP and MoE
     modules and norms as a GPT layer), split as megatron-core's TE ``hybrid_stack_spec``
     splits them: the attention layer keeps ``input_layernorm`` and ``self_attention``, the
     MLP and MoE layers ``pre_mlp_layernorm`` and ``mlp``. The final norm:
     :class:`LocalHybridStack`; the MTP block: :func:`local_hybrid_mtp_block_spec`."""
-    from tst_megatron.training.model import local_layer_specs
-
     dense, moe = local_layer_specs(config)
     attention = dense.submodules
     layers = dict(
@@ -144,15 +144,7 @@ def local_hybrid_mtp_block_spec() -> ModuleSpec:
     """megatron-core's hybrid MTP block spec (``hybrid_layer_specs._hybrid_mtp_block_spec``:
     norms and the projection; the inner layers are built from the pattern after ``/``) with
     megatron-core's local column-parallel projection (``LocalSpecProvider``) and
-    :class:`~tst_megatron.runtime.norm.SequenceParallelNorm` norms."""
-    from megatron.core.models.backends import LocalSpecProvider
-    from megatron.core.transformer.multi_token_prediction import (
-        MultiTokenPredictionBlock,
-        MultiTokenPredictionBlockSubmodules,
-        MultiTokenPredictionLayer,
-        MultiTokenPredictionLayerSubmodules,
-    )
-
+    :class:`~tst_megatron.training.layers.SequenceParallelNorm` norms."""
     layer = ModuleSpec(
         module=MultiTokenPredictionLayer,
         submodules=MultiTokenPredictionLayerSubmodules(
@@ -200,15 +192,12 @@ def build_hybrid_model_from_args(
     with the arguments of Megatron-LM 0.19.2's ``HybridModelBuilder.build_model`` (which
     cannot build a subclass) from its ``hybrid_config_from_args``. The stack spec is
     ``--spec``, else with ``--transformer-impl local`` :func:`local_hybrid_stack_spec`, else
-    megatron-core's ``hybrid_stack_spec`` (Transformer Engine). Expert parameters are tagged by
-    :func:`~tst_megatron.training.model.tag_expert_grad_reduction`.
+    megatron-core's ``hybrid_stack_spec`` (Transformer Engine). Expert parameters are tagged
+    and a CPU run's model kept on the CPU (:func:`~tst_megatron.training.layers.finish`).
     megatron-core's parallel state must be initialised.
     """
-    from megatron.core.models.hybrid.hybrid_layer_specs import hybrid_stack_spec
+    # megatron.training (Megatron-LM) is heavy and optional for megatron-core users
     from megatron.training.argument_utils import hybrid_config_from_args
-
-    from tst_megatron.runtime import cpu
-    from tst_megatron.training.model import tag_expert_grad_reduction
 
     cfg = hybrid_config_from_args(args, config=config)
     spec = cfg.hybrid_stack_spec
@@ -216,22 +205,15 @@ def build_hybrid_model_from_args(
         local = cfg.transformer.transformer_impl == "local"
         spec = local_hybrid_stack_spec(cfg.transformer) if local else hybrid_stack_spec
     model = TSTHybridModel(
-        config=cfg.transformer,
         hybrid_stack_spec=spec,
-        vocab_size=args.padded_vocab_size,
-        max_sequence_length=cfg.seq_length,
         hybrid_layer_pattern=cfg.hybrid_layer_pattern,
-        fp16_lm_cross_entropy=cfg.fp16_lm_cross_entropy,
-        parallel_output=cfg.parallel_output,
-        share_embeddings_and_output_weights=cfg.share_embeddings_and_output_weights,
-        position_embedding_type=cfg.position_embedding_type,
-        rotary_percent=cfg.rotary_percent,
-        rotary_base=cfg.rotary_base,
-        seq_len_interpolation_factor=cfg.seq_len_interpolation_factor,
-        pre_process=pre_process,
-        post_process=post_process,
-        pg_collection=pg_collection,
-        vp_stage=vp_stage,
+        **model_arguments(
+            args,
+            cfg,
+            pre_process=pre_process,
+            post_process=post_process,
+            pg_collection=pg_collection,
+            vp_stage=vp_stage,
+        ),
     )
-    tag_expert_grad_reduction(model, cfg.transformer)
-    return cpu.keep_on_cpu(model) if cpu.is_enabled() else model
+    return finish(model, cfg.transformer)

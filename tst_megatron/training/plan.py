@@ -15,6 +15,7 @@ def _batch_calculator(args):
     ``set_global_variables`` builds it), or None for a constant global batch."""
     if not getattr(args, "step_batch_size_schedule", None):
         return None
+    # megatron-core: heavy, imported when used
     from megatron.core.num_microbatches_calculator import StepBatchsizeNumMicroBatchesCalculator
 
     return StepBatchsizeNumMicroBatchesCalculator(

@@ -140,6 +140,7 @@ class FreshAdamForMTP:
     def __call__(self, optimizer: torch.optim.Optimizer, *_unused) -> None:
         if not self._models:
             return
+        # Megatron-LM's training package: heavy, imported where it runs
         from megatron.training import get_args
 
         iteration = getattr(get_args(), "curr_iteration", None)

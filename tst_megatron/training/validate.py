@@ -7,16 +7,17 @@ model's ``TransformerConfig``, the run plan, then
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import dataclasses
 import os
 import sys
 from typing import Optional, Sequence
 from unittest import mock
 
 from tst_megatron.errors import ConfigError
-from tst_megatron.runtime.cpu_settings import CPU_FLAGS, pick_device
+from tst_megatron.runtime import cpu
+from tst_megatron.runtime.distributed import is_rank_zero
+from tst_megatron.training import assumed
+from tst_megatron.training.argv import CPU_FLAGS, pick_device
 from tst_megatron.training.checks import (
     Launch,
     argv_problems,
@@ -26,26 +27,9 @@ from tst_megatron.training.checks import (
     validation_error,
 )
 from tst_megatron.training.checks.resume import checkpoint_to_resume
+from tst_megatron.training.family import GPT, ModelFamily
 from tst_megatron.training.flags import add_tst_args
-from tst_megatron.training.plan import RunPlan, run_plan
-
-
-@dataclasses.dataclass
-class Checked:
-    """What :func:`check` found: Megatron-LM's validated ``args`` (None when the parser or
-    ``validate_args`` refused), ``device`` (``"cpu"`` or ``"cuda"``), ``problems`` (one line
-    each; empty: the launch may start), ``notes`` for the user (the launch and the dry run
-    print the same), the run's ``plan`` (:class:`~tst_megatron.training.plan.RunPlan`, built
-    once here; None where ``args`` is, or the batch-size schedule was refused) and, in a dry
-    run, what it ``assumed`` of the cluster (:mod:`tst_megatron.runtime.assumed`)."""
-
-    args: Optional[argparse.Namespace]
-    device: str
-    problems: list
-    notes: list
-    plan: Optional[RunPlan] = None
-    assumed: list = dataclasses.field(default_factory=list)
-
+from tst_megatron.training.plan import run_plan
 
 #: The ``args_defaults`` Megatron-LM's ``pretrain_gpt.py`` gives its argument validation.
 PRETRAIN_GPT_DEFAULTS = {"tokenizer_type": "GPT2BPETokenizer"}
@@ -58,6 +42,7 @@ class _ParserError(Exception):
 def _parse(argv: Sequence[str]):
     """Megatron-LM's ``parse_args`` of ``argv`` (it reads ``sys.argv``, restored after) with the
     launcher's flags, whose parser raises :class:`_ParserError` instead of printing usage."""
+    # Megatron-LM's training package: heavy, imported where it runs
     from megatron.training.arguments import parse_args
 
     def extra_args(parser):
@@ -77,6 +62,7 @@ def _parse(argv: Sequence[str]):
 
 def _load_checkpoint_args(args) -> None:
     """``--use-checkpoint-args``, as Megatron-LM's ``parse_and_validate_args`` does it."""
+    # Megatron-LM's training package: heavy, imported where it runs
     from megatron.training.checkpointing import load_args_from_checkpoint
 
     assert args.load is not None or args.pretrained_checkpoint is not None, (
@@ -89,103 +75,128 @@ def _load_checkpoint_args(args) -> None:
     load_args_from_checkpoint(args)
 
 
-def check(argv: Sequence[str], *, dry_run: bool = False, model: str = "gpt") -> Checked:
-    """Every check of a launch line for this process's ``WORLD_SIZE``, before any work.
+def check(argv: Sequence[str], *, dry_run: bool = False, family: ModelFamily = GPT) -> Launch:
+    """Every check of a launch line of ``family``'s launcher for this process's
+    ``WORLD_SIZE``, before any work: the returned :class:`Launch` holds its ``problems`` (none:
+    the launch may start), ``notes``, and what it found on the way (``args``, ``config``,
+    ``plan``; ``assumed`` in a dry run).
 
-    In order, stopping at the first stage that refuses: :func:`argv_problems`, Megatron-LM's
-    ``parse_args``, ``--use-checkpoint-args``, ``validate_args`` (with
-    :data:`PRETRAIN_GPT_DEFAULTS`),
-    ``core_transformer_config_from_args``, the run's :class:`RunPlan`, then
-    :func:`launch_problems` (every rule of :data:`tst_megatron.training.checks.RULES`). A CPU
-    run appends
-    :data:`CPU_FLAGS` and, in a launch, enables :func:`tst_megatron.runtime.cpu.enable` first.
-    A dry run mutes Megatron-LM's prints and answers for the cluster's GPU and TE
-    (:mod:`tst_megatron.runtime.assumed`). Starts no process, builds no model, reads no data
-    (a resume reads the checkpoint's common state). ``model``: the launcher's model class,
-    ``"gpt"`` or ``"hybrid"`` (``Launch.model``).
+    The stages, in order, stopping at the first that finds a problem: :func:`argv_problems`
+    (the command line as given), Megatron-LM's ``parse_args``, ``--use-checkpoint-args`` with
+    ``validate_args`` (:data:`PRETRAIN_GPT_DEFAULTS`) and ``core_transformer_config_from_args``,
+    the run's :class:`RunPlan`, then :func:`launch_problems` (every rule of
+    :data:`tst_megatron.training.checks.RULES`). A CPU run appends :data:`CPU_FLAGS` and, in a
+    launch, enables :func:`tst_megatron.runtime.cpu.enable` first. A dry run mutes Megatron-LM's
+    prints and answers for the cluster's GPU and TE (:mod:`tst_megatron.training.assumed`).
+    Starts no process, builds no model, reads no data (a resume reads the checkpoint's common
+    state).
     """
-    from tst_megatron.runtime import assumed
+    device = pick_device(argv, cuda=True if dry_run else None)
+    launch = Launch(tuple(argv), family, device, launch=not dry_run)
+    for stage in (_given, _parsed, _validated, _planned, _ruled):
+        stage(launch)
+        if launch.problems:
+            break
+    return launch
 
-    user_argv, assumptions = list(argv), []
-    device = pick_device(user_argv, cuda=True if dry_run else None)
-    if refused := argv_problems(user_argv, model):
-        return Checked(None, device, refused, [], assumed=assumptions)
-    argv = user_argv + list(CPU_FLAGS) if device == "cpu" else user_argv
-    if device == "cpu" and not dry_run:
-        from tst_megatron.runtime import cpu
 
+def _given(launch: Launch) -> None:
+    """The command line as given (:func:`argv_problems`); a CPU launch enables the CPU
+    runtime."""
+    launch.problems += argv_problems(launch.argv, launch.family)
+    if launch.device == "cpu" and launch.launch:
         cpu.enable(training=True)
         # validate_args asks for it with TP or CP > 1 before Blackwell
         os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
 
-    def muted():
-        return assumed.quiet() if dry_run else contextlib.nullcontext()
 
-    with muted():
-        from megatron.training.argument_utils import core_transformer_config_from_args
-        from megatron.training.arguments import validate_args
+def _muted(launch: Launch):
+    return assumed.quiet() if not launch.launch else contextlib.nullcontext()
 
+
+def _parsed(launch: Launch) -> None:
+    """Megatron-LM's parser (an unknown flag is one line, not a usage dump)."""
+    argv = list(launch.argv) + (list(CPU_FLAGS) if launch.device == "cpu" else [])
+    with _muted(launch):
         try:
-            args = _parse(argv)
+            launch.args = _parse(argv)
         except _ParserError as exc:
-            return Checked(
-                None, device, [f"Megatron-LM's argument parser: {exc}"], [], assumed=assumptions
-            )
+            launch.problems.append(f"Megatron-LM's argument parser: {exc}")
+
+
+def _validated(launch: Launch) -> None:
+    """``--use-checkpoint-args``, ``validate_args`` and the model's ``TransformerConfig``, in a
+    dry run as for the cluster's GPU (:func:`~tst_megatron.training.assumed.assumed_cluster`)."""
+    # megatron.training (Megatron-LM) is heavy: imported once the command line is known good
+    from megatron.training.argument_utils import core_transformer_config_from_args
+    from megatron.training.arguments import validate_args
+
+    args, dry_run = launch.args, not launch.launch
     # a CPU run sets CUDA_DEVICE_MAX_CONNECTIONS=1 itself when unset
     env = {"CUDA_DEVICE_MAX_CONNECTIONS": os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "1")}
-    env = env if dry_run and device == "cpu" else {}
+    env = env if dry_run and launch.device == "cpu" else {}
     gpu = getattr(args, "dry_run_gpu", None)
-    cluster = assumed.assumed_cluster(assumptions, gpu) if dry_run else contextlib.nullcontext()
-    with cluster, muted(), mock.patch.dict(os.environ, env):
+    cluster = assumed.assumed_cluster(launch.assumed, gpu) if dry_run else contextlib.nullcontext()
+    with cluster, _muted(launch), mock.patch.dict(os.environ, env):
         try:
             if args.use_checkpoint_args:
                 _load_checkpoint_args(args)
             validate_args(args, PRETRAIN_GPT_DEFAULTS)
         except SystemExit as exc:  # an exit() of validate_args (argv_problems has those known)
-            line = f"Megatron-LM's argument validation exited (status {exc.code}) before any work"
-            return Checked(None, device, [line], [], assumed=assumptions)
+            launch.args = None
+            launch.problems.append(
+                f"Megatron-LM's argument validation exited (status {exc.code}) before any work"
+            )
+            return
         except Exception as exc:  # AssertionError, ValueError, RuntimeError, ZeroDivisionError;
             # validate_args stops at its first failed check, so the other checks wait
-            return Checked(None, device, [validation_error(exc)], [], assumed=assumptions)
+            launch.args = None
+            launch.problems.append(validation_error(exc))
+            return
         try:
-            config = core_transformer_config_from_args(
-                assumed.without_te_kernels(args, assumptions) if dry_run else args
+            launch.config = core_transformer_config_from_args(
+                assumed.without_te_kernels(args, launch.assumed) if dry_run else args
             )
         except Exception as exc:  # AssertionError, ValueError; ZeroDivisionError (no layers)
-            problem = validation_error(exc, "TransformerConfig")
-            return Checked(args, device, [problem], [], assumed=assumptions)
+            launch.problems.append(validation_error(exc, "TransformerConfig"))
+
+
+def _planned(launch: Launch) -> None:
+    """The run's :class:`RunPlan` (Megatron-LM's batch-size calculator, the TST schedule)."""
     try:
-        plan = run_plan(args, resumed=_resumed(args))
+        launch.plan = run_plan(launch.args, resumed=_resumed(launch.args))
     except (AssertionError, ValueError) as exc:  # Megatron-LM's batch-size calculator refused
-        problem = validation_error(exc, "batch-size schedule")
-        return Checked(args, device, [problem], [], assumed=assumptions)
-    launch = Launch(args, tuple(user_argv), device, config, plan, launch=not dry_run, model=model)
-    if dry_run:
-        assumptions += dry_run_assumptions(launch)
-    return Checked(
-        args, device, launch_problems(launch), launch_notes(launch), plan, assumed=assumptions
-    )
+        launch.problems.append(validation_error(exc, "batch-size schedule"))
 
 
-def parse(argv: Sequence[str], model: str = "gpt") -> Checked:
+def _ruled(launch: Launch) -> None:
+    """Every launch rule and note; in a dry run, what it could not check here."""
+    if not launch.launch:
+        launch.assumed += dry_run_assumptions(launch)
+    launch.problems += launch_problems(launch)
+    launch.notes += launch_notes(launch)
+
+
+def parse(argv: Sequence[str], family: ModelFamily = GPT) -> Launch:
     """The launch's :func:`check` of ``argv``, its notes printed on rank 0 (``note: ...``),
     then Megatron-LM's ``set_global_variables`` (as its ``parse_and_validate_args`` does).
 
     Raises:
         ConfigError: every problem found, one line each.
     """
+    # megatron.training (Megatron-LM) is heavy: imported once the command line is known good
     from megatron.training.global_vars import set_global_variables
 
-    checked = check(argv, model=model)
-    if checked.problems:
-        raise ConfigError("\n".join(checked.problems))
-    if os.environ.get("RANK", "0") == "0":
-        for line in checked.notes:
+    launch = check(argv, family=family)
+    if launch.problems:
+        raise ConfigError("\n".join(launch.problems))
+    if is_rank_zero():
+        for line in launch.notes:
             print(f"note: {line}", flush=True)
     # saved in every checkpoint's args: a later resume plans the steps already taken with them
-    checked.args.tst_global_batches = checked.plan.global_batches
-    set_global_variables(checked.args)
-    return checked
+    launch.args.tst_global_batches = launch.plan.global_batches
+    set_global_variables(launch.args)
+    return launch
 
 
 def _resumed(args) -> Optional[tuple[int, object]]:

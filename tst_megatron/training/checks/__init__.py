@@ -17,7 +17,8 @@ import os
 import traceback
 from typing import Any, Optional, Sequence
 
-from tst_megatron.runtime import assumed
+from tst_megatron.training import assumed
+from tst_megatron.training.argv import given
 from tst_megatron.training.checks import (
     batch,
     data,
@@ -32,29 +33,37 @@ from tst_megatron.training.checks import (
 from tst_megatron.training.plan import RunPlan
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass
 class Launch:
-    """What the rules read: one launch line, checked.
+    """One launch line and what its checks found: the record the rules read and
+    :func:`tst_megatron.training.validate.check` returns (to the launch and the dry run).
 
     Attributes:
-        args: Megatron-LM's arguments after ``validate_args``.
         argv: the command line as given, before a CPU run's ``CPU_FLAGS`` are appended.
+        family: the :class:`~tst_megatron.training.family.ModelFamily` the launcher builds.
         device: ``"cpu"`` or ``"cuda"``.
-        config: the model's ``TransformerConfig``.
-        plan: the run's :class:`~tst_megatron.training.plan.RunPlan`.
         launch: a real launch, which checks this machine (a GPU, installed packages, data
             files); False: a dry run, which assumes the cluster's.
-        model: the model class the launcher builds: ``"gpt"`` (``GPTModel``) or ``"hybrid"``
-            (``HybridModel``).
+        args: Megatron-LM's arguments after ``validate_args`` (None until then, or when the
+            parser or ``validate_args`` refused).
+        config: the model's ``TransformerConfig`` (None until built).
+        plan: the run's :class:`~tst_megatron.training.plan.RunPlan` (None until planned).
+        problems: one line each; empty: the launch may start.
+        notes: ``note:`` lines for the user (the launch and the dry run print the same).
+        assumed: in a dry run, what it assumed of the cluster
+            (:mod:`tst_megatron.training.assumed`).
     """
 
-    args: argparse.Namespace
     argv: tuple
+    family: Any
     device: str
-    config: Optional[Any]
-    plan: RunPlan
     launch: bool = False
-    model: str = "gpt"
+    args: Optional[argparse.Namespace] = None
+    config: Optional[Any] = None
+    plan: Optional[RunPlan] = None
+    problems: list = dataclasses.field(default_factory=list)
+    notes: list = dataclasses.field(default_factory=list)
+    assumed: list = dataclasses.field(default_factory=list)
 
 
 #: Every rule, in the order its lines are printed.
@@ -78,24 +87,21 @@ LAST_RULES = (data.file_problems, resume.problems)
 NOTES = (tst.notes, model.notes, megatron.notes, deprecated.notes, hardware.notes, resume.notes)
 
 
-def argv_problems(argv: Sequence[str], kind: str = "gpt") -> list[str]:
+def argv_problems(argv: Sequence[str], family) -> list[str]:
     """Flags refused in the command line as given, before Megatron-LM parses it, one line each:
     ``--yaml-cfg`` (its YAML config replaces the whole parsed namespace, ``--tst-*`` included),
     the flags on which ``validate_args`` exits with status 0 (:func:`.deprecated.stop_problems`)
-    and, for the GPT launcher (``kind="gpt"``), ``pretrain_hybrid.py``'s flags
-    (:func:`.model.hybrid_flag_problems`); for the hybrid launcher a pattern with no layer or
-    none at all (:func:`.model.hybrid_pattern_argv_problems`)."""
+    and ``family``'s own (:attr:`~tst_megatron.training.family.ModelFamily.argv_rules`: the GPT
+    launcher refuses ``pretrain_hybrid.py``'s flags, the hybrid launcher a missing or empty
+    pattern)."""
     problems = []
-    flags = [word.split("=", 1)[0] for word in argv if word.startswith("--")]
+    flags = given(argv)
     if "--yaml-cfg" in flags:
         problems.append(
             "--yaml-cfg is not supported by this launcher: Megatron-LM's experimental YAML "
             "config replaces the whole command line, --tst-* flags included; pass the flags"
         )
-    problems += deprecated.stop_problems(flags)
-    if kind == "hybrid":
-        return problems + model.hybrid_pattern_argv_problems(argv)
-    return problems + model.hybrid_flag_problems(flags)
+    return problems + deprecated.stop_problems(flags) + family.argv_problems(argv)
 
 
 def launch_problems(launch: Launch) -> list[str]:
@@ -111,7 +117,7 @@ def launch_problems(launch: Launch) -> list[str]:
 
 def dry_run_assumptions(launch: Launch) -> list[str]:
     """The ``assumed:`` lines of a dry run for
-    :data:`~tst_megatron.runtime.assumed.DRY_RUN_SKIPS`: each check it could not run here, and
+    :data:`~tst_megatron.training.assumed.DRY_RUN_SKIPS`: each check it could not run here, and
     why."""
     lines = []
     if missing := data.files_not_here(launch.args):

@@ -9,29 +9,12 @@ from tst_megatron.data.files import open_data_file
 from tst_megatron.data.gpt_datasets import data_prefixes, data_settings
 from tst_megatron.errors import ConfigError
 
-#: Megatron-LM data flags this launcher does not honour, with why (refused, never ignored;
-#: per-split paths would have trained on mock data).
-REFUSED_DATA_FLAGS = {
-    "train_data_path": "use --data-path (or --data-args-path) with --split, or --mock-data",
-    "valid_data_path": "use --data-path (or --data-args-path) with --split, or --mock-data",
-    "test_data_path": "use --data-path (or --data-args-path) with --split, or --mock-data",
-    "per_split_data_args_path": "use --data-path (or --data-args-path) with --split",
-    "multiple_validation_sets": "its validation sets come from per-split paths (above)",
-    "sft": "TST trains on megatron-core's GPTDataset (pretraining), not SFT conversations",
-    "fim_data": "TST trains on megatron-core's GPTDataset; its FIM samples are not supported",
-    "object_storage_cache_path": "the launcher checks and reads local .bin/.idx files only",
-    "dataloader_inter_document_masking": "the forward step passes no document boundaries",
-    "per_dataset_sequences_path": "the launcher reads every .idx at start-up (its checks)",
-    "dataloader_fast_cache_load": "the launcher builds and loads the index caches itself",
-    "dataloader_defer_npy_index_mmap": "the launcher builds and loads the index caches itself",
-}
-
 
 def data_problems(args) -> list[str]:
     """A ``--data-args-path`` that is unreadable, empty or without ``--split``
     (``validate_args`` defaults the split only for ``--data-path``), one line each. Reads that
-    file. (:data:`REFUSED_DATA_FLAGS` are refused with the launcher's other refused flags,
-    :func:`tst_megatron.training.flags.refused_flags`.) A ``--num-workers`` below 0."""
+    file. (The data flags the launcher does not honour are refused with its other refused
+    flags, :data:`tst_megatron.training.flags.REFUSED_FLAGS`.) A ``--num-workers`` below 0."""
     problems = []
     path = getattr(args, "data_args_path", None)
     if path and not (os.path.isfile(path) and os.access(path, os.R_OK)):

@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 from typing import Optional, Sequence
 
-from tst_megatron.runtime.cpu_settings import flag_values
+from tst_megatron.training.argv import flag_values, given
 
 #: ``{flag: what to use instead}`` for flags on which ``validate_args`` prints a line and
 #: calls ``exit()`` (a "successful" run that trained nothing).
@@ -71,12 +71,6 @@ TRANSLATED = {
 
 #: The most steps :func:`rampup_schedule` spells out in an error line.
 MAX_SPELLED_STEPS = 16
-
-
-def given(argv: Sequence[str]) -> set[str]:
-    """The flags of the command line as given (``--flag`` or ``--flag=value``); Megatron-LM's
-    parser takes no abbreviations (``allow_abbrev=False``)."""
-    return {word.split("=", 1)[0] for word in argv if word.startswith("--")}
 
 
 def stop_problems(flags: Sequence[str]) -> list[str]:
@@ -137,7 +131,7 @@ def _rampup_problem(args) -> str:
 
 def _refusals(launch) -> dict[str, str]:
     """``{flag: its error line}`` of the ignored flags that would change the run."""
-    args, flags = launch.args, given(launch.argv)
+    args, flags = launch.args, set(given(launch.argv))
     found = {}
     if getattr(args, "rampup_batch_size", None):
         found["--rampup-batch-size"] = _rampup_problem(args)
@@ -187,7 +181,7 @@ def problems(launch) -> list[str]:
 def notes(launch) -> list[str]:
     """A ``note:`` for each flag of :data:`IGNORED_NOTED` or :data:`TRANSLATED` on the command
     line that :func:`problems` does not refuse."""
-    flags, refused = given(launch.argv), _refusals(launch)
+    flags, refused = set(given(launch.argv)), _refusals(launch)
     found = [
         f"{flag} is deprecated and ignored by Megatron-LM 0.19: {why}"
         for flag, why in IGNORED_NOTED.items()

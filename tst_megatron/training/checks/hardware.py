@@ -9,7 +9,7 @@ from typing import Sequence
 
 import torch
 
-from tst_megatron.runtime.cpu_settings import flag_values
+from tst_megatron.training.argv import flag_values
 
 
 def installed_problems(args) -> list[str]:
@@ -206,6 +206,7 @@ def notes(launch) -> list[str]:
 def _group_step_adam() -> bool:
     """Whether megatron-core's ``Adam`` is a fused Adam (Transformer Engine's, else Apex's
     ``FusedAdam``; else it is ``torch.optim.AdamW``)."""
+    # megatron-core: heavy, imported when used
     from megatron.core.optimizer import Adam
 
     return Adam is not torch.optim.AdamW

@@ -5,6 +5,8 @@ work: each function reads only and returns one line per problem naming the flag 
 
 from __future__ import annotations
 
+from tst_megatron.training.flags import REFUSED_FLAGS
+
 
 def late_megatron_problems(args) -> list[str]:
     """Settings ``validate_args`` accepts but ``pretrain()`` refuses only after building the
@@ -51,12 +53,10 @@ def late_megatron_problems(args) -> list[str]:
 
 def refused_flag_problems(args) -> list[str]:
     """Each Megatron-LM flag set in ``args`` that the launcher refuses
-    (:func:`~tst_megatron.training.flags.refused_flags`), with why."""
-    from tst_megatron.training.flags import refused_flags
-
+    (:data:`~tst_megatron.training.flags.REFUSED_FLAGS`), with why."""
     return [
         f"--{flag.replace('_', '-')} is not supported by this launcher: {why}"
-        for flag, why in refused_flags().items()
+        for flag, why in REFUSED_FLAGS.items()
         if getattr(args, flag, False)
     ]
 

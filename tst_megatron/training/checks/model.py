@@ -6,9 +6,16 @@ are refused)."""
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Sequence
 
-#: The launchers, by the model class they build (``Launch.model``).
+from megatron.core.models.hybrid.hybrid_layer_allocation import get_hybrid_total_layer_count
+
+from tst_megatron.training.argv import flag_values
+from tst_megatron.training.hybrid import KERNEL_FAMILIES
+from tst_megatron.training.pattern import FAMILIES, HybridPattern, pattern_of
+
+#: The launchers, by the model family they build (``ModelFamily.name``).
 LAUNCHERS = {"gpt": "examples/pretrain_gpt_tst.py", "hybrid": "examples/pretrain_hybrid_tst.py"}
 
 #: Megatron-LM's flags of ``pretrain_hybrid.py``'s ``HybridModel`` (layer pattern, Mamba mixer):
@@ -23,11 +30,11 @@ HYBRID_FLAGS = (
 HYBRID_FLAG_PREFIX = "--mamba-"
 
 
-def hybrid_flag_problems(flags: Sequence[str]) -> list[str]:
-    """The ``HybridModel`` flags among ``flags`` (the command line's ``--`` words, without
-    ``=value``), as one line: :data:`HYBRID_FLAGS` and ``--mamba-*``. A ``GPTModel`` would
-    silently ignore them (Megatron-LM's parser accepts them for every model; its
-    ``validate_args`` even resets ``--num-layers`` from a pattern)."""
+def hybrid_flag_problems(argv: Sequence[str]) -> list[str]:
+    """The ``HybridModel`` flags of the command line ``argv``, as one line: :data:`HYBRID_FLAGS`
+    and ``--mamba-*``. A ``GPTModel`` would silently ignore them (Megatron-LM's parser accepts
+    them for every model; its ``validate_args`` even resets ``--num-layers`` from a pattern)."""
+    flags = [word.split("=", 1)[0] for word in argv if word.startswith("--")]
     hybrid = [f for f in flags if f in HYBRID_FLAGS or f.startswith(HYBRID_FLAG_PREFIX)]
     if not hybrid:
         return []
@@ -51,8 +58,6 @@ def hybrid_pattern_argv_problems(argv: Sequence[str]) -> list[str]:
     ``--num-layers`` (which a pattern replaces) and the second with a ``ZeroDivisionError``
     in ``TransformerConfig``. Read from the command line as given (the last value counts);
     with ``--use-checkpoint-args`` a missing pattern is :func:`hybrid_pattern_problems`'s."""
-    from megatron.core.models.hybrid.hybrid_layer_allocation import Symbols
-
     pattern, flag = None, None
     for i, word in enumerate(argv):
         name, eq, value = word.partition("=")
@@ -61,8 +66,7 @@ def hybrid_pattern_argv_problems(argv: Sequence[str]) -> list[str]:
             pattern = value if eq else (argv[i + 1] if i + 1 < len(argv) else "")
     if pattern is None:  # --use-checkpoint-args may bring one: hybrid_pattern_problems
         return [] if "--use-checkpoint-args" in argv else [_NO_PATTERN]
-    main = pattern.split(Symbols.MTP_SEPARATOR)[0].replace(Symbols.PIPE, "")
-    if not main.strip():
+    if not HybridPattern.main_of(pattern).strip():
         return [
             f"{flag} {pattern!r} holds no layer before its MTP part: give one symbol per "
             "layer (* attention, - MLP, E MoE, M Mamba-2, G gated delta net; '|' splits "
@@ -105,21 +109,16 @@ def hybrid_pattern_problems(args, device: str) -> list[str]:
     ``--num-experts``; each layer family :func:`~tst_megatron.training.hybrid.local_hybrid_stack_spec`
     does not build, on a CPU (or with ``--transformer-impl local``), one line naming what it
     needs (:data:`~tst_megatron.training.hybrid.KERNEL_FAMILIES`)."""
-    from megatron.core.models.hybrid.hybrid_layer_allocation import parse_hybrid_pattern
-
-    from tst_megatron.training.hybrid import FAMILIES, KERNEL_FAMILIES
-
-    pattern = args.hybrid_layer_pattern
-    if not pattern:
+    parsed = pattern_of(args)
+    if parsed is None:
         return [_NO_PATTERN]
-    parsed = parse_hybrid_pattern(pattern)
-    layers = (parsed.main_pattern or "") + (parsed.mtp_pattern or "")
+    pattern = parsed.text
     found = []
-    if "E" in layers and not args.num_experts:
+    if parsed.has("E") and not args.num_experts:
         found.append(f"--hybrid-layer-pattern {pattern} has MoE layers (E): give --num-experts")
     local = device == "cpu" or args.transformer_impl == "local"
     for symbol, needs in KERNEL_FAMILIES.items():
-        if local and symbol in layers:
+        if local and parsed.has(symbol):
             family = FAMILIES[symbol]
             where = "a CPU run" if device == "cpu" else "--transformer-impl local"
             found.append(
@@ -138,8 +137,6 @@ FAMILY_PACKAGES = {"M": "mamba_ssm", "G": "fla"}
 def hybrid_package_problems(args, device: str) -> list[str]:
     """In a launch on a GPU: each kernel family of the pattern whose package is not installed
     here (:data:`FAMILY_PACKAGES`), one line naming it. A dry run assumes the cluster has them."""
-    import importlib.util
-
     pattern = args.hybrid_layer_pattern or ""
     return [
         f"--hybrid-layer-pattern {pattern}: {symbol} layers need the {package} package, which "
@@ -154,8 +151,6 @@ def gated_delta_net_problems(args, device: str, launch: bool) -> list[str]:
     Qwen3-Next style): megatron-core 0.19.2 builds them from ``fla``'s Triton kernels, which
     need a GPU; a launch on a GPU without ``fla`` installed is one line too (a dry run assumes
     the cluster has it)."""
-    import importlib.util
-
     if getattr(args, "experimental_attention_variant", None) != "gated_delta_net":
         return []
     flag = "--experimental-attention-variant gated_delta_net"
@@ -200,49 +195,47 @@ def model_problems(args) -> list[str]:
 
 
 def problems(launch) -> list[str]:
-    """The model rules of a :class:`~tst_megatron.training.checks.Launch`, by the model class
-    its launcher builds."""
+    """The model rules of every family, then those of the launch's own
+    (:attr:`~tst_megatron.training.family.ModelFamily.rules`)."""
     found = model_problems(launch.args)
     found += gated_delta_net_problems(launch.args, launch.device, launch.launch)
-    if launch.model == "gpt" and launch.args.hybrid_layer_pattern:  # --use-checkpoint-args
+    return found + launch.family.problems(launch)
+
+
+def gpt_problems(launch) -> list[str]:
+    """The GPT launcher's own rule: a ``--hybrid-layer-pattern`` from the checkpoint's
+    arguments (``--use-checkpoint-args``) is a ``HybridModel`` run."""
+    if not launch.args.hybrid_layer_pattern:
+        return []
+    return [
+        f"--hybrid-layer-pattern {launch.args.hybrid_layer_pattern} (from the checkpoint's "
+        "arguments): a HybridModel run; this launcher builds a GPTModel: launch "
+        f"{LAUNCHERS['hybrid']}"
+    ]
+
+
+def hybrid_problems(launch) -> list[str]:
+    """The hybrid launcher's own rules: the pattern (:func:`hybrid_pattern_problems`), the
+    kernels' packages in a launch, MTP, the pipeline stages, and the settings megatron-core
+    0.19.2's ``HybridModel`` does not take."""
+    found = hybrid_pattern_problems(launch.args, launch.device)
+    if launch.launch:
+        found += hybrid_package_problems(launch.args, launch.device)
+    found += hybrid_mtp_problems(launch.args)
+    found += hybrid_stage_problems(launch.args)
+    if launch.args.overlap_moe_expert_parallel_comm:
         found.append(
-            f"--hybrid-layer-pattern {launch.args.hybrid_layer_pattern} (from the checkpoint's "
-            "arguments): a HybridModel run; this launcher builds a GPTModel: launch "
-            f"{LAUNCHERS['hybrid']}"
+            "--overlap-moe-expert-parallel-comm: megatron-core 0.19.2's HybridModel builds "
+            "no schedule plan for its combined 1F1B (GPTModel does: launch "
+            f"{LAUNCHERS['gpt']} for a GPT-shaped model, or drop the flag)"
         )
-    if launch.model == "hybrid":
-        found += hybrid_pattern_problems(launch.args, launch.device)
-        if launch.launch:
-            found += hybrid_package_problems(launch.args, launch.device)
-        found += hybrid_mtp_problems(launch.args)
-        found += hybrid_stage_problems(launch.args)
-        if launch.args.overlap_moe_expert_parallel_comm:
-            found.append(
-                "--overlap-moe-expert-parallel-comm: megatron-core 0.19.2's HybridModel builds "
-                "no schedule plan for its combined 1F1B (GPTModel does: launch "
-                f"{LAUNCHERS['gpt']} for a GPT-shaped model, or drop the flag)"
-            )
-        if launch.args.transformer_impl == "inference_optimized":
-            found.append(
-                "--transformer-impl inference_optimized: megatron-core's inference stack spec; "
-                "this training launcher builds the training specs (give transformer_engine or "
-                "local)"
-            )
-        found += gpt_only_problems(launch.args)
-    return found
-
-
-def stage_layers(pattern: str, pp: int) -> list[str]:
-    """The layer symbols of each pipeline rank under ``--hybrid-layer-pattern`` (its main part)
-    at PP ``pp``, as megatron-core 0.19.2's ``select_pipeline_segment`` assigns them: with
-    ``|``, segment ``v * pp + r`` to rank ``r`` (virtual stage ``v``); without, an even split of
-    the layers (``--decoder-first/last-pipeline-num-layers`` are not modelled)."""
-    main = pattern.split("/")[0]
-    segments = main.split("|")
-    if len(segments) > 1:
-        return ["".join(segments[i] for i in range(r, len(segments), pp)) for r in range(pp)]
-    per = len(main) // pp
-    return [main[r * per : (r + 1) * per] for r in range(pp)]
+    if launch.args.transformer_impl == "inference_optimized":
+        found.append(
+            "--transformer-impl inference_optimized: megatron-core's inference stack spec; "
+            "this training launcher builds the training specs (give transformer_engine or "
+            "local)"
+        )
+    return found + gpt_only_problems(launch.args)
 
 
 def hybrid_stage_problems(args) -> list[str]:
@@ -255,14 +248,16 @@ def hybrid_stage_problems(args) -> list[str]:
     pattern's MoE layer count while the MoE ranks size theirs by ``num_layers``, and the
     all-reduce over the pipeline group hangs or fails at the first log line (found on CPU:
     ``*|E|*|E`` at PP 2)."""
-    pattern, pp = args.hybrid_layer_pattern or "", args.pipeline_model_parallel_size
-    main = pattern.split("/")[0]
+    parsed, pp = pattern_of(args), args.pipeline_model_parallel_size
+    if parsed is None:
+        return []
+    pattern, main, piped = parsed.text, parsed.main, len(parsed.segments) > 1
     if pp < 2 or (
-        "|" not in main
+        not piped
         and (args.decoder_first_pipeline_num_layers or args.decoder_last_pipeline_num_layers)
     ):
         return []  # the first/last stage sizes are not modelled (megatron-core checks them)
-    if "|" not in main and len(main) % pp:
+    if not piped and len(main) % pp:
         return [
             f"--hybrid-layer-pattern {pattern}: {len(main)} layers do not split evenly over "
             f"--pipeline-model-parallel-size {pp} (megatron-core raises while building the "
@@ -270,10 +265,10 @@ def hybrid_stage_problems(args) -> list[str]:
         ]
     if "E" not in main:
         return []
-    empty = [r for r, layers in enumerate(stage_layers(main, pp)) if "E" not in layers]
+    empty = [r for r, layers in enumerate(parsed.stage_layers(pp)) if "E" not in layers]
     if not empty:
         return []
-    where = "its '|' segments" if "|" in main else "its share of the layers (or split with '|')"
+    where = "its '|' segments" if piped else "its share of the layers (or split with '|')"
     return [
         f"--hybrid-layer-pattern {pattern} at --pipeline-model-parallel-size {pp} leaves "
         f"pipeline rank(s) {', '.join(map(str, empty))} without MoE (E) layers: megatron-core "
@@ -285,10 +280,8 @@ def hybrid_stage_problems(args) -> list[str]:
 def hybrid_mtp_problems(args) -> list[str]:
     """``--mtp-num-layers`` on a ``HybridModel`` without an MTP pattern: Megatron-LM 0.19 only
     warns and builds no MTP layer."""
-    from megatron.core.models.hybrid.hybrid_layer_allocation import parse_hybrid_pattern
-
-    pattern = args.hybrid_layer_pattern or ""
-    if not getattr(args, "mtp_num_layers", None) or parse_hybrid_pattern(pattern).mtp_pattern:
+    parsed = pattern_of(args)
+    if not getattr(args, "mtp_num_layers", None) or parsed is None or parsed.mtp_depths:
         return []
     return [
         f"--mtp-num-layers {args.mtp_num_layers} without an MTP pattern: a HybridModel "
@@ -297,53 +290,36 @@ def hybrid_mtp_problems(args) -> list[str]:
     ]
 
 
-def _value_given(argv: Sequence[str], flag: str):
-    """The value of ``flag``'s last occurrence on the command line (``--flag v`` or
-    ``--flag=v``), or None."""
-    value = None
-    for i, word in enumerate(argv):
-        if word == flag and i + 1 < len(argv):
-            value = argv[i + 1]
-        elif word.startswith(flag + "="):
-            value = word.split("=", 1)[1]
-    return value
-
-
-def hybrid_notes(args, argv: Sequence[str]) -> list[str]:
+def hybrid_notes(launch) -> list[str]:
     """Flags a ``HybridModel`` run gives that Megatron-LM 0.19.2's ``validate_args`` replaces by
     what the pattern says (it only warns): ``--num-layers`` other than the pattern's layer
     count, ``--mtp-num-layers`` other than its MTP depths."""
-    from megatron.core.models.hybrid.hybrid_layer_allocation import (
-        get_hybrid_total_layer_count,
-        parse_hybrid_pattern,
-    )
-
-    pattern = getattr(args, "hybrid_layer_pattern", None)
-    if not pattern:
+    parsed = pattern_of(launch.args)
+    if parsed is None:
         return []
-    lines = []
+    lines, pattern = [], parsed.text
     layers = get_hybrid_total_layer_count(pattern)
-    given = _value_given(argv, "--num-layers")
+    given = flag_values(launch.argv, "--num-layers").num_layers
     if given is not None and given != str(layers):
         lines.append(
             f"--num-layers {given} is not used: --hybrid-layer-pattern '{pattern}' has {layers} "
             "layers, and Megatron-LM takes the pattern's count"
         )
-    parsed = parse_hybrid_pattern(pattern)
-    given = _value_given(argv, "--mtp-num-layers")
-    if parsed.mtp_pattern and given is not None and given != str(parsed.mtp_num_depths):
+    given = flag_values(launch.argv, "--mtp-num-layers").mtp_num_layers
+    if parsed.mtp_depths and given is not None and given != str(parsed.mtp_depths):
         lines.append(
             f"--mtp-num-layers {given} is not used: --hybrid-layer-pattern '{pattern}' has "
-            f"{parsed.mtp_num_depths} MTP depth(s), and Megatron-LM takes the pattern's"
+            f"{parsed.mtp_depths} MTP depth(s), and Megatron-LM takes the pattern's"
         )
     return lines
 
 
 def notes(launch) -> list[str]:
-    """:func:`hybrid_notes`, and that megatron-core 0.19's ``global_aux_loss`` counts tokens
-    over DP and micro-batches (its value depends on the layout)."""
+    """The family's notes (:attr:`~tst_megatron.training.family.ModelFamily.notes`), and that
+    megatron-core 0.19's ``global_aux_loss`` counts tokens over DP and micro-batches (its value
+    depends on the layout)."""
     args = launch.args
-    lines = hybrid_notes(args, launch.argv) if launch.model == "hybrid" else []
+    lines = launch.family.launch_notes(launch)
     kinds = args.moe_router_load_balancing_type
     kinds = [kinds] if isinstance(kinds, str) else list(kinds or [])
     if not (args.num_experts and "global_aux_loss" in kinds):

@@ -11,6 +11,7 @@ from typing import Optional
 
 import torch
 
+from tst_megatron.data.gpt_datasets import data_prefixes, training_windows
 from tst_megatron.errors import ConfigError
 from tst_megatron.training.plan import run_plan
 
@@ -28,6 +29,7 @@ def checkpoint_to_resume(args) -> Optional[tuple[int, dict]]:
     """
     if not args.load or getattr(args, "finetune", False):
         return None
+    # Megatron-LM's training package: heavy, imported where it runs
     from megatron.training.checkpointing import (
         get_checkpoint_name,
         get_checkpoint_tracker_filename,
@@ -77,6 +79,7 @@ def read_common_state(path: str) -> dict:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         if os.path.isfile(os.path.join(path, "metadata.json")):
+            # megatron-core: heavy, imported when used
             from megatron.core import dist_checkpointing
 
             fmt, common = "torch_dist", dist_checkpointing.load_common_state_dict(path)
@@ -87,6 +90,7 @@ def read_common_state(path: str) -> dict:
             except RuntimeError:  # a file of torch's pre-1.6 format cannot be mapped
                 common = torch.load(shards[0], map_location="cpu", weights_only=False)
         elif os.path.isfile(os.path.join(path, ".metadata")):
+            # torch's DCP reader: heavy, only for a torch_dcp checkpoint
             from torch.distributed.checkpoint import FileSystemReader
             from torch.distributed.checkpoint.metadata import BytesStorageMetadata
             from torch.distributed.checkpoint.state_dict_loader import (
@@ -167,6 +171,7 @@ def _blended(args) -> bool:
     """``--data-path`` (or the ``--data-args-path`` file) names more than one dataset, or gives
     weights: megatron-core then builds a ``BlendedDataset``, whose parts are sized by the run's
     length (``get_blend_from_list`` returns weights even for ``1.0 A``)."""
+    # megatron-core: heavy, imported when used
     from megatron.core.datasets.utils import get_blend_from_list
 
     words = _data_words(args)
@@ -255,6 +260,7 @@ def epoch_layout(tokens_per_epoch: int, num_samples: int, seq_length: int, extra
     ``add_extra_token_to_sequence``) over a split of ``tokens_per_epoch`` tokens: its
     ``_get_num_epochs``, and the 0.80 threshold of ``_build_document_sample_shuffle_indices``.
     Its documents are shuffled by these two: the same windows, in the same order, iff equal."""
+    # megatron-core: heavy, imported when used
     from types import SimpleNamespace
 
     from megatron.core.datasets.gpt_dataset import GPTDataset
@@ -273,6 +279,7 @@ def train_split_tokens(prefix: str, split: str) -> int:
     """Tokens of the training split of the dataset ``prefix`` under ``--split``: its sequences
     ``[round(a * n), round(b * n))`` of the first row of megatron-core's split matrix
     (``BlendedMegatronDatasetBuilder``), summed from the ``.idx`` (not the ``.bin``)."""
+    # megatron-core: heavy, imported when used
     from megatron.core.datasets.blended_megatron_dataset_config import (
         convert_split_vector_to_split_matrix,
         parse_and_normalize_split,
@@ -293,8 +300,6 @@ def epoch_problems(args, plan, saved, iteration: int) -> list[str]:
     epoch layout (:func:`epoch_layout`): megatron-core shuffles the documents by it, so phase
     1's blocks would be drawn again and phase 2 would read text phase 1 trained on. Reads the
     dataset's ``.idx`` (a rule that reads files). A blend: :func:`resume_problems`."""
-    from tst_megatron.data.gpt_datasets import data_prefixes, training_windows
-
     words = _data_words(args)
     if (
         not _tst_resumed(saved, iteration, plan)
@@ -474,6 +479,7 @@ def model_class_problems(args, saved) -> list[str]:
         ]
     if not now or was:
         return []
+    # megatron-core: heavy, imported when used
     from megatron.core.dist_checkpointing.gpt_checkpoint_interop import gpt_compatible_layer_maps
 
     try:

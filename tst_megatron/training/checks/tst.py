@@ -3,20 +3,19 @@
 from __future__ import annotations
 
 from tst_megatron.errors import ConfigError
+from tst_megatron.training.checks.fp8 import fp8_shape_problems
 from tst_megatron.training.checks.resume import checkpoint_to_resume
 
 
 def tst_problems(args, plan, *, config=None) -> list[str]:
     """What TST cannot run (:func:`tst_setting_problems`), then with ``--fp8-format`` the GEMM
     shapes Transformer Engine would refuse in the first step
-    (:func:`~tst_megatron.runtime.fp8.fp8_shape_problems` of ``config``, the model's
+    (:func:`~tst_megatron.training.checks.fp8.fp8_shape_problems` of ``config``, the model's
     ``TransformerConfig``, which FP8 needs). ``args``: Megatron-LM's, after ``validate_args``;
     ``plan``: its :class:`~tst_megatron.training.plan.RunPlan`."""
     problems = tst_setting_problems(args, plan)
     if not getattr(args, "fp8", None):
         return problems
-    from tst_megatron.runtime.fp8 import fp8_shape_problems
-
     return problems + fp8_shape_problems(
         config, seq_length=args.seq_length, micro_batch_size=args.micro_batch_size
     )

@@ -20,6 +20,7 @@ def _dense_layers(config) -> bool:
     """Whether some decoder layer has a dense MLP (megatron-core's ``get_moe_layer_pattern``)."""
     if not config.num_moe_experts:
         return True
+    # megatron-core: heavy, imported when used
     from megatron.core.models.gpt.experimental_attention_variant_module_specs import (
         get_moe_layer_pattern,
     )

@@ -23,6 +23,8 @@ from unittest import mock
 import torch
 from packaging.version import Version
 
+from tst_megatron.runtime.cpu import _CpuTorch
+
 #: The GPUs ``--dry-run-gpu`` names, as ``torch.cuda.get_device_properties`` describes them
 #: (compute capability, memory, SMs): what Megatron-LM's architecture rules read.
 GPUS = {
@@ -83,8 +85,6 @@ def assumed_cluster(notes: list, gpu: str | None = None):
     machine's own), and TE :data:`ASSUMED_TE_VERSION` when TE is not installed; ``notes`` gets
     a line for each. Only module globals of the modules that ask are swapped, restored on
     exit."""
-    from tst_megatron.runtime.cpu import _CpuTorch
-
     with contextlib.ExitStack() as stack:
         if gpu is not None or not torch.cuda.is_available():
             name = gpu or DEFAULT_GPU

@@ -1,7 +1,9 @@
-"""Whether a launch runs on the CPU (:func:`pick_device`, from ``--device``) and what a CPU run
-(``--device cpu``) of the launcher appends to a Megatron-LM command line (:data:`CPU_FLAGS`).
-The settings a CPU run refuses are :mod:`tst_megatron.training.checks.hardware`'s; the
-redirections of megatron-core's CUDA assumptions are :mod:`tst_megatron.runtime.cpu`'s.
+"""The command line as given, before Megatron-LM parses it: the one reader of its flags
+(:func:`given`, :func:`flag_values`), whether the launch runs on the CPU (:func:`pick_device`,
+from ``--device``) and what a CPU run (``--device cpu``) of the launcher appends to it
+(:data:`CPU_FLAGS`). The settings a CPU run refuses are
+:mod:`tst_megatron.training.checks.hardware`'s; the redirections of megatron-core's CUDA
+assumptions are :mod:`tst_megatron.runtime.cpu`'s.
 """
 
 from __future__ import annotations
@@ -40,9 +42,15 @@ def pick_device(argv: Sequence[str], *, cuda: Optional[bool] = None) -> str:
     return device
 
 
+def given(argv: Sequence[str]) -> list[str]:
+    """The flags of the command line as given (``--flag`` or ``--flag=value``), in order;
+    Megatron-LM's parser takes no abbreviations (``allow_abbrev=False``)."""
+    return [word.split("=", 1)[0] for word in argv if word.startswith("--")]
+
+
 def flag_values(argv: Sequence[str], *flags: str) -> argparse.Namespace:
-    """The values of ``flags`` in ``argv`` as given (None: absent), before Megatron-LM parses
-    it; other words are ignored."""
+    """The values of ``flags`` in ``argv`` as given, each flag's last (None: absent), before
+    Megatron-LM parses it; other words are ignored."""
     pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     for flag in flags:
         pre.add_argument(flag)

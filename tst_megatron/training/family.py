@@ -1,0 +1,116 @@
+"""The model families a TST launch builds, one :class:`ModelFamily` object each (as
+torchtitan's ``TrainSpec``): :data:`GPT` (Megatron-LM's ``pretrain_gpt.py``, a
+``GPTModel``: :mod:`.gpt`) and :data:`HYBRID` (``pretrain_hybrid.py``, a ``HybridModel``:
+:mod:`.hybrid`). The launcher (:mod:`.cli`), the checks (:mod:`.validate`, the launch record
+:class:`~tst_megatron.training.checks.Launch`) and the checkpoint converter
+(:mod:`tst_megatron.conversion`) take the object; each family's own launch rules are its
+:attr:`ModelFamily.rules`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Optional, Sequence
+
+from tst_megatron.training.checks import model as model_rules
+from tst_megatron.training.gpt import build_gpt_model_from_args
+from tst_megatron.training.hybrid import build_hybrid_model_from_args
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelFamily:
+    """One model family.
+
+    Attributes:
+        name: ``"gpt"`` or ``"hybrid"``: Megatron-LM's script name without ``pretrain_``.
+        model_class: megatron-core's class (``"GPTModel"``, ``"HybridModel"``).
+        launcher: the launch script (``examples/pretrain_gpt_tst.py``, ...).
+        build: ``build(args, *, pre_process, post_process, vp_stage, config,
+            pg_collection)`` -> the TST model for Megatron-LM's ``args``.
+        argv_rules: rules of the command line as given (``argv`` -> one line per problem),
+            before Megatron-LM parses it.
+        rules: launch rules of this family (``Launch`` -> one line per problem).
+        notes: ``note:`` lines of this family (``Launch`` -> lines).
+    """
+
+    name: str
+    model_class: str
+    launcher: str
+    build: Callable
+    argv_rules: tuple = ()
+    rules: tuple = ()
+    notes: tuple = ()
+
+    @property
+    def megatron_script(self) -> str:
+        """Megatron-LM's script this launcher replaces (``pretrain_gpt.py``, ...)."""
+        return f"pretrain_{self.name}.py"
+
+    def argv_problems(self, argv: Sequence[str]) -> list[str]:
+        """Every :attr:`argv_rules` line for ``argv``."""
+        return [line for rule in self.argv_rules for line in rule(argv)]
+
+    def problems(self, launch) -> list[str]:
+        """Every :attr:`rules` line for ``launch``."""
+        return [line for rule in self.rules for line in rule(launch)]
+
+    def launch_notes(self, launch) -> list[str]:
+        """Every :attr:`notes` line for ``launch``."""
+        return [line for note in self.notes for line in note(launch)]
+
+    def model_provider(
+        self,
+        pre_process: bool = True,
+        post_process: bool = True,
+        vp_stage: Optional[int] = None,
+        config=None,
+        pg_collection=None,
+    ):
+        """Megatron-LM's model provider (``pretrain_gpt.py``'s or ``pretrain_hybrid.py``'s):
+        :attr:`build` on Megatron-LM's global ``args``. The first call starts CUDA's allocator
+        history with ``--record-memory-history``, as Megatron-LM's providers do
+        (``start_memory_history_recording``, which reads those flags of ``args``)."""
+        # megatron.training (Megatron-LM) is heavy and optional for megatron-core users
+        from megatron.training import get_args
+        from megatron.training.utils import start_memory_history_recording
+
+        if not _recording:  # once per process
+            start_memory_history_recording(get_args())
+            _recording.append(True)
+        return self.build(
+            get_args(),
+            pre_process=pre_process,
+            post_process=post_process,
+            vp_stage=vp_stage,
+            config=config,
+            pg_collection=pg_collection,
+        )
+
+
+_recording: list = []  # not empty once a model provider has started the memory history
+
+GPT = ModelFamily(
+    name="gpt",
+    model_class="GPTModel",
+    launcher=model_rules.LAUNCHERS["gpt"],
+    build=build_gpt_model_from_args,
+    argv_rules=(model_rules.hybrid_flag_problems,),
+    rules=(model_rules.gpt_problems,),
+)
+HYBRID = ModelFamily(
+    name="hybrid",
+    model_class="HybridModel",
+    launcher=model_rules.LAUNCHERS["hybrid"],
+    build=build_hybrid_model_from_args,
+    argv_rules=(model_rules.hybrid_pattern_argv_problems,),
+    rules=(model_rules.hybrid_problems,),
+    notes=(model_rules.hybrid_notes,),
+)
+#: The families by :attr:`ModelFamily.name`.
+FAMILIES = {family.name: family for family in (GPT, HYBRID)}
+
+
+def family_of(args) -> ModelFamily:
+    """The family of Megatron-LM's ``args`` (a checkpoint's): :data:`HYBRID` with a
+    ``--hybrid-layer-pattern``, else :data:`GPT`."""
+    return HYBRID if getattr(args, "hybrid_layer_pattern", None) else GPT
