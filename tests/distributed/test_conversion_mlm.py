@@ -31,7 +31,7 @@ pytest.importorskip("megatron.training")
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
-from tests.distributed.harness import run_distributed  # noqa: E402
+from tests.distributed.harness import one_process_args, run_distributed  # noqa: E402
 from tests.launcher import losses as _losses  # noqa: E402
 from tests.launcher import pretrain_child as _launcher_child  # noqa: E402
 
@@ -130,30 +130,16 @@ def _reference(path, vocab):
     1-process megatron-core ``GPTModel`` built from the checkpoint's Megatron-LM ``args`` with
     Megatron-LM's config builder and megatron-core's local block spec, its weights loaded by
     ``dist_checkpointing`` (which reshards); greedy decoding by a full forward per token."""
-    import copy
-
-    from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
+    from megatron.core import dist_checkpointing, parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
     from megatron.training.argument_utils import core_transformer_config_from_args
 
     saved = dist_checkpointing.load_common_state_dict(path)["args"]
-    args = copy.copy(saved)
-    for name in (
-        "tensor_model_parallel_size",
-        "pipeline_model_parallel_size",
-        "expert_model_parallel_size",
-        "expert_tensor_parallel_size",
-    ):
-        setattr(args, name, 1)
+    args = one_process_args(saved)
     args.virtual_pipeline_model_parallel_size = None
     args.num_layers_per_virtual_pipeline_stage = None
     args.num_virtual_stages_per_pipeline_rank = None
-    args.sequence_parallel = False
-    if parallel_state.model_parallel_is_initialized():  # left by the converter's world
-        parallel_state.destroy_model_parallel()
-    parallel_state.initialize_model_parallel()
-    tensor_parallel.model_parallel_cuda_manual_seed(0)
     try:
         config = core_transformer_config_from_args(args)
         spec = get_gpt_decoder_block_spec(

@@ -26,8 +26,12 @@ import torch
 
 pytest.importorskip("megatron.training")
 
-from tests.distributed.harness import run_distributed  # noqa: E402
-from tests.distributed.test_gpt_seam import _set_weights  # noqa: E402
+from tests.distributed.harness import (  # noqa: E402
+    one_process_args,
+    run_distributed,
+    set_weights,
+    small_config,
+)
 from tests.launcher import DIST_OPT  # noqa: E402
 from tests.launcher import without as _without  # noqa: E402
 
@@ -35,24 +39,8 @@ V, T, S, B, L = 96, 8, 2, 2, 2
 
 
 def _config(num_layers, experts=None, **extra):
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    moe = (
-        dict(num_moe_experts=experts, moe_router_topk=2, moe_ffn_hidden_size=12) if experts else {}
-    )
-    return TransformerConfig(
-        num_layers=num_layers,
-        hidden_size=16,
-        num_attention_heads=2,
-        ffn_hidden_size=24,
-        normalization="RMSNorm",
-        add_bias_linear=False,
-        use_cpu_initialization=True,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        calculate_per_token_loss=True,
-        **moe,
-        **extra,
+    return small_config(
+        num_layers=num_layers, ffn_hidden_size=24, experts=experts, moe_ffn_hidden_size=12, **extra
     )
 
 
@@ -117,7 +105,7 @@ def _equivalence_child(rank, world):
     for experts, pattern in ((None, "*-" * L), (4, "*E" * L)):
         gpt = build_gpt_model(_config(L, experts), vocab_size=V, max_sequence_length=T * S)
         hybrid = _hybrid(pattern, experts)
-        _set_weights(gpt)
+        set_weights(gpt)
         mapped = {_gpt_to_hybrid(k): v for k, v in gpt.state_dict().items()}
         hybrid_keys = set(hybrid.state_dict())
         out[pattern, "keys"] = (sorted(mapped), sorted(hybrid_keys))
@@ -348,7 +336,7 @@ def _mtp_child(rank, world):
     bags = fold_bags(tokens[:, :-1], S)
     with_mtp = _hybrid("*E*E/*E", 4, mtp_num_layers=1)
     without = _hybrid("*E*E", 4)
-    _set_weights(with_mtp)
+    set_weights(with_mtp)
     main = {k: v for k, v in with_mtp.state_dict().items() if not k.startswith("mtp.")}
     without.load_state_dict(main, strict=True)
     out = {"mtp": sorted(n for n, _ in with_mtp.named_parameters() if n.startswith("mtp."))}
@@ -448,10 +436,9 @@ def _export_child(rank, world, *, cases, out_root):
     1-process megatron-core ``HybridModel`` (this project's local hybrid stack spec) built
     from the checkpoint's ``args`` by Megatron-LM's ``hybrid_config_from_args``, its weights
     read by ``dist_checkpointing``."""
-    import copy
     import importlib.util
 
-    from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
+    from megatron.core import dist_checkpointing, parallel_state
     from megatron.core.models.hybrid.hybrid_model import HybridModel
     from megatron.training.argument_utils import hybrid_config_from_args
 
@@ -477,15 +464,8 @@ def _export_child(rank, world, *, cases, out_root):
         if status != 0:
             continue
         path = resolve_checkpoint(save)
-        args = copy.copy(dist_checkpointing.load_common_state_dict(path)["args"])
-        args.tensor_model_parallel_size = args.pipeline_model_parallel_size = 1
-        args.expert_model_parallel_size = args.expert_tensor_parallel_size = 1
-        args.sequence_parallel = False
+        args = one_process_args(dist_checkpointing.load_common_state_dict(path)["args"])
         args.hybrid_layer_pattern = args.hybrid_layer_pattern.replace("|", "")
-        if parallel_state.model_parallel_is_initialized():
-            parallel_state.destroy_model_parallel()
-        parallel_state.initialize_model_parallel()
-        tensor_parallel.model_parallel_cuda_manual_seed(0)
         try:
             cfg = hybrid_config_from_args(args)
             model = HybridModel(
