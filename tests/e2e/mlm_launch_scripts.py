@@ -5,7 +5,10 @@ checkpoint paths pointing at local names (a dry run reads none of them).
 
 Each entry: ``world_size`` (a world size the script runs at), ``argv`` (in the script's
 order, after bash word splitting), ``env`` (what the script exports that Megatron-LM's
-validation reads) and where it comes from (the comment above it).
+validation reads) and where it comes from (the comment above it). What several MoE lines give
+alike is written once (:data:`_HF_DATA`, :func:`_deepseek_v3_model`, the ModelZoo pieces such
+as :func:`_modelzoo_layout`) and spliced in where the line has it, so every argv keeps the
+script's flags in the script's order.
 
 :data:`SHRUNK` and :func:`shrunk`: the same scripts cut to 2 CPU processes by :func:`shrink`,
 which edits the script's own flag list (size flags get small values, the flags a CPU run
@@ -223,6 +226,73 @@ GPT_OSS_AS_PUBLISHED = {
     ] + TST,
 }  # fmt: skip
 
+# --- pieces of the MoE lines below (DeepSeek-V3, Qwen3), each in the order the lines give it --
+
+#: The Hugging Face tokenizer and the data of the DeepSeek-V3 and Qwen3 lines.
+_HF_DATA = [
+    "--data-cache-path", CACHE, "--tokenizer-type", "HuggingFaceTokenizer",
+    "--tokenizer-model", HF_DIR, "--data-path", DATA, "--split", "99,1,0", "--no-mmap-bin-files",
+]  # fmt: skip
+#: Dropout, clipping and weight decay of the DeepSeek-V3 and Qwen3 lines.
+_REGULARIZATION = [
+    "--attention-dropout", "0.0", "--hidden-dropout", "0.0", "--clip-grad", "1.0",
+    "--weight-decay", "0.1",
+]  # fmt: skip
+#: The learning-rate schedule and Adam betas of DeepSeek-V3 (both lines) and Qwen3-235B-A22B.
+_LR_3_9E_6 = [
+    "--lr-decay-samples", "584765624", "--lr-warmup-samples", "1536000",
+    "--lr-warmup-init", "3.9e-7", "--lr", "3.9e-6", "--min-lr", "3.9e-7",
+    "--lr-decay-style", "cosine", "--adam-beta1", "0.9", "--adam-beta2", "0.95",
+]  # fmt: skip
+
+
+def _batches(micro: str, global_: str, samples: str, exit_minutes: str) -> list:
+    """The switches and batch flags that follow the layout flags of these lines."""
+    return [
+        "--use-mcore-models", "--sequence-parallel", "--use-flash-attn", "--disable-bias-linear",
+        "--micro-batch-size", micro, "--global-batch-size", global_, "--train-samples", samples,
+        "--exit-duration-in-mins", exit_minutes,
+    ]  # fmt: skip
+
+
+def _logging(zeros_and_norms: bool, level: bool) -> list:
+    """The checkpoint strictness, initialisation and logging flags up to ``--tensorboard-dir``
+    (with ``--log-num-zeros-in-grad --log-params-norm``, with ``--logging-level 40``)."""
+    out = ["--dist-ckpt-strictness", "log_all", "--init-method-std", "0.02"]
+    out += ["--log-timers-to-tensorboard", "--log-memory-to-tensorboard"]
+    out += ["--log-num-zeros-in-grad", "--log-params-norm"] if zeros_and_norms else []
+    out += ["--log-validation-ppl-to-tensorboard", "--log-throughput", "--log-interval", "1"]
+    return out + (["--logging-level", "40"] if level else []) + ["--tensorboard-dir", TB]
+
+
+def _deepseek_v3_model(moe_layer_freq: str, dispatcher: list, router: str) -> list:
+    """DeepSeek-V3's model (MLA, 256 experts with a shared expert, sigmoid routing with expert
+    bias) and its data, from ``--transformer-impl`` to ``--mscale-all-dim``, as both
+    DeepSeek-V3 lines give them: ``moe_layer_freq`` as the line writes it, ``dispatcher``
+    after ``--moe-router-topk``, ``router`` (one flag) after ``--moe-permute-fusion``."""
+    return [
+        "--transformer-impl", "transformer_engine", "--seq-length", "4096", *_HF_DATA,
+        "--no-create-attention-mask-in-dataloader", "--num-workers", "6",
+        "--num-layers", "61", "--hidden-size", "7168", "--ffn-hidden-size", "18432",
+        "--num-attention-heads", "128", "--kv-channels", "128", "--max-position-embeddings",
+        "4096", "--position-embedding-type", "rope", "--rotary-base", "10000",
+        "--make-vocab-size-divisible-by", "3232", "--normalization", "RMSNorm",
+        "--norm-epsilon", "1e-6", "--swiglu", "--untie-embeddings-and-output-weights",
+        "--multi-latent-attention", *_REGULARIZATION, "--qk-layernorm", *_LR_3_9E_6,
+        "--num-experts", "256", "--moe-layer-freq", moe_layer_freq,
+        "--moe-ffn-hidden-size", "2048", "--moe-shared-expert-intermediate-size", "2048",
+        "--moe-router-load-balancing-type", "seq_aux_loss", "--moe-router-topk", "8",
+        *dispatcher, "--moe-grouped-gemm", "--moe-aux-loss-coeff", "1e-4",
+        "--moe-router-group-topk", "4", "--moe-router-num-groups", "8",
+        "--moe-router-topk-scaling-factor", "2.5", "--moe-router-score-function", "sigmoid",
+        "--moe-router-enable-expert-bias", "--moe-router-bias-update-rate", "1e-3",
+        "--moe-router-dtype", "fp32", "--moe-permute-fusion", router,
+        "--q-lora-rank", "1536", "--kv-lora-rank", "512", "--qk-head-dim", "128",
+        "--qk-pos-emb-head-dim", "64", "--v-head-dim", "128", "--rotary-scaling-factor", "40",
+        "--mscale", "1.0", "--mscale-all-dim", "1.0",
+    ]  # fmt: skip
+
+
 # NVIDIA/Megatron-LM core_v0.19.0 examples/megatron_fsdp/sbatch_mfsdp_deepseek_v3.sh (the
 # DeepSeek-V3 model: MLA, 256 experts with a shared expert, sigmoid routing with expert bias,
 # MTP), its PRETRAIN_ARGS with the defaults TP=1 EP=8 MBS=4 GBS=2048, USE_MEGATRON_FSDP=1
@@ -236,45 +306,20 @@ DEEPSEEK_V3 = {
         "--distributed-timeout-minutes", "60", "--tensor-model-parallel-size", "1",
         "--expert-model-parallel-size", "8", "--expert-tensor-parallel-size", "1",
         "--context-parallel-size", "1", "--use-distributed-optimizer", "--overlap-grad-reduce",
-        "--overlap-param-gather", "--use-mcore-models", "--sequence-parallel",
-        "--use-flash-attn", "--disable-bias-linear", "--micro-batch-size", "4",
-        "--global-batch-size", "2048", "--train-samples", "585937500",
-        "--exit-duration-in-mins", "220", "--no-check-for-nan-in-loss-and-grad", "--manual-gc",
-        "--manual-gc-interval", "10", "--recompute-granularity", "selective",
+        "--overlap-param-gather", *_batches("4", "2048", "585937500", "220"),
+        "--no-check-for-nan-in-loss-and-grad", "--manual-gc", "--manual-gc-interval", "10",
+        "--recompute-granularity", "selective",
         "--recompute-modules", "mlp", "moe", "mla_up_proj", "layernorm",
-        "--transformer-impl", "transformer_engine", "--seq-length", "4096",
-        "--data-cache-path", CACHE, "--tokenizer-type", "HuggingFaceTokenizer",
-        "--tokenizer-model", HF_DIR, "--data-path", DATA, "--split", "99,1,0",
-        "--no-mmap-bin-files", "--no-create-attention-mask-in-dataloader", "--num-workers", "6",
-        "--num-layers", "61", "--hidden-size", "7168", "--ffn-hidden-size", "18432",
-        "--num-attention-heads", "128", "--kv-channels", "128", "--max-position-embeddings",
-        "4096", "--position-embedding-type", "rope", "--rotary-base", "10000",
-        "--make-vocab-size-divisible-by", "3232", "--normalization", "RMSNorm",
-        "--norm-epsilon", "1e-6", "--swiglu", "--untie-embeddings-and-output-weights",
-        "--multi-latent-attention", "--attention-dropout", "0.0", "--hidden-dropout", "0.0",
-        "--clip-grad", "1.0", "--weight-decay", "0.1", "--qk-layernorm",
-        "--lr-decay-samples", "584765624", "--lr-warmup-samples", "1536000",
-        "--lr-warmup-init", "3.9e-7", "--lr", "3.9e-6", "--min-lr", "3.9e-7",
-        "--lr-decay-style", "cosine", "--adam-beta1", "0.9", "--adam-beta2", "0.95",
-        "--num-experts", "256", "--moe-layer-freq", "[0]*3+[1]*58",
-        "--moe-ffn-hidden-size", "2048", "--moe-shared-expert-intermediate-size", "2048",
-        "--moe-router-load-balancing-type", "seq_aux_loss", "--moe-router-topk", "8",
-        "--moe-token-dispatcher-type", "flex", "--moe-flex-dispatcher-backend", "hybridep",
-        "--moe-router-pre-softmax", "--moe-grouped-gemm", "--moe-aux-loss-coeff", "1e-4",
-        "--moe-router-group-topk", "4", "--moe-router-num-groups", "8",
-        "--moe-router-topk-scaling-factor", "2.5", "--moe-router-score-function", "sigmoid",
-        "--moe-router-enable-expert-bias", "--moe-router-bias-update-rate", "1e-3",
-        "--moe-router-dtype", "fp32", "--moe-permute-fusion",
-        "--moe-router-force-load-balancing", "--q-lora-rank", "1536", "--kv-lora-rank", "512",
-        "--qk-head-dim", "128", "--qk-pos-emb-head-dim", "64", "--v-head-dim", "128",
-        "--rotary-scaling-factor", "40", "--mscale", "1.0", "--mscale-all-dim", "1.0",
+        *_deepseek_v3_model(
+            "[0]*3+[1]*58",
+            ["--moe-token-dispatcher-type", "flex", "--moe-flex-dispatcher-backend", "hybridep",
+             "--moe-router-pre-softmax"],
+            "--moe-router-force-load-balancing",
+        ),
         "--mtp-num-layers", "1", "--mtp-loss-scaling-factor", "0.1", "--eval-iters", "32",
         "--eval-interval", "100", "--auto-detect-ckpt-format", "--load", CKPT, "--save", CKPT,
-        "--save-interval", "100", "--dist-ckpt-strictness", "log_all",
-        "--init-method-std", "0.02", "--log-timers-to-tensorboard",
-        "--log-memory-to-tensorboard", "--log-num-zeros-in-grad", "--log-params-norm",
-        "--log-validation-ppl-to-tensorboard", "--log-throughput", "--log-interval", "1",
-        "--logging-level", "40", "--tensorboard-dir", TB, "--bf16", "--enable-experimental",
+        "--save-interval", "100", *_logging(zeros_and_norms=True, level=True),
+        "--bf16", "--enable-experimental",
         # USE_MEGATRON_FSDP=1
         "--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params",
         "--no-gradient-accumulation-fusion", "--use-distributed-optimizer",
@@ -300,6 +345,50 @@ DEEPSEEK_V3_NO_MTP = dict(
     argv=_without(_without(DEEPSEEK_V3["argv"], "--mtp-num-layers"), "--mtp-loss-scaling-factor"),
 )
 
+# --- Megatron-MoE-ModelZoo's sbatch_benchmarking.sh: the flags it puts around a config ------
+
+
+def _modelzoo_layout(timeout: str, tp: str, pp: str, ep: str, vpp_layers: str = None) -> list:
+    """The layout flags that open a ModelZoo line (``vpp_layers``: layers per virtual stage)."""
+    pipeline = ["--pipeline-model-parallel-size", pp]
+    if vpp_layers:
+        pipeline += ["--num-layers-per-virtual-pipeline-stage", vpp_layers]
+    return [
+        "--distributed-timeout-minutes", timeout, "--tensor-model-parallel-size", tp, *pipeline,
+        "--expert-model-parallel-size", ep, "--context-parallel-size", "1",
+        "--expert-tensor-parallel-size", "1", "--use-distributed-optimizer",
+        "--overlap-grad-reduce", "--overlap-param-gather",
+    ]  # fmt: skip
+
+
+def _wandb(name: str) -> list:
+    """The W&B flags of a ModelZoo line (``WANDB_PROJECT`` empty: the common.conf default)."""
+    return ["--wandb-project", "moe-benchmarking-v0.19.0", "--wandb-exp-name", name]
+
+
+#: DISPATCHER=deepep (the default): the flex dispatcher with DeepEP.
+_DEEPEP = ["--moe-token-dispatcher-type", "flex", "--moe-flex-dispatcher-backend", "deepep"]
+#: PR=fp8: the blockwise FP8 recipe and the precision-aware optimizer.
+_FP8_BLOCKWISE = [
+    "--fp8-recipe", "blockwise", "--fp8-format", "e4m3", "--fp8-param-gather",
+    "--use-precision-aware-optimizer", "--main-grads-dtype", "fp32", "--main-params-dtype",
+    "fp32", "--exp-avg-dtype", "bf16", "--exp-avg-sq-dtype", "bf16",
+    "--moe-router-padding-for-fp8",
+]  # fmt: skip
+#: A2A_OVERLAP=1: the expert-parallel all-to-all overlap (--delay-wgrad-compute with it).
+_A2A_OVERLAP = ["--delay-wgrad-compute", "--overlap-moe-expert-parallel-comm"]
+#: What both Qwen3 configs give between the batch flags and the model sizes.
+_QWEN3 = [
+    "--manual-gc", "--manual-gc-interval", "5", "--cross-entropy-loss-fusion",
+    "--cross-entropy-fusion-impl", "te", "--enable-experimental",
+    "--transformer-impl", "transformer_engine", *_HF_DATA, "--num-workers", "6",
+    "--untie-embeddings-and-output-weights", "--position-embedding-type", "rope",
+    "--rotary-percent", "1.0", "--rotary-base", "1000000",
+    "--rotary-seq-len-interpolation-factor", "1", "--normalization", "RMSNorm", "--swiglu",
+    "--norm-epsilon", "1e-06",
+]  # fmt: skip
+
+
 # yanring/Megatron-MoE-ModelZoo (e8650517) best_practice/qwen3/run_30b.sh, "EP + DP
 # solution": PP=1 VPP=1 TP=1 EP=8 NNODES=4 (32 ranks) sbatch_benchmarking.sh
 # --moe-router-force-load-balancing, i.e. model_configs/benchmarking/Qwen3-30B-A3B.yaml
@@ -317,29 +406,13 @@ QWEN3_30B_A3B_AS_PUBLISHED = {
     "world_size": 32,
     "env": CONNECTIONS,
     "argv": [
-        "--distributed-timeout-minutes", "60", "--tensor-model-parallel-size", "1",
-        "--pipeline-model-parallel-size", "1", "--expert-model-parallel-size", "8",
-        "--context-parallel-size", "1", "--expert-tensor-parallel-size", "1",
-        "--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather",
-        "--no-create-attention-mask-in-dataloader",
-        "--use-mcore-models", "--sequence-parallel", "--use-flash-attn", "--disable-bias-linear",
-        "--micro-batch-size", "1", "--global-batch-size", "256", "--train-samples",
-        "268554688", "--exit-duration-in-mins", "230", "--manual-gc", "--manual-gc-interval",
-        "5", "--cross-entropy-loss-fusion", "--cross-entropy-fusion-impl", "te",
-        "--enable-experimental",
-        "--transformer-impl", "transformer_engine",
-        "--data-cache-path", CACHE, "--tokenizer-type", "HuggingFaceTokenizer",
-        "--tokenizer-model", HF_DIR, "--data-path", DATA, "--split", "99,1,0",
-        "--no-mmap-bin-files", "--num-workers", "6",
-        "--untie-embeddings-and-output-weights", "--position-embedding-type", "rope",
-        "--rotary-percent", "1.0", "--rotary-base", "1000000",
-        "--rotary-seq-len-interpolation-factor", "1", "--normalization", "RMSNorm", "--swiglu",
-        "--norm-epsilon", "1e-06", "--num-layers", "48", "--hidden-size", "2048",
-        "--ffn-hidden-size", "6144", "--num-attention-heads", "32", "--group-query-attention",
-        "--num-query-groups", "4", "--kv-channels", "128", "--qk-layernorm", "--seq-length",
-        "4096", "--max-position-embeddings", "40960", "--make-vocab-size-divisible-by", "1187",
-        "--attention-dropout", "0.0", "--hidden-dropout", "0.0", "--clip-grad", "1.0",
-        "--weight-decay", "0.1",
+        *_modelzoo_layout("60", "1", "1", "8"), "--no-create-attention-mask-in-dataloader",
+        *_batches("1", "256", "268554688", "230"), *_QWEN3,
+        "--num-layers", "48", "--hidden-size", "2048", "--ffn-hidden-size", "6144",
+        "--num-attention-heads", "32", "--group-query-attention", "--num-query-groups", "4",
+        "--kv-channels", "128", "--qk-layernorm", "--seq-length", "4096",
+        "--max-position-embeddings", "40960", "--make-vocab-size-divisible-by", "1187",
+        *_REGULARIZATION,
         "--lr-decay-samples", "255126953", "--lr-warmup-samples", "162761", "--lr", "1.2e-4",
         "--min-lr", "1.2e-5", "--lr-decay-style", "cosine", "--adam-beta1", "0.9",
         "--adam-beta2", "0.95",
@@ -350,21 +423,11 @@ QWEN3_30B_A3B_AS_PUBLISHED = {
         "--moe-router-fusion",
         "--eval-iters", "32", "--eval-interval", "500",
         "--finetune", "--auto-detect-ckpt-format", "--load", CKPT, "--save",
-        f"{CKPT}/checkpoints", "--save-interval", "500", "--dist-ckpt-strictness", "log_all",
-        "--init-method-std", "0.02",
-        "--log-timers-to-tensorboard", "--log-memory-to-tensorboard", "--log-num-zeros-in-grad",
-        "--log-params-norm", "--log-validation-ppl-to-tensorboard", "--log-throughput",
-        "--log-interval", "1", "--tensorboard-dir", TB, "--wandb-project",
-        "moe-benchmarking-v0.19.0", "--wandb-exp-name",
-        "Qwen3-30B-A3B-TP1PP1EP8CP1VPP1-MBS1GBS256-baseline",
-        "--bf16",
+        f"{CKPT}/checkpoints", "--save-interval", "500",
+        *_logging(zeros_and_norms=True, level=False),
+        *_wandb("Qwen3-30B-A3B-TP1PP1EP8CP1VPP1-MBS1GBS256-baseline"), "--bf16",
         # appended by the command line and sbatch_benchmarking.sh
-        "--moe-router-force-load-balancing",
-        "--moe-token-dispatcher-type", "flex", "--moe-flex-dispatcher-backend", "deepep",
-        "--fp8-recipe", "blockwise", "--fp8-format", "e4m3", "--fp8-param-gather",
-        "--use-precision-aware-optimizer", "--main-grads-dtype", "fp32", "--main-params-dtype",
-        "fp32", "--exp-avg-dtype", "bf16", "--exp-avg-sq-dtype", "bf16",
-        "--moe-router-padding-for-fp8",
+        "--moe-router-force-load-balancing", *_DEEPEP, *_FP8_BLOCKWISE,
     ] + TST,
 }  # fmt: skip
 
@@ -396,35 +459,15 @@ QWEN3_235B_A22B_H100_AS_PUBLISHED = {
     "world_size": 256,
     "env": {"CUDA_DEVICE_MAX_CONNECTIONS": "32"},
     "argv": [
-        "--distributed-timeout-minutes", "220", "--tensor-model-parallel-size", "2",
-        "--pipeline-model-parallel-size", "8", "--num-layers-per-virtual-pipeline-stage", "3",
-        "--expert-model-parallel-size", "32", "--context-parallel-size", "1",
-        "--expert-tensor-parallel-size", "1", "--use-distributed-optimizer",
-        "--overlap-grad-reduce", "--overlap-param-gather",
+        *_modelzoo_layout("220", "2", "8", "32", vpp_layers="3"),
         "--no-create-attention-mask-in-dataloader", "--account-for-embedding-in-pipeline-split",
         "--account-for-loss-in-pipeline-split",
-        "--use-mcore-models", "--sequence-parallel", "--use-flash-attn", "--disable-bias-linear",
-        "--micro-batch-size", "1", "--global-batch-size", "2048", "--train-samples",
-        "268554688", "--exit-duration-in-mins", "230", "--manual-gc", "--manual-gc-interval",
-        "5", "--cross-entropy-loss-fusion", "--cross-entropy-fusion-impl", "te",
-        "--enable-experimental",
-        "--transformer-impl", "transformer_engine",
-        "--data-cache-path", CACHE, "--tokenizer-type", "HuggingFaceTokenizer",
-        "--tokenizer-model", HF_DIR, "--data-path", DATA, "--split", "99,1,0",
-        "--no-mmap-bin-files", "--num-workers", "6",
-        "--untie-embeddings-and-output-weights", "--position-embedding-type", "rope",
-        "--rotary-percent", "1.0", "--rotary-base", "1000000",
-        "--rotary-seq-len-interpolation-factor", "1", "--normalization", "RMSNorm", "--swiglu",
-        "--norm-epsilon", "1e-06", "--num-layers", "94", "--hidden-size", "4096",
+        *_batches("1", "2048", "268554688", "230"), *_QWEN3,
+        "--num-layers", "94", "--hidden-size", "4096",
         "--ffn-hidden-size", "12288", "--num-attention-heads", "64", "--kv-channels", "128",
         "--group-query-attention", "--num-query-groups", "4", "--qk-layernorm",
         "--seq-length", "4096", "--max-position-embeddings", "4096",
-        "--make-vocab-size-divisible-by", "1187",
-        "--attention-dropout", "0.0", "--hidden-dropout", "0.0", "--clip-grad", "1.0",
-        "--weight-decay", "0.1",
-        "--lr-decay-samples", "584765624", "--lr-warmup-samples", "1536000",
-        "--lr-warmup-init", "3.9e-7", "--lr", "3.9e-6", "--min-lr", "3.9e-7",
-        "--lr-decay-style", "cosine", "--adam-beta1", "0.9", "--adam-beta2", "0.95",
+        "--make-vocab-size-divisible-by", "1187", *_REGULARIZATION, *_LR_3_9E_6,
         "--num-experts", "128", "--moe-ffn-hidden-size", "1536",
         "--moe-router-load-balancing-type", "aux_loss", "--moe-router-topk", "8",
         "--moe-grouped-gemm", "--moe-aux-loss-coeff", "1e-3", "--moe-permute-fusion",
@@ -432,22 +475,14 @@ QWEN3_235B_A22B_H100_AS_PUBLISHED = {
         "--eval-iters", "32", "--eval-interval", "500",
         "--finetune", "--auto-detect-ckpt-format", "--load", CKPT, "--no-load-rng",
         "--no-load-optim", "--save", f"{CKPT}/checkpoints", "--save-interval", "100",
-        "--dist-ckpt-strictness", "log_all",
-        "--init-method-std", "0.02",
-        "--log-timers-to-tensorboard", "--log-memory-to-tensorboard",
-        "--log-validation-ppl-to-tensorboard", "--log-throughput", "--log-interval", "1",
-        "--logging-level", "40", "--tensorboard-dir", TB, "--wandb-project",
-        "moe-benchmarking-v0.19.0", "--wandb-exp-name",
-        "Qwen3-235B-A22B-TP2PP8EP32CP1VPP4-MBS1GBS2048-baseline",
-        "--bf16",
+        *_logging(zeros_and_norms=False, level=True),
+        *_wandb("Qwen3-235B-A22B-TP2PP8EP32CP1VPP4-MBS1GBS2048-baseline"), "--bf16",
         # the command line
         "--recompute-granularity", "selective", "--recompute-modules", "moe_act", "layernorm",
         "--moe-router-force-load-balancing", "--cuda-graph-impl", "transformer_engine",
         "--cuda-graph-scope", "moe_router", "moe_preprocess",
         # appended by sbatch_benchmarking.sh: DISPATCHER=deepep, PR=bf16, A2A_OVERLAP=1
-        "--moe-token-dispatcher-type", "flex", "--moe-flex-dispatcher-backend", "deepep",
-        "--tp-comm-overlap",
-        "--delay-wgrad-compute", "--overlap-moe-expert-parallel-comm",
+        *_DEEPEP, "--tp-comm-overlap", *_A2A_OVERLAP,
     ] + TST,
 }  # fmt: skip
 
@@ -469,59 +504,22 @@ DEEPSEEK_V3_H100 = {
     "world_size": 1024,
     "env": {"CUDA_DEVICE_MAX_CONNECTIONS": "32"},
     "argv": [
-        "--distributed-timeout-minutes", "60", "--tensor-model-parallel-size", "2",
-        "--pipeline-model-parallel-size", "8", "--expert-model-parallel-size", "64",
-        "--context-parallel-size", "1", "--expert-tensor-parallel-size", "1",
-        "--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather",
-        "--use-mcore-models", "--sequence-parallel", "--use-flash-attn", "--disable-bias-linear",
-        "--micro-batch-size", "1", "--global-batch-size", "8192", "--train-samples",
-        "585937500", "--exit-duration-in-mins", "220", "--no-save-optim",
-        "--no-check-for-nan-in-loss-and-grad", "--cross-entropy-loss-fusion",
+        *_modelzoo_layout("60", "2", "8", "64"), *_batches("1", "8192", "585937500", "220"),
+        "--no-save-optim", "--no-check-for-nan-in-loss-and-grad", "--cross-entropy-loss-fusion",
         "--cross-entropy-fusion-impl", "native", "--manual-gc", "--manual-gc-interval", "10",
-        "--transformer-impl", "transformer_engine", "--seq-length", "4096",
-        "--data-cache-path", CACHE, "--tokenizer-type", "HuggingFaceTokenizer",
-        "--tokenizer-model", HF_DIR, "--data-path", DATA, "--split", "99,1,0",
-        "--no-mmap-bin-files", "--no-create-attention-mask-in-dataloader", "--num-workers", "6",
-        "--num-layers", "61", "--hidden-size", "7168", "--ffn-hidden-size", "18432",
-        "--num-attention-heads", "128", "--kv-channels", "128", "--max-position-embeddings",
-        "4096", "--position-embedding-type", "rope", "--rotary-base", "10000",
-        "--make-vocab-size-divisible-by", "3232", "--normalization", "RMSNorm",
-        "--norm-epsilon", "1e-6", "--swiglu", "--untie-embeddings-and-output-weights",
-        "--multi-latent-attention", "--attention-dropout", "0.0", "--hidden-dropout", "0.0",
-        "--clip-grad", "1.0", "--weight-decay", "0.1", "--qk-layernorm",
-        "--lr-decay-samples", "584765624", "--lr-warmup-samples", "1536000",
-        "--lr-warmup-init", "3.9e-7", "--lr", "3.9e-6", "--min-lr", "3.9e-7",
-        "--lr-decay-style", "cosine", "--adam-beta1", "0.9", "--adam-beta2", "0.95",
-        "--num-experts", "256", "--moe-layer-freq", "([0]*3+[1]*58)",
-        "--moe-ffn-hidden-size", "2048", "--moe-shared-expert-intermediate-size", "2048",
-        "--moe-router-load-balancing-type", "seq_aux_loss", "--moe-router-topk", "8",
-        "--moe-grouped-gemm", "--moe-aux-loss-coeff", "1e-4", "--moe-router-group-topk", "4",
-        "--moe-router-num-groups", "8", "--moe-router-topk-scaling-factor", "2.5",
-        "--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
-        "--moe-router-bias-update-rate", "1e-3", "--moe-router-dtype", "fp32",
-        "--moe-permute-fusion", "--moe-router-fusion", "--q-lora-rank", "1536",
-        "--kv-lora-rank", "512", "--qk-head-dim", "128", "--qk-pos-emb-head-dim", "64",
-        "--v-head-dim", "128", "--rotary-scaling-factor", "40", "--mscale", "1.0",
-        "--mscale-all-dim", "1.0", "--eval-iters", "32", "--eval-interval", "200",
+        *_deepseek_v3_model("([0]*3+[1]*58)", [], "--moe-router-fusion"),
+        "--eval-iters", "32", "--eval-interval", "200",
         "--no-load-optim", "--no-load-rng", "--auto-detect-ckpt-format", "--load", CKPT,
         "--save", f"{CKPT}/checkpoints", "--save-interval", "500",
-        "--dist-ckpt-strictness", "log_all", "--init-method-std", "0.02",
-        "--log-timers-to-tensorboard", "--log-memory-to-tensorboard",
-        "--log-validation-ppl-to-tensorboard", "--log-throughput", "--log-interval", "1",
-        "--logging-level", "40", "--tensorboard-dir", TB, "--wandb-project",
-        "moe-benchmarking-v0.19.0", "--wandb-exp-name",
-        "DeepSeek-V3-TP2PP8EP64CP1VPP4-MBS1GBS8192-v0.19.0", "--bf16", "--enable-experimental",
+        *_logging(zeros_and_norms=False, level=True),
+        *_wandb("DeepSeek-V3-TP2PP8EP64CP1VPP4-MBS1GBS8192-v0.19.0"), "--bf16",
+        "--enable-experimental",
         # the command line
         "--recompute-granularity", "selective", "--recompute-modules", "mla_up_proj", "mlp",
         "--mtp-num-layers", "1", "--mtp-loss-scaling-factor", "0.1",
         "--pipeline-model-parallel-layout", "Et|(tt|)*30mL",
         # appended by sbatch_benchmarking.sh: DISPATCHER=deepep, PR=fp8, A2A_OVERLAP=1
-        "--moe-token-dispatcher-type", "flex", "--moe-flex-dispatcher-backend", "deepep",
-        "--fp8-recipe", "blockwise", "--fp8-format", "e4m3", "--fp8-param-gather",
-        "--use-precision-aware-optimizer", "--main-grads-dtype", "fp32", "--main-params-dtype",
-        "fp32", "--exp-avg-dtype", "bf16", "--exp-avg-sq-dtype", "bf16",
-        "--moe-router-padding-for-fp8",
-        "--delay-wgrad-compute", "--overlap-moe-expert-parallel-comm",
+        *_DEEPEP, *_FP8_BLOCKWISE, *_A2A_OVERLAP,
     ] + TST,
 }  # fmt: skip
 
