@@ -1,7 +1,8 @@
 """What the tests of the launcher (``examples/pretrain_gpt_tst.py``, Megatron-LM's ``pretrain()``
 with TST) share: a tiny launch line, the child that runs ``pretrain()`` in a process spawned
 by :func:`tests.distributed.harness.run_distributed`, and readers of what Megatron-LM prints
-and writes (log lines, TensorBoard scalars).
+and writes (log lines, TensorBoard scalars); and a runner for the benchmark scripts, which
+launch it.
 
 The readers parse Megatron-LM's own output independently of the code under test: the training
 log lines of ``training_log`` (last rank), ``validation loss at iteration N`` lines, and
@@ -10,8 +11,11 @@ TensorBoard events.
 
 from __future__ import annotations
 
+import math
 import os
 import re
+import subprocess
+import sys
 
 #: The repository root (``examples/``, ``benchmarks/``, ``tools/``).
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -126,6 +130,20 @@ def losses(text: str) -> tuple[dict, dict]:
     return train, valid
 
 
+def switched_at_3(first: str, last: str) -> tuple[dict, dict]:
+    """The training and validation losses (:func:`losses`) of a run of :data:`BASE` whose
+    first and last ranks printed ``first`` and ``last``, once checked: finite training losses
+    at iterations 1 to 6, validation at 3 and 6, phase 1 from iteration 0 until 3, phase 2
+    from the switch at 3."""
+    train, valid = losses(last)
+    assert sorted(train) == [1, 2, 3, 4, 5, 6], last[-3000:]
+    assert all(math.isfinite(float(v)) for v in train.values())
+    assert sorted(valid) == [3, 6]
+    assert "TST: phase 1 (bags) from iteration 0, until 3" in first
+    assert "TST: phase 2 (next-token) from iteration 3 (switch at 3)" in first
+    return train, valid
+
+
 def log_lines(text: str, keys=("lm loss", "mce loss")) -> dict:
     """``{iteration: {key: value}}`` of Megatron-LM's training log lines, for each of
     ``keys`` a line shows."""
@@ -157,3 +175,15 @@ def pretrain_child_keep_going(rank, world, *, runs, model="gpt"):
 def pretrain_child_forking(rank, world, *, runs):
     """:func:`pretrain_child` with ``fork`` (DataLoader workers as in a torchrun worker)."""
     return pretrain_child(rank, world, runs=runs, fork=True)
+
+
+def run_benchmark(*argv, timeout: int, **env) -> subprocess.CompletedProcess:
+    """``python *argv`` (a script of ``benchmarks/`` and its flags) from the repository root,
+    Python's warnings off and ``env`` added to the environment; fails with the end of its
+    output unless it exits 0."""
+    env = dict(os.environ, PYTHONWARNINGS="ignore", **env)
+    result = subprocess.run(
+        [sys.executable, *argv], capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    return result

@@ -13,7 +13,7 @@ import re
 import pytest
 
 from tests.distributed.harness import run_distributed
-from tests.launcher import BASE, EP2, NO_DROPOUT
+from tests.launcher import BASE, EP2, NO_DROPOUT, switched_at_3
 from tests.launcher import losses as _losses
 from tests.launcher import pretrain_child as _pretrain_child
 from tests.launcher import without as _without
@@ -68,12 +68,7 @@ def test_dp2_equals_the_one_process_run(runs, one_process):
 @pytest.mark.parametrize("layout", ["dp2", "ep2"])
 def test_switches_in_process_with_losses_in_both_phases(runs, layout):
     first, last = runs[layout]
-    train, valid = _losses(last)
-    assert sorted(train) == [1, 2, 3, 4, 5, 6], last[-3000:]
-    assert all(math.isfinite(float(v)) for v in train.values())
-    assert sorted(valid) == [3, 6]
-    assert "TST: phase 1 (bags) from iteration 0, until 3" in first
-    assert "TST: phase 2 (next-token) from iteration 3 (switch at 3)" in first
+    switched_at_3(first, last)
     assert first.count("TST: phase 2") == 1  # the switch is announced once
 
 

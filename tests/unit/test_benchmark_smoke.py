@@ -3,27 +3,20 @@
 cannot rot; every launch line of tst_vs_baseline passes the launcher's checks."""
 
 import os
-import subprocess
 import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.launcher import ROOT, run_benchmark
+
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 
 def test_core_cost_smoke(tmp_path):
     out = tmp_path / "results" / "core_cost.md"
-    env = dict(os.environ, MASTER_PORT="29571", PYTHONWARNINGS="ignore")
-    result = subprocess.run(
-        [sys.executable, "benchmarks/core_cost.py", "--smoke", "--output", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=env,
-        cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+    run_benchmark(
+        "benchmarks/core_cost.py", "--smoke", "--output", str(out), timeout=600, MASTER_PORT="29571"
     )
-    assert result.returncode == 0, result.stderr[-3000:]
     report = out.read_text()
     assert "| k | time vs 1 megatron CE | peak memory vs 1 megatron CE |" in report
     assert "| S | time vs standard [b,T] | peak memory vs standard |" in report
@@ -36,16 +29,9 @@ def test_core_cost_smoke(tmp_path):
 @pytest.mark.slow
 def test_step_cost_smoke(tmp_path):
     out = tmp_path / "results" / "step_cost.md"
-    env = dict(os.environ, PYTHONWARNINGS="ignore", PYTHONPATH=ROOT)
-    result = subprocess.run(
-        [sys.executable, "benchmarks/step_cost.py", "--smoke", "--output", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=900,
-        env=env,
-        cwd=ROOT,
+    run_benchmark(
+        "benchmarks/step_cost.py", "--smoke", "--output", str(out), timeout=900, PYTHONPATH=ROOT
     )
-    assert result.returncode == 0, result.stderr[-3000:]
     report = out.read_text()
     assert "| S | iteration, phase 1 (ms) | phase 2 (ms) | baseline (ms) |" in report
     assert "examples/pretrain_gpt_tst.py" in report
@@ -105,29 +91,12 @@ def test_tst_vs_baseline_launch_lines_pass_the_launchers_checks(mode, monkeypatc
 
 @pytest.mark.slow
 def test_tst_vs_baseline_smoke(tmp_path):
-    root = ROOT
     out = tmp_path / "results"
-    result = subprocess.run(
-        [
-            sys.executable,
-            "benchmarks/tst_vs_baseline.py",
-            "--smoke",
-            "--lrs",
-            "2e-3",  # one baseline LR: two launcher runs
-            "--output-dir",
-            str(out),
-            "--work-dir",
-            str(tmp_path / "work"),
-            "--data-dir",
-            str(tmp_path / "data"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=1800,
-        cwd=root,
-        env=dict(os.environ, PYTHONWARNINGS="ignore", PYTHONPATH=ROOT),
-    )
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    dirs = ["--output-dir", str(out), "--work-dir", str(tmp_path / "work")]
+    dirs += ["--data-dir", str(tmp_path / "data")]
+    # one baseline LR: two launcher runs
+    flags = ["--smoke", "--lrs", "2e-3"] + dirs
+    run_benchmark("benchmarks/tst_vs_baseline.py", *flags, timeout=1800, PYTHONPATH=ROOT)
     report = (out / "tst_vs_baseline_smoke.md").read_text()
     assert "examples/pretrain_gpt_tst.py" in report and "--lr-wsd-decay-iters" in report
     assert "| arm | final validation loss | tokens consumed | wall-clock (s) |" in report
@@ -150,14 +119,10 @@ def test_data_startup_stream_section_smoke(tmp_path):
     section of the report is replaced, the rest kept."""
     out = tmp_path / "data_startup.md"
     out.write_text("# Start-up cost of the token-id check\n\nkept\n")
-    command = [sys.executable, "benchmarks/data_startup.py", "--stream-windows", "50000"]
+    command = ["benchmarks/data_startup.py", "--stream-windows", "50000"]
     command += ["--bag-size", "4", "--dir", str(tmp_path / "w"), "--output", str(out)]
-    env = dict(os.environ, PYTHONWARNINGS="ignore", PYTHONPATH=ROOT)
     for _ in range(2):
-        result = subprocess.run(
-            command, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT
-        )
-        assert result.returncode == 0, result.stderr[-3000:]
+        run_benchmark(*command, timeout=600, PYTHONPATH=ROOT)
     report = out.read_text()
     assert report.startswith("# Start-up cost of the token-id check\n\nkept\n")
     assert report.count("# TST sample orders at scale (50,000 windows, S = 4)") == 1

@@ -4,12 +4,11 @@ mode, so the 2-hour measurement cannot rot."""
 
 import math
 import os
-import subprocess
 import sys
 
 import pytest
 
-from tests.launcher import ROOT
+from tests.launcher import ROOT, run_benchmark
 
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
@@ -235,31 +234,11 @@ def test_the_final_point_is_megatron_lms_score_of_the_whole_split(monkeypatch, t
 @pytest.mark.slow
 def test_horizons_smoke(tmp_path):
     out = tmp_path / "results"
-    result = subprocess.run(
-        [
-            sys.executable,
-            "benchmarks/tst_vs_baseline.py",
-            "--smoke",
-            "--horizons",
-            "8",
-            "--arms",
-            "2:full",
-            "--lrs",
-            "2e-3",
-            "--output-dir",
-            str(out),
-            "--work-dir",
-            str(tmp_path / "work"),
-            "--data-dir",
-            str(tmp_path / "data"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=1800,  # 2 arms and their 2 whole-split scoring runs
-        cwd=ROOT,
-        env=dict(os.environ, PYTHONWARNINGS="ignore"),
-    )
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    dirs = ["--output-dir", str(out), "--work-dir", str(tmp_path / "work")]
+    dirs += ["--data-dir", str(tmp_path / "data")]
+    flags = ["--smoke", "--horizons", "8", "--arms", "2:full", "--lrs", "2e-3"] + dirs
+    # 2 arms and their 2 whole-split scoring runs
+    run_benchmark("benchmarks/tst_vs_baseline.py", *flags, timeout=1800)
     report = (out / "tst_horizons_smoke.md").read_text()
     table = report.split("## Where the curves cross")[0]
     rows = [line.split("|")[1:-1] for line in table.splitlines() if line.startswith("| 8 ")]
