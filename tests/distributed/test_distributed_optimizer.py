@@ -19,15 +19,7 @@ import pytest
 pytest.importorskip("megatron.training")
 
 from tests.distributed.harness import run_distributed  # noqa: E402
-from tests.launcher import (  # noqa: E402
-    BASE,
-    DIST_OPT,
-    EP2,
-    MTP,
-    NO_DROPOUT,
-    log_lines,
-    pretrain_child,
-)
+from tests.launcher import BASE, DIST_OPT, EP2, MTP, NO_DROPOUT, log_lines, pretrain_child  # noqa: E402
 
 _KEYS = ("mce loss", "lm loss", "mtp_1 loss")
 

@@ -20,15 +20,7 @@ import pytest
 pytest.importorskip("megatron.training")
 
 from tests.distributed.harness import run_distributed  # noqa: E402
-from tests.launcher import (  # noqa: E402
-    BASE,
-    DIST_OPT,
-    EP2,
-    MTP,
-    NO_DROPOUT,
-    pretrain_child_keep_going,  # noqa: E402
-    scalars,
-)
+from tests.launcher import BASE, DIST_OPT, EP2, MTP, NO_DROPOUT, pretrain_child_keep_going, scalars  # noqa: E402
 
 TORCH_DIST = ["--ckpt-format", "torch_dist"]
 #: dense DP=2; MoE EP=2 (experts: expert DP 1) with one MTP layer (idle in phase 1)
