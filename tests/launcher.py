@@ -70,10 +70,10 @@ def with_flag(argv, flag, value):
 
 
 def pretrain_child(rank, world, *, runs, keep_going=False, fork=False, model="gpt"):
-    """Run the launcher's ``main(argv, model=model)`` for each argv in ``runs`` in this process,
-    one after another; return what each printed to stdout (a list of strings). ``model``:
-    ``"gpt"`` (``examples/pretrain_gpt_tst.py``) or ``"hybrid"``
-    (``examples/pretrain_hybrid_tst.py``).
+    """Run the launcher's ``main(argv, family=...)`` for each argv in ``runs`` in this process,
+    one after another; return what each printed to stdout (a list of strings). ``model``: the
+    family's name (``tst_megatron.training.family.FAMILIES``), ``"gpt"``
+    (``examples/pretrain_gpt_tst.py``) or ``"hybrid"`` (``examples/pretrain_hybrid_tst.py``).
 
     Each run starts with a fresh megatron-core MoE metrics tracker (a module global that
     ``destroy_global_state`` keeps, sized by the first MoE run's layer count) and ends with
@@ -93,6 +93,7 @@ def pretrain_child(rank, world, *, runs, keep_going=False, fork=False, model="gp
     from megatron.training.training import destroy_global_state
 
     from tst_megatron.training.cli import main
+    from tst_megatron.training.family import FAMILIES
 
     if fork:
         multiprocessing.set_start_method("fork", force=True)
@@ -102,7 +103,7 @@ def pretrain_child(rank, world, *, runs, keep_going=False, fork=False, model="gp
         out = io.StringIO()
         try:
             with contextlib.redirect_stdout(out):
-                main(argv, model=model)
+                main(argv, family=FAMILIES[model])
         except Exception:
             if not keep_going:
                 raise

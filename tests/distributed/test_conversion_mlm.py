@@ -310,7 +310,7 @@ def _reshard(rank, *, src, dst, layout):
     from tst_megatron.conversion.mlm import one_process_args
     from tst_megatron.runtime import initialize_model_parallel
     from tst_megatron.runtime.distributed import ParallelConfig
-    from tst_megatron.training.model import build_model_from_args
+    from tst_megatron.training.gpt import build_gpt_model_from_args
 
     saved = dist_checkpointing.load_common_state_dict(os.path.join(src, "release"))["args"]
     args = one_process_args(saved)
@@ -320,7 +320,7 @@ def _reshard(rank, *, src, dst, layout):
     initialize_model_parallel(ParallelConfig(**LAYOUTS[layout]))
     tensor_parallel.model_parallel_cuda_manual_seed(0)
     try:
-        model = build_model_from_args(
+        model = build_gpt_model_from_args(
             args,
             pre_process=ps.is_pipeline_first_stage(),
             post_process=ps.is_pipeline_last_stage(),
