@@ -49,7 +49,12 @@ def _build(prefix, cache, local_rank):
     stream_module.write_cache = lambda *a: (writes.append(1), write(*a))
     try:
         stream = stream_module.open_stream(
-            train, bag_size=2, phase1_samples=10, seed=1, cache_dir=cache, local_rank=local_rank
+            train,
+            windows_per_sample=2,
+            phase1_samples=10,
+            seed=1,
+            cache_dir=cache,
+            local_rank=local_rank,
         )
     finally:
         stream_module.write_cache = write
@@ -184,7 +189,7 @@ def _failing_child(rank, world, *, prefix, root, fail):
         stream_module.cache_problem = lambda files, description: "x.npy is missing"
     try:
         stream_module.open_stream(
-            train, bag_size=2, phase1_samples=10, seed=1, cache_dir=cache, local_rank=rank
+            train, windows_per_sample=2, phase1_samples=10, seed=1, cache_dir=cache, local_rank=rank
         )
         return None
     except ConfigError as exc:

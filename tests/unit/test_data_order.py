@@ -66,7 +66,7 @@ def adjacent(a, b) -> bool:
 
 def test_phase2_reads_unused_windows_once_each_in_an_uncorrelated_order(corpus):
     S, n1 = 4, 60
-    stream = TrainStream(corpus, bag_size=S, phase1_samples=n1, seed=7)
+    stream = TrainStream(corpus, windows_per_sample=S, phase1_samples=n1, seed=7)
     used = set()
     for i in range(n1):
         sample = stream.phase1_sample(i)
@@ -137,7 +137,7 @@ def test_megatron_lm_loader_same_on_dp_ranks_after_resume_and_with_workers(corpu
     step 3 (consumed samples 24) and one with 2 DataLoader workers."""
     n1, steps, gbs = 2, 6, 8
     switch = n1 * gbs if bag > 1 else 0
-    stream = TrainStream(corpus, bag_size=bag, phase1_samples=switch, seed=3)
+    stream = TrainStream(corpus, windows_per_sample=bag, phase1_samples=switch, seed=3)
     dataset = PhasedTrainDataset(stream, switch=switch, total=steps * gbs)
 
     def read(*, consumed=0, dp_rank=0, dp_size=1, num_workers=0):
@@ -179,7 +179,7 @@ def test_blend_phase1_samples_are_contiguous_text_of_one_dataset(tmp_path):
     b = write_dataset(tmp_path / "b", docs_b)
     train = _datasets(tmp_path, f"0.6 {a} 0.4 {b}", 400)
     S, n1 = 4, 40
-    stream = TrainStream(train, bag_size=S, phase1_samples=n1, seed=2)
+    stream = TrainStream(train, windows_per_sample=S, phase1_samples=n1, seed=2)
     from_a = 0
     for i in range(n1):
         sample = stream.phase1_sample(i)
@@ -218,7 +218,7 @@ def test_a_resume_on_other_data_reads_what_the_note_says(tmp_path):
     y_ids = range(end, end + sum(len(d) for d in docs_y))
 
     def run(corpus, consumed):
-        stream = TrainStream(corpus, bag_size=S, phase1_samples=switch, seed=3)
+        stream = TrainStream(corpus, windows_per_sample=S, phase1_samples=switch, seed=3)
         dataset = PhasedTrainDataset(stream, switch=switch, total=steps * gbs)
         loader = megatron_loader(
             dataset, consumed=consumed, micro_batch_size=2, dp_rank=0, dp_size=1, num_workers=0

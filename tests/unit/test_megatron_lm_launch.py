@@ -81,7 +81,7 @@ def test_wsd_without_its_decay_length_is_refused_before_the_model_is_built():
     """Megatron-LM asserts on it in ``OptimizerParamScheduler`` after building the model."""
     import types
 
-    from tst_megatron.training.checks.megatron import late_megatron_problems
+    from tst_megatron.training.checks.unsupported import late_megatron_problems
 
     def args(**kw):
         base = dict(
@@ -113,7 +113,7 @@ def test_what_megatron_lm_s_scheduler_or_loader_needs_is_refused_before_the_mode
     model is built), --finetune with nothing to load (it would silently start from scratch)."""
     import types
 
-    from tst_megatron.training.checks.megatron import late_megatron_problems
+    from tst_megatron.training.checks.unsupported import late_megatron_problems
 
     base = dict(
         lr_decay_style="cosine", train_iters=100, train_samples=None, lr=1e-3,
@@ -126,13 +126,13 @@ def test_what_megatron_lm_s_scheduler_or_loader_needs_is_refused_before_the_mode
     assert line.startswith("--lr is required")
     # --finetune without a checkpoint: stock Megatron-LM trains from fresh weights (a note)
     assert late_megatron_problems(types.SimpleNamespace(**(base | {"finetune": True}))) == []
-    from tst_megatron.training.checks import megatron
+    from tst_megatron.training.checks import unsupported
 
     launch = types.SimpleNamespace(args=types.SimpleNamespace(**(base | {"finetune": True})))
-    (note,) = megatron.notes(launch)
+    (note,) = unsupported.notes(launch)
     assert note.startswith("--finetune without --load") and "fresh weights" in note
     launch.args.load = "/ckpt"
-    assert megatron.notes(launch) == []
+    assert unsupported.notes(launch) == []
     ok = base | {"finetune": True, "load": "/ckpt"}
     assert late_megatron_problems(types.SimpleNamespace(**ok)) == []
     skip = base | {"skip_train": True, "train_iters": None, "lr": None, "eval_interval": None}

@@ -58,7 +58,9 @@ def test_orders_built_in_small_chunks_equal_the_reference(train):
     """The builder reads the shuffle index and the phase-2 mask in chunks (16 M windows in a
     real run): a chunk of 7 windows crosses every boundary case."""
     arrays = dict(
-        build_orders(stream_parts(train), bag_size=S, phase1_samples=N1, seed=SEED, chunk=7)
+        build_orders(
+            stream_parts(train), windows_per_sample=S, phase1_samples=N1, seed=SEED, chunk=7
+        )
     )
     for got, want in zip(
         (arrays["order0"], arrays["blocks"], arrays["phase2"]), reference_orders(train, S, N1, SEED)
@@ -70,12 +72,12 @@ def test_cached_orders_equal_the_in_memory_reference_and_are_mapped(train, tmp_p
     cache = str(tmp_path / "orders")
     os.makedirs(cache)
     (ref_order, ref_blocks, ref_phase2) = reference_orders(train, S, N1, SEED)
-    plain = TrainStream(train, bag_size=S, phase1_samples=N1, seed=SEED)  # no cache
-    first = TrainStream(train, bag_size=S, phase1_samples=N1, seed=SEED, cache_dir=cache)
+    plain = TrainStream(train, windows_per_sample=S, phase1_samples=N1, seed=SEED)  # no cache
+    first = TrainStream(train, windows_per_sample=S, phase1_samples=N1, seed=SEED, cache_dir=cache)
     files = cache_names(cache)
     assert len(files) == 4  # order0, blocks, phase2, description
     mtimes = [os.stat(os.path.join(cache, n)).st_mtime_ns for n in files]
-    second = TrainStream(train, bag_size=S, phase1_samples=N1, seed=SEED, cache_dir=cache)
+    second = TrainStream(train, windows_per_sample=S, phase1_samples=N1, seed=SEED, cache_dir=cache)
     assert [os.stat(os.path.join(cache, n)).st_mtime_ns for n in files] == mtimes  # mapped
     for stream in (plain, first, second):
         ((_, order),) = stream.parts
@@ -101,7 +103,9 @@ def test_every_setting_the_orders_depend_on_keys_its_own_cache(train, tmp_path):
     os.makedirs(cache)
     settings = [(S, N1, SEED), (2, N1, SEED), (S, N1 + 8, SEED), (S, N1, SEED + 1)]
     for bag, n1, seed in settings:
-        stream = TrainStream(train, bag_size=bag, phase1_samples=n1, seed=seed, cache_dir=cache)
+        stream = TrainStream(
+            train, windows_per_sample=bag, phase1_samples=n1, seed=seed, cache_dir=cache
+        )
         _, blocks, phase2 = reference_orders(train, bag, n1, seed)
         assert np.array_equal(stream.blocks, blocks) and np.array_equal(stream.phase2, phase2)
     assert len(cache_names(cache)) == 4 * len(settings)
@@ -113,7 +117,7 @@ def test_damaged_cache_is_rebuilt_by_the_builder_and_refused_by_a_reader(
 ):
     cache = str(tmp_path / "orders")
     os.makedirs(cache)
-    TrainStream(train, bag_size=S, phase1_samples=N1, seed=SEED, cache_dir=cache)
+    TrainStream(train, windows_per_sample=S, phase1_samples=N1, seed=SEED, cache_dir=cache)
     if damage == "truncate":
         victim = next(os.path.join(cache, n) for n in cache_names(cache) if "phase2" in n)
         with open(victim, "r+b") as f:
@@ -122,16 +126,20 @@ def test_damaged_cache_is_rebuilt_by_the_builder_and_refused_by_a_reader(
     else:
         victim = next(os.path.join(cache, n) for n in cache_names(cache) if "description" in n)
         with open(victim, "w") as f:
-            f.write('{"class": "TrainStream", "bag_size": 3}')
+            f.write('{"class": "TrainStream", "windows_per_sample": 3}')
         why = "describes other data or settings"
     with pytest.raises(ConfigError, match=f"TST sample-order cache .*{why}.*delete it") as err:
-        TrainStream(train, bag_size=S, phase1_samples=N1, seed=SEED, cache_dir=cache, build=False)
+        TrainStream(
+            train, windows_per_sample=S, phase1_samples=N1, seed=SEED, cache_dir=cache, build=False
+        )
     assert "\n" not in str(err.value)
-    rebuilt = TrainStream(train, bag_size=S, phase1_samples=N1, seed=SEED, cache_dir=cache)
+    rebuilt = TrainStream(
+        train, windows_per_sample=S, phase1_samples=N1, seed=SEED, cache_dir=cache
+    )
     assert "rebuilding it" in capsys.readouterr().out
     _, blocks, phase2 = reference_orders(train, S, N1, SEED)
     assert np.array_equal(rebuilt.blocks, blocks) and np.array_equal(rebuilt.phase2, phase2)
-    again = TrainStream(train, bag_size=S, phase1_samples=N1, seed=SEED, cache_dir=cache)
+    again = TrainStream(train, windows_per_sample=S, phase1_samples=N1, seed=SEED, cache_dir=cache)
     assert np.array_equal(again.phase2, phase2) and "rebuilding" not in capsys.readouterr().out
 
 
@@ -139,5 +147,7 @@ def test_a_reader_without_the_cache_is_refused_in_one_line(train, tmp_path):
     cache = str(tmp_path / "empty")
     os.makedirs(cache)
     with pytest.raises(ConfigError, match=r"TST sample-order cache .* is missing; delete it"):
-        TrainStream(train, bag_size=S, phase1_samples=N1, seed=SEED, cache_dir=cache, build=False)
+        TrainStream(
+            train, windows_per_sample=S, phase1_samples=N1, seed=SEED, cache_dir=cache, build=False
+        )
     assert cache_names(cache) == []

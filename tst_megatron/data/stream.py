@@ -68,7 +68,9 @@ def _stream_order(dataset, n: int) -> np.ndarray:
     return inverse_permutation(np.asarray(shuffle))[:n]
 
 
-def build_orders(parts, *, bag_size: int, phase1_samples: int, seed: int, chunk: int = 1 << 24):
+def build_orders(
+    parts, *, windows_per_sample: int, phase1_samples: int, seed: int, chunk: int = 1 << 24
+):
     """Yields the ``(name, array)`` of :class:`TrainStream` one at a time, so each can be freed
     before the next: ``order<p>`` per part, ``blocks`` (first global window of each phase-1
     block: the first ``phase1_samples`` of all blocks shuffled by ``RandomState(seed)``) and
@@ -83,7 +85,10 @@ def build_orders(parts, *, bag_size: int, phase1_samples: int, seed: int, chunk:
         yield f"order{p}", _stream_order(d, n)
     offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
     starts = np.concatenate(
-        [off + np.arange(n // bag_size, dtype=dtype) * bag_size for off, n in zip(offsets, sizes)]
+        [
+            off + np.arange(n // windows_per_sample, dtype=dtype) * windows_per_sample
+            for off, n in zip(offsets, sizes)
+        ]
     ).astype(dtype, copy=False)
     # RandomState(seed).permutation(len(starts)) without its int64 copy
     perm = np.arange(len(starts), dtype=dtype)
@@ -91,7 +96,7 @@ def build_orders(parts, *, bag_size: int, phase1_samples: int, seed: int, chunk:
     blocks = starts[perm[:phase1_samples]]  # the blocks phase 1 reads
     del starts, perm
     unused = np.ones(total, dtype=bool)
-    for k in range(bag_size):
+    for k in range(windows_per_sample):
         unused[blocks + k] = False
     yield "blocks", blocks
     del blocks
@@ -106,7 +111,7 @@ def build_orders(parts, *, bag_size: int, phase1_samples: int, seed: int, chunk:
     yield "phase2", phase2
 
 
-def describe(parts, *, bag_size: int, phase1_samples: int, seed: int) -> Optional[dict]:
+def describe(parts, *, windows_per_sample: int, phase1_samples: int, seed: int) -> Optional[dict]:
     """The cache description: each part's megatron-core ``unique_description_hash`` and window
     count, ``S``, the phase-1 samples and the seed. None (no caching) when a part has no hash."""
     hashes = [getattr(d, "unique_description_hash", None) for d, _ in parts]
@@ -116,7 +121,7 @@ def describe(parts, *, bag_size: int, phase1_samples: int, seed: int) -> Optiona
         "class": "TrainStream",
         "format": FORMAT,
         "parts": [[h, n] for h, (_, n) in zip(hashes, parts)],
-        "bag_size": bag_size,
+        "windows_per_sample": windows_per_sample,
         "phase1_samples": phase1_samples,
         "seed": seed,
     }
@@ -159,13 +164,13 @@ def write_cache(files: dict, arrays, description: dict) -> None:
         json.dump(description, f, sort_keys=True)
 
 
-def check_enough_blocks(parts, bag_size: int, phase1_samples: int) -> None:
-    """Raises ConfigError when ``parts`` hold fewer ``bag_size``-window blocks than
+def check_enough_blocks(parts, windows_per_sample: int, phase1_samples: int) -> None:
+    """Raises ConfigError when ``parts`` hold fewer ``windows_per_sample``-window blocks than
     ``phase1_samples``."""
-    blocks = sum(n // bag_size for _, n in parts)
+    blocks = sum(n // windows_per_sample for _, n in parts)
     if blocks < phase1_samples:
         raise ConfigError(
-            f"the data gives {blocks} phase-1 samples of {bag_size} windows but phase "
+            f"the data gives {blocks} phase-1 samples of {windows_per_sample} windows but phase "
             f"1 needs {phase1_samples}; add data or lower --tst-phase1-iters/--train-iters"
         )
 
@@ -177,7 +182,7 @@ class TrainStream:
 
     Args:
         dataset: a megatron-core ``GPTDataset`` of ``T``-token samples (or a blend).
-        bag_size: ``S`` (windows per phase-1 sample).
+        windows_per_sample: ``S`` (windows per phase-1 sample).
         phase1_samples: samples phase 1 consumes in the whole run (``N1 * global batch``).
         seed: seeds both shuffles.
         cache_dir: where the orders are cached (``--data-cache-path``); None: in memory.
@@ -196,16 +201,18 @@ class TrainStream:
         self,
         dataset,
         *,
-        bag_size: int,
+        windows_per_sample: int,
         phase1_samples: int,
         seed: int,
         cache_dir: Optional[str] = None,
         build: bool = True,
     ):
-        self.bag_size, self.phase1_samples = bag_size, phase1_samples
+        self.windows_per_sample, self.phase1_samples = windows_per_sample, phase1_samples
         parts = stream_parts(dataset)
-        check_enough_blocks(parts, bag_size, phase1_samples)
-        settings = dict(bag_size=bag_size, phase1_samples=phase1_samples, seed=seed)
+        check_enough_blocks(parts, windows_per_sample, phase1_samples)
+        settings = dict(
+            windows_per_sample=windows_per_sample, phase1_samples=phase1_samples, seed=seed
+        )
         description = describe(parts, **settings) if cache_dir else None
         self.files = cache_files(cache_dir, description, len(parts)) if description else None
         if self.files is None:
@@ -260,7 +267,7 @@ class TrainStream:
         if i >= self.phase1_samples:
             raise IndexError(f"phase-1 sample {i} is past the {self.phase1_samples} planned")
         first = int(self.blocks[i])
-        windows = [self.window(first + k) for k in range(self.bag_size)]
+        windows = [self.window(first + k) for k in range(self.windows_per_sample)]
         return {
             key: torch.cat([w[key] for w in windows]) for key in ("tokens", "labels", "loss_mask")
         }
@@ -275,17 +282,21 @@ class TrainStream:
         return self.window(int(self.phase2[i]))
 
 
-def open_stream(dataset, *, bag_size: int, phase1_samples: int, seed: int, cache_dir, local_rank):
+def open_stream(
+    dataset, *, windows_per_sample: int, phase1_samples: int, seed: int, cache_dir, local_rank
+):
     """:class:`TrainStream` cached in ``cache_dir``, written by the ``is_cache_builder`` ranks
     and then mapped by the others. Call on every rank; any rank's failure is raised on all.
 
     Raises:
         ConfigError: as :class:`TrainStream`, or another rank's failure (its message).
     """
-    settings = dict(bag_size=bag_size, phase1_samples=phase1_samples, seed=seed)
+    settings = dict(windows_per_sample=windows_per_sample, phase1_samples=phase1_samples, seed=seed)
     if cache_dir is None or not (dist.is_available() and dist.is_initialized()):
         return TrainStream(dataset, cache_dir=cache_dir, **settings)
-    check_enough_blocks(stream_parts(dataset), bag_size, phase1_samples)  # before any wait
+    check_enough_blocks(
+        stream_parts(dataset), windows_per_sample, phase1_samples
+    )  # before any wait
     builder = is_cache_builder(cache_dir, local_rank)
     stream = _everywhere(lambda: TrainStream(dataset, cache_dir=cache_dir, **settings), builder)
     reader = _everywhere(

@@ -59,9 +59,6 @@ import torch
 #: declares in pyproject.toml. Both ends run the whole test suite in CI (``.ci/run``).
 SUPPORTED_MEGATRON_CORE = ">=0.19,<0.20"
 
-#: The releases the suite was last run with (the ends of :data:`SUPPORTED_MEGATRON_CORE`).
-TESTED_MEGATRON_CORE = ("0.19.2",)
-
 #: megatron-core modules imported (so that they are redirected) by :func:`enable`.
 _MODULES = (
     "megatron.core.utils",

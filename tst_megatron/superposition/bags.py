@@ -77,27 +77,27 @@ def align_bag_targets(
     return fold_bags(targets, bag_size), fold_bags(mask, bag_size)
 
 
-def bag_weights(bag_size: int, kind: str = "uniform") -> torch.Tensor:
+def bag_weights(bag_size: int, weighting: str = "uniform") -> torch.Tensor:
     """Slot weights ``w_k`` of the multi-hot cross-entropy.
 
     Args:
         bag_size: ``S >= 1``.
-        kind: ``"uniform"`` (``w_k = 1/S``, the paper's default) or ``"power"``
+        weighting: ``"uniform"`` (``w_k = 1/S``, the paper's default) or ``"power"``
             (``w_k ∝ 1/(k+1)``, normalised; the paper's appendix, better for ``S >= 8``).
 
     Returns:
         ``[S]`` float32, summing to 1.
 
     Raises:
-        ValueError: ``bag_size < 1`` or an unknown ``kind``.
+        ValueError: ``bag_size < 1`` or an unknown ``weighting``.
     """
     _check_bag_size(bag_size)
-    if kind == "uniform":
+    if weighting == "uniform":
         weights = torch.ones(bag_size, dtype=torch.float64)
-    elif kind == "power":
+    elif weighting == "power":
         weights = 1.0 / torch.arange(1, bag_size + 1, dtype=torch.float64)
     else:
-        raise ValueError(f"unknown bag weighting {kind!r}; choose one of {BAG_WEIGHTINGS}")
+        raise ValueError(f"unknown bag weighting {weighting!r}; choose one of {BAG_WEIGHTINGS}")
     return (weights / weights.sum()).to(torch.float32)
 
 
@@ -216,12 +216,12 @@ def phase1_targets(
     return targets, mask
 
 
-def phase1_weights(bag_size: int, kind: str, mode: str) -> torch.Tensor:
+def phase1_weights(bag_size: int, weighting: str, mode: str) -> torch.Tensor:
     """Slot weights of the phase-1 MCE: :func:`bag_weights` (``[S]``) for ``full`` and
     ``output``; ``[1.0]`` for ``input`` (one slot: the MCE is the cross-entropy).
 
     Raises:
         ValueError: unknown mode or weighting, or ``bag_size < 1``.
     """
-    weights = bag_weights(bag_size, kind)
+    weights = bag_weights(bag_size, weighting)
     return weights if mode != "input" else torch.ones(1, dtype=torch.float32)

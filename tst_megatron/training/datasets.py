@@ -96,7 +96,7 @@ class TSTDatasets:
         prefixes = None if data.mock_data else data_prefixes(data.data_path)
         stream = open_stream(
             train,
-            bag_size=per_sample,
+            windows_per_sample=per_sample,
             phase1_samples=switch,
             seed=args.seed,
             cache_dir=cache_dir_of(data.data_cache_path, prefixes),

@@ -12,7 +12,7 @@ from tst_megatron.superposition.schedule import TSTConfig
 from tst_megatron.training.assumed import DEFAULT_GPU, DRY_RUN_SKIPS, GPUS
 
 #: Every Megatron-LM flag the launcher refuses, ``{argparse dest: why}``: refused before work
-#: (:func:`tst_megatron.training.checks.megatron.refused_flag_problems`) and marked in
+#: (:func:`tst_megatron.training.checks.unsupported.refused_flag_problems`) and marked in
 #: ``--help``. Data flags it does not honour (never ignored: per-split paths would have trained
 #: on mock data), then features of ``pretrain_gpt.py`` it does not have (ignored, or a
 #: traceback at the first step).

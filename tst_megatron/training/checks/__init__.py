@@ -1,6 +1,6 @@
 """The launcher's rules, one module per subject, on top of Megatron-LM's ``validate_args`` and
 ``TransformerConfig`` (which stay Megatron-LM's): :mod:`.layout`, :mod:`.batch`, :mod:`.model`,
-:mod:`.data`, :mod:`.tst`, :mod:`.megatron` (settings Megatron-LM 0.19 accepts but cannot
+:mod:`.data`, :mod:`.tst`, :mod:`.unsupported` (settings Megatron-LM 0.19 accepts but cannot
 run, and the flags this launcher refuses), :mod:`.deprecated` (flags Megatron-LM 0.19 parses
 but no longer runs as written), :mod:`.hardware` (TE, Apex, GPU, CPU) and :mod:`.resume`. Each rule is a function of the :class:`Launch` returning one line per problem
 naming the flag (empty: none). :data:`RULES` and :data:`NOTES` are the one list of errors and
@@ -25,10 +25,10 @@ from tst_megatron.training.checks import (
     deprecated,
     hardware,
     layout,
-    megatron,
     model,
     resume,
     tst,
+    unsupported,
 )
 from tst_megatron.training.plan import RunPlan
 
@@ -71,7 +71,7 @@ RULES = (
     batch.problems,
     layout.problems,
     model.problems,
-    megatron.problems,
+    unsupported.problems,
     deprecated.problems,
     data.problems,
     hardware.problems,
@@ -84,7 +84,7 @@ LAST_RULES = (data.file_problems, resume.problems)
 
 #: What the user should know before the run starts (``note:`` lines, printed by the launch on
 #: rank 0 and by the dry run).
-NOTES = (tst.notes, model.notes, megatron.notes, deprecated.notes, hardware.notes, resume.notes)
+NOTES = (tst.notes, model.notes, unsupported.notes, deprecated.notes, hardware.notes, resume.notes)
 
 
 def argv_problems(argv: Sequence[str], family) -> list[str]:

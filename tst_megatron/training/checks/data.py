@@ -66,20 +66,20 @@ def tokenizer_problems(args, *, launch: bool) -> list[str]:
     ``GPT2BPETokenizer``, as in ``pretrain_gpt.py``), and in a
     ``launch`` (not a dry run, which may run where the cluster's files are not) a tokenizer
     file that does not exist (a Hugging Face ``--tokenizer-model`` may be a hub name)."""
-    kind = args.tokenizer_type
-    if kind == "NullTokenizer" and not (args.vocab_size and args.vocab_size >= 2):
+    tokenizer_type = args.tokenizer_type
+    if tokenizer_type == "NullTokenizer" and not (args.vocab_size and args.vocab_size >= 2):
         return [f"--tokenizer-type NullTokenizer needs --vocab-size >= 2 (got {args.vocab_size})"]
-    if kind == "HuggingFaceTokenizer" and not args.tokenizer_model:
+    if tokenizer_type == "HuggingFaceTokenizer" and not args.tokenizer_model:
         return [
             "--tokenizer-type HuggingFaceTokenizer needs --tokenizer-model (a directory or hub name)"
         ]
     if not launch:
         return []
     problems = []
-    for flag in _TOKENIZER_FILES.get(kind, ()):
+    for flag in _TOKENIZER_FILES.get(tokenizer_type, ()):
         path = getattr(args, flag[2:].replace("-", "_"), None)
         if not path or not os.path.isfile(path):
-            problems.append(f"--tokenizer-type {kind}: {flag} {path} is not a file")
+            problems.append(f"--tokenizer-type {tokenizer_type}: {flag} {path} is not a file")
     return problems
 
 
