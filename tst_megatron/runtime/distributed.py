@@ -1,5 +1,11 @@
 """Start a process: torch.distributed, megatron-core model parallelism, seeds.
 
+The launcher's processes start in Megatron-LM's ``pretrain()``; this module's
+:func:`init_distributed`, :func:`initialize_model_parallel` and :class:`ParallelConfig` serve
+the tools (checkpoint conversion), benchmarks and tests that run megatron-core without
+Megatron-LM's loop. The launcher uses its environment readers (:func:`resolve_process`,
+:func:`is_rank_zero`, :func:`export_torchrun_env`).
+
 One way to start, GPU or CPU: rank and world size come from torchrun's environment
 (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``) or, when a
 process is a task of an ``srun`` step without torchrun, from Slurm's (``SLURM_PROCID``,
