@@ -54,6 +54,32 @@ class Recipe:
     local_spec: bool = False
     """megatron-core's local spec (``step_cost.LOCAL_CUDA_FLAGS``) instead of Transformer
     Engine's: for a GPU without TE, such as the lent H200."""
+    device: str = "cuda"
+    """``cuda`` (bf16), or ``cpu`` for a :meth:`rehearsal` (float32, the launcher's CPU flags)."""
+
+    def rehearsal(self) -> "Recipe":
+        """This recipe's command path at a tiny size on a CPU (float32, 2 processes): the same
+        flags but 2 layers of h = 64, T = 128, 4 samples per step, 24 steps with evaluations
+        every 6, so that ``scripts/gpu_study.sh`` can be rehearsed without a GPU in minutes."""
+        return dataclasses.replace(
+            self,
+            name=f"{self.name}-rehearsal",
+            num_layers=2,
+            hidden_size=64,
+            ffn_hidden_size=176,
+            num_attention_heads=4,
+            num_query_groups=2,
+            seq_length=128,
+            micro_batch_size=2,
+            global_batch_size=4,
+            train_iters=24,
+            lr_warmup_iters=2,
+            nodes=1,
+            gpus_per_node=2,
+            eval_interval=6,
+            eval_iters=2,
+            device="cpu",
+        )
 
     def flags(
         self,
@@ -67,7 +93,9 @@ class Recipe:
         """The launcher flags every arm shares (the benchmark adds ``--lr``, ``--min-lr`` and
         the ``--tst-*`` flags per arm, and ``--tensorboard-dir``)."""
         iters = train_iters or self.train_iters
-        if self.local_spec:
+        if self.device == "cpu":  # the launcher adds a CPU run's own flags (local spec, gloo)
+            impl = []
+        elif self.local_spec:
             from step_cost import LOCAL_CUDA_FLAGS
 
             impl = list(LOCAL_CUDA_FLAGS)
@@ -75,8 +103,8 @@ class Recipe:
             impl = ["--transformer-impl", "transformer_engine"]
         return [
             "--device",
-            "cuda",
-            "--bf16",
+            self.device,
+            *(["--bf16"] if self.device == "cuda" else []),
             *impl,
             "--num-layers",
             str(self.num_layers),

@@ -116,6 +116,12 @@ def parse(argv=None):
         "--model", choices=("moe", "dense"), default=None, help="default: moe; dense for --horizons"
     )
     p.add_argument("--preset", default=None, help="a GPU recipe of benchmarks/recipes.py")
+    p.add_argument(
+        "--rehearse",
+        action="store_true",
+        help="with --preset and --device cpu: the preset's command path at a tiny size on this "
+        "CPU (recipes.Recipe.rehearsal: 2 processes, minutes), to try a GPU study without a GPU",
+    )
     p.add_argument("--train-iters", type=int, default=None)
     p.add_argument(
         "--seed",
@@ -199,9 +205,15 @@ def parse(argv=None):
 
         if args.preset not in RECIPES:
             p.error(f"--preset must be one of {', '.join(RECIPES)}")
-        if args.device != "cuda" or not args.data_path or not args.tokenizer_model:
-            p.error("--preset needs --device cuda, --data-path and --tokenizer-model")
         recipe = RECIPES[args.preset]
+        if args.rehearse:  # the study's code path, tiny, on this CPU
+            recipe = RECIPES.setdefault(f"{args.preset}-rehearsal", recipe.rehearsal())
+            args.preset = recipe.name
+        if args.device != recipe.device or not args.data_path or not args.tokenizer_model:
+            p.error(
+                f"--preset {args.preset} needs --device {recipe.device}, --data-path and "
+                "--tokenizer-model (--rehearse: --device cpu)"
+            )
         args = argparse.Namespace(
             **dict(
                 vars(args),
@@ -212,6 +224,8 @@ def parse(argv=None):
                 nproc_per_node=args.nproc_per_node or recipe.gpus_per_node,
             )
         )
+    if args.rehearse and not args.preset:
+        p.error("--rehearse rehearses a --preset")
     if args.corpus != "code" and (not args.horizons or args.smoke or args.data_path):
         p.error("--corpus prose builds the --horizons corpus: not with --smoke or --data-path")
     if args.keep_arms and not args.horizons:
