@@ -52,10 +52,9 @@ def _run_child(rank, world, *, runs):
 
     from megatron.training.training import destroy_global_state
 
-    from tst_megatron.training import forward
-    from tst_megatron.training.cli import main
+    from tst_megatron.training import cli
 
-    plain = forward.TSTForwardStep  # cli.main imports it when called
+    plain = cli.TSTForwardStep  # the forward step cli.main builds
     results = []
     for run in runs:
         at = run.get("sigterm_after")
@@ -69,17 +68,17 @@ def _run_child(rank, world, *, runs):
                     os.kill(os.getpid(), signal.SIGTERM)  # what Slurm sends before preemption
                 return super().__call__(data_iterator, model)
 
-        forward.TSTForwardStep = Step  # this spawned test process only
+        cli.TSTForwardStep = Step  # this spawned test process only
         out, status, failure = io.StringIO(), None, None
         try:
             with contextlib.redirect_stdout(out):
-                main(run["argv"])
+                cli.main(run["argv"])
         except SystemExit as exc:  # train() exits after a signal save
             status = exc.code
         except Exception:
             failure = traceback.format_exc()
         finally:
-            forward.TSTForwardStep = plain
+            cli.TSTForwardStep = plain
         destroy_global_state()
         results.append((out.getvalue(), status, failure))
     return results
