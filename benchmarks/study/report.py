@@ -80,13 +80,22 @@ def report(args, corpus, baselines: list, best: dict, tst: dict, size: int, frac
         if reach
         else "TST does not reach the baseline's final validation loss within the run at this scale"
     )
+    data = ""
+    if corpus.train_tokens:  # a --preset study: how much distinct text each arm read
+        data = (
+            f" Corpus `{corpus.digest}` (first 16 hex digits of the SHA-256 of the `.idx` and "
+            f"`.bin`): {corpus.train_tokens:,} training and {corpus.valid_tokens:,} held-out "
+            f"validation tokens; a *pass* is the tokens an arm read over the training split "
+            "(above 1: text was read again). Both arms are scored on the same validation "
+            "windows."
+        )
     lines = [
         "# TST vs baseline at matched FLOPs",
         "",
         machine_line(args),
         "",
         f"Model/data: {describe(args, corpus)}, {args.train_iters} steps. TST: S = {size}, "
-        f"r = {fraction}.",
+        f"r = {fraction}.{data}",
         "",
         "## Learning rate (chosen for the baseline, used by both arms)",
         "",
@@ -98,10 +107,10 @@ def report(args, corpus, baselines: list, best: dict, tst: dict, size: int, frac
         "",
         "## Result",
         "",
-        "| arm | final validation loss | tokens consumed | wall-clock (s) |",
-        "|---|---|---|---|",
-        f"| baseline (LR {best['lr']:g}) | {base_final:.4f} | {best['tokens']} | {best['wall_s']:.0f} |",
-        f"| TST S={size}, r={fraction} | {tst_final:.4f} | {tst['tokens']} | {tst['wall_s']:.0f} |",
+        "| arm | final validation loss | tokens consumed | passes | wall-clock (s) | tokens/s |",
+        "|---|---|---|---|---|---|",
+        _result_row(f"baseline (LR {best['lr']:g})", best, corpus),
+        _result_row(f"TST S={size}, r={fraction}", tst, corpus),
         "",
         f"Difference (TST - baseline): {tst_final - base_final:+.4f} nats. {outcome}.",
         "",
@@ -114,6 +123,17 @@ def report(args, corpus, baselines: list, best: dict, tst: dict, size: int, frac
         "",
     ]
     return "\n".join(lines)
+
+
+def _result_row(name: str, arm: dict, corpus) -> str:
+    """One arm's line of :func:`report`'s table: tokens/s from the arm's wall-clock (its whole
+    launch: start-up, evaluations and saves included)."""
+    passes = f"{arm['tokens'] / corpus.train_tokens:.2f}" if corpus.train_tokens else "-"
+    rate = arm["tokens"] / arm["wall_s"] if arm["wall_s"] else float("nan")
+    return (
+        f"| {name} | {final(arm):.4f} | {arm['tokens']} | {passes} | {arm['wall_s']:.0f} "
+        f"| {rate:,.0f} |"
+    )
 
 
 def grid_report(args, best: dict, grid_rows: list) -> str:

@@ -148,8 +148,9 @@ def prepare_data(args, record: bool = True) -> Corpus:
             max_documents = 60 if args.smoke else None
             size = {"max_bytes": args.corpus_max_bytes} if build else {}
             prefix = ensure_data(args.data_dir, args.vocab_size, max_documents, **build, **size)
-    if not args.horizons:
+    if not (args.horizons or args.preset):
         return Corpus(prefix, label)
+    # a GPU study's (--preset) arms are kept and reused too: they pair by this digest
     return horizons_corpus(args, prefix, label, record=record and not args.report_only)
 
 

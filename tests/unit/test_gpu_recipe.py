@@ -174,3 +174,34 @@ def test_the_gpu_study_script_runs_the_h200_recipe():
     carried = os.path.join(ROOT, "benchmarks", "data", "code32k.model")
     vocab = sentencepiece.SentencePieceProcessor(model_file=carried).vocab_size()
     assert vocab == recipe.vocab_size >= 16_000
+
+
+def test_the_gpu_study_rehearsal_is_the_preset_tiny_on_a_cpu(monkeypatch):
+    """``--rehearse`` (``scripts/gpu_study.sh`` with ``REHEARSE=1``): the h200 preset's flags at
+    a tiny size on a CPU (no bf16, the launcher's CPU flags), passing the launcher's checks at
+    its 2 processes; without ``--rehearse`` a preset on the CPU is refused."""
+    recipe = RECIPES["h200-study-dense"]
+    tiny = recipe.rehearsal()
+    assert tiny.device == "cpu" and tiny.name == "h200-study-dense-rehearsal"
+    assert (tiny.vocab_size, tiny.bag_size, tiny.phase1_fraction, tiny.lr) == (
+        recipe.vocab_size,
+        recipe.bag_size,
+        recipe.phase1_fraction,
+        recipe.lr,
+    )
+    monkeypatch.setenv("WORLD_SIZE", str(tiny.gpus_per_node))
+    for arm, flags in _arms(tiny).items():
+        assert flags[:2] == ["--device", "cpu"] and "--bf16" not in flags
+        checked = check(flags, dry_run=True)
+        assert checked.problems == [], (arm, checked.problems)
+        assert checked.args.seq_length == 128 and checked.args.train_iters == 24
+    study = ["--preset", "h200-study-dense", "--data-path", "d", "--tokenizer-model", "t"]
+    args = parse(study + ["--device", "cpu", "--rehearse"])
+    assert args.preset == "h200-study-dense-rehearsal" and args.nproc_per_node == 2
+    assert args.train_iters == 24
+    with pytest.raises(SystemExit):
+        parse(study + ["--device", "cpu"])
+    with pytest.raises(SystemExit):
+        parse(study + ["--device", "cuda", "--rehearse"])
+    text = open(os.path.join(ROOT, "scripts", "gpu_study.sh")).read()
+    assert "--rehearse" in text and "runs/gpu_study_rehearsal" in text
