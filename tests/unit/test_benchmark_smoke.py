@@ -101,7 +101,10 @@ def test_tst_vs_baseline_smoke(tmp_path):
     run_benchmark("benchmarks/tst_vs_baseline.py", *flags, timeout=1800, PYTHONPATH=ROOT)
     report = (out / "tst_vs_baseline_smoke.md").read_text()
     assert "examples/pretrain_gpt_tst.py" in report and "--lr-wsd-decay-iters" in report
-    assert "| arm | final validation loss | tokens consumed | passes | wall-clock (s) | tokens/s |" in report
+    assert (
+        "| arm | final validation loss | tokens consumed | passes | wall-clock (s) | tokens/s |"
+        in report
+    )
     assert "| LR | baseline final validation loss |" in report
     rows = [
         l for l in report.splitlines() if l.startswith("| baseline (LR") or l.startswith("| TST S=")
