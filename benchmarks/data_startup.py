@@ -104,7 +104,11 @@ def stream_child(directory: str, cache: str, bag_size: int, phase1_samples: int)
     watcher.start()
     start = time.perf_counter()
     stream = TrainStream(
-        dataset, bag_size=bag_size, phase1_samples=phase1_samples, seed=1234, cache_dir=cache
+        dataset,
+        windows_per_sample=bag_size,
+        phase1_samples=phase1_samples,
+        seed=1234,
+        cache_dir=cache,
     )
     seconds = time.perf_counter() - start
     first, last = stream.phase1_sample(0), stream.phase2_sample(len(stream.phase2) - 1)

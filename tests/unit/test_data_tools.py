@@ -154,7 +154,7 @@ def _stream(tiny, bag, phase1_samples, seq_length=16):
     )
     data = DataSettings(data_path=prefix, split="100,0,0", data_cache_path=str(d / "cache"))
     train, _, _ = build_datasets(data, tok, seq_length=seq_length, samples=(400, 0, 0), seed=3)
-    return train, TrainStream(train, bag_size=bag, phase1_samples=phase1_samples, seed=3)
+    return train, TrainStream(train, windows_per_sample=bag, phase1_samples=phase1_samples, seed=3)
 
 
 def test_phase1_and_phase2_cover_the_same_token_stream(tiny):

@@ -646,7 +646,7 @@ def test_every_input_of_the_sample_orders_has_a_resume_rule():
     class Part:
         unique_description_hash = "h"
 
-    stream_keys = set(describe([(Part(), 1)], bag_size=2, phase1_samples=4, seed=1))
+    stream_keys = set(describe([(Part(), 1)], windows_per_sample=2, phase1_samples=4, seed=1))
     source = inspect.getsource(GPTDataset.__init__) + inspect.getsource(MegatronDataset.__init__)
     set_keys = set(re.findall(r"unique_identifiers\[\"(\w+)\"\]", source))
     assert {"class", "dataset_path", "num_samples", "index_split"} <= set_keys

@@ -104,7 +104,7 @@ def _given(launch: Launch) -> None:
     """The command line as given (:func:`argv_problems`); a CPU launch enables the CPU
     runtime."""
     launch.problems += argv_problems(launch.argv, launch.family)
-    if launch.device == "cpu" and launch.launch:
+    if launch.device == "cpu" and launch.launch and not launch.problems:
         cpu.enable(training=True)
         # validate_args asks for it with TP or CP > 1 before Blackwell
         os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")

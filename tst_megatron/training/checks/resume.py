@@ -127,7 +127,7 @@ ORDER_INPUTS = {
     "class": ("fixed", ()),
     "format": ("fixed", ()),
     "parts": ("fixed", ()),  # each part's dataset description: the keys below
-    "bag_size": ("plan", ()),
+    "windows_per_sample": ("plan", ()),
     "phase1_samples": ("plan", ()),
     "seed": ("refused", ("seed",)),
     # megatron-core's dataset description (GPTDataset.unique_identifiers)
