@@ -303,6 +303,16 @@ RECIPES["h200-study-dense"] = Recipe(
 )
 
 
+def recipe(name: str) -> Recipe:
+    """``RECIPES[name]``; ``<name>-rehearsal``: that recipe's :meth:`Recipe.rehearsal`.
+
+    Raises:
+        KeyError: no such recipe.
+    """
+    base = name.removesuffix("-rehearsal")
+    return RECIPES[base].rehearsal() if base != name else RECIPES[name]
+
+
 def main() -> int:
     """Print each recipe's size and expected GPU-hours (the table in docs/gpu_recipe.md)."""
     print(

@@ -202,13 +202,13 @@ def parse(argv=None):
     args = p.parse_args(argv)
     if args.preset:
         from recipes import RECIPES
+        from recipes import recipe as recipe_of
 
         if args.preset not in RECIPES:
             p.error(f"--preset must be one of {', '.join(RECIPES)}")
-        recipe = RECIPES[args.preset]
         if args.rehearse:  # the study's code path, tiny, on this CPU
-            recipe = RECIPES.setdefault(f"{args.preset}-rehearsal", recipe.rehearsal())
-            args.preset = recipe.name
+            args.preset = f"{args.preset}-rehearsal"
+        recipe = recipe_of(args.preset)
         if args.device != recipe.device or not args.data_path or not args.tokenizer_model:
             p.error(
                 f"--preset {args.preset} needs --device {recipe.device}, --data-path and "

@@ -161,9 +161,9 @@ def model_flags(args, corpus: Corpus, run: Run) -> list[str]:
     """The launcher flags shared by every arm of ``run`` (model, data, batch, schedule,
     evaluation)."""
     if args.preset:
-        from recipes import RECIPES
+        from recipes import recipe
 
-        return RECIPES[args.preset].flags(
+        return recipe(args.preset).flags(
             data_path=corpus.prefix,
             tokenizer_model=args.tokenizer_model,
             tokenizer_type=args.tokenizer_type,
@@ -242,9 +242,9 @@ def batch_shape(args) -> tuple[int, int]:
     """``(global batch, T)`` of the arms: the preset's, or the CPU model's 8 x T (T = 32 in
     --smoke)."""
     if args.preset:
-        from recipes import RECIPES
+        from recipes import recipe
 
-        return RECIPES[args.preset].global_batch_size, RECIPES[args.preset].seq_length
+        return recipe(args.preset).global_batch_size, recipe(args.preset).seq_length
     return 8, 32 if args.smoke else args.seq_length
 
 
@@ -259,9 +259,9 @@ def whole_split_iters(args, corpus: Corpus) -> int:
 def describe(args, corpus: Corpus) -> str:
     """The model and data of the arms, in words."""
     if args.preset:
-        from recipes import RECIPES
+        from recipes import recipe
 
-        r = RECIPES[args.preset]
+        r = recipe(args.preset)
         return (
             f"preset {r.name}: dense GPT {r.num_layers} layers, h = {r.hidden_size}, "
             f"ffn {r.ffn_hidden_size}, {r.num_attention_heads} heads / {r.num_query_groups} KV "

@@ -198,7 +198,7 @@ def test_the_gpu_study_rehearsal_is_the_preset_tiny_on_a_cpu(monkeypatch):
     study = ["--preset", "h200-study-dense", "--data-path", "d", "--tokenizer-model", "t"]
     args = parse(study + ["--device", "cpu", "--rehearse"])
     assert args.preset == "h200-study-dense-rehearsal" and args.nproc_per_node == 2
-    assert args.train_iters == 24
+    assert args.train_iters == 24 and "h200-study-dense-rehearsal" not in RECIPES
     with pytest.raises(SystemExit):
         parse(study + ["--device", "cpu"])
     with pytest.raises(SystemExit):
