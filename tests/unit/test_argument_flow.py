@@ -1,7 +1,7 @@
 """The launcher's argument flow visits each module once where it can: the functions that take
 the command line (a parameter named ``argv``) from ``cli.main`` through the dry run, the checks
 and the parse, traced in order (``sys.setprofile``); a return to a module the flow has already
-left is counted. 2026-12-04's code (0b9ba70) returned 5 times; the goal is at most 4."""
+left is counted; the goal is at most 4."""
 
 from __future__ import annotations
 

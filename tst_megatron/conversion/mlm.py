@@ -145,12 +145,6 @@ _ONE_PROCESS = dict(
 )
 
 
-#: A ``HybridModel`` pattern that is a ``GPTModel``: each attention layer ``*`` followed by its
-#: MLP (``-``) or MoE (``E``) layer. megatron-core's migration guide
-#: (``docs/user-guide/hybrid-model-migration.md``) maps a GPT block onto ``*-`` / ``*E``, and
-#: ``dist_checkpointing.gpt_checkpoint_interop.gpt_compatible_layer_maps`` pairs the i-th
-#: ``*`` and the i-th MLP layer with GPT layer i; adjacent pairs compute what the GPT layer
-#: computes (a pre-norm residual attention block, then a pre-norm residual MLP block).
 #: Hybrid layer symbols with no place in the Hugging Face targets (megatron-core 0.19.2's
 #: ``hybrid_layer_allocation.Symbols``).
 _NO_PLACE = {"M": "Mamba-2", "G": "gated delta net", "D": "DeepSeek sparse attention",

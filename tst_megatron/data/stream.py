@@ -294,9 +294,8 @@ def open_stream(
     settings = dict(windows_per_sample=windows_per_sample, phase1_samples=phase1_samples, seed=seed)
     if cache_dir is None or not (dist.is_available() and dist.is_initialized()):
         return TrainStream(dataset, cache_dir=cache_dir, **settings)
-    check_enough_blocks(
-        stream_parts(dataset), windows_per_sample, phase1_samples
-    )  # before any wait
+    # before any wait
+    check_enough_blocks(stream_parts(dataset), windows_per_sample, phase1_samples)
     builder = is_cache_builder(cache_dir, local_rank)
     stream = _everywhere(lambda: TrainStream(dataset, cache_dir=cache_dir, **settings), builder)
     reader = _everywhere(

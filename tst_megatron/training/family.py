@@ -23,7 +23,6 @@ class ModelFamily:
 
     Attributes:
         name: ``"gpt"`` or ``"hybrid"``: Megatron-LM's script name without ``pretrain_``.
-        model_class: megatron-core's class (``"GPTModel"``, ``"HybridModel"``).
         launcher: the launch script (``examples/pretrain_gpt_tst.py``, ...).
         build: ``build(args, *, pre_process, post_process, vp_stage, config,
             pg_collection)`` -> the TST model for Megatron-LM's ``args``.
@@ -34,17 +33,11 @@ class ModelFamily:
     """
 
     name: str
-    model_class: str
     launcher: str
     build: Callable
     argv_rules: tuple = ()
     rules: tuple = ()
     notes: tuple = ()
-
-    @property
-    def megatron_script(self) -> str:
-        """Megatron-LM's script this launcher replaces (``pretrain_gpt.py``, ...)."""
-        return f"pretrain_{self.name}.py"
 
     def argv_problems(self, argv: Sequence[str]) -> list[str]:
         """Every :attr:`argv_rules` line for ``argv``."""
@@ -91,7 +84,6 @@ _recording: list = []  # not empty once a model provider has started the memory 
 
 GPT = ModelFamily(
     name="gpt",
-    model_class="GPTModel",
     launcher=model_rules.LAUNCHERS["gpt"],
     build=build_gpt_model_from_args,
     argv_rules=(model_rules.hybrid_flag_problems,),
@@ -99,7 +91,6 @@ GPT = ModelFamily(
 )
 HYBRID = ModelFamily(
     name="hybrid",
-    model_class="HybridModel",
     launcher=model_rules.LAUNCHERS["hybrid"],
     build=build_hybrid_model_from_args,
     argv_rules=(model_rules.hybrid_pattern_argv_problems,),

@@ -31,9 +31,8 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from tst_megatron.training.layers import (
     SequenceParallelNorm,
     finish,
+    local_layer,
     model_arguments,
-    with_expert_fc2,
-    with_norm,
 )
 from tst_megatron.training.seams import PhaseOneMTPSkip, TSTLossSeam, idle_gradient
 
@@ -97,9 +96,7 @@ def gpt_block_spec(config: TransformerConfig, *, vp_stage: Optional[int] = None)
         vp_stage=vp_stage,
     )
     return TransformerBlockSubmodules(
-        layer_specs=[
-            with_expert_fc2(with_norm(spec, SequenceParallelNorm)) for spec in block.layer_specs
-        ],
+        layer_specs=[local_layer(spec) for spec in block.layer_specs],
         layer_norm=SequenceParallelNorm,
     )
 
@@ -117,7 +114,7 @@ def local_mtp_block_spec(config: TransformerConfig, *, vp_stage: Optional[int] =
         qk_l2_norm=config.qk_l2_norm,
         vp_stage=vp_stage,
     )
-    last = with_expert_fc2(with_norm(layers[-1], SequenceParallelNorm))
+    last = local_layer(layers[-1])
     block = get_gpt_mtp_block_spec(config, last, use_transformer_engine=False, vp_stage=vp_stage)
     if block is None:
         return None

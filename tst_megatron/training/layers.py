@@ -88,7 +88,7 @@ class ExpertRowParallelLinear(RowParallelLinear):
         self.explicit_expert_comm = self.is_expert
 
 
-def submodules_of(spec):
+def _submodules(spec):
     """The ``submodules`` of a spec: a ``ModuleSpec``'s or, for megatron-core 0.19's MoE
     layers and experts, a ``functools.partial(Module, submodules=...)``'s."""
     if isinstance(spec, functools.partial):
@@ -96,7 +96,7 @@ def submodules_of(spec):
     return getattr(spec, "submodules", None)
 
 
-def with_submodules(spec, submodules):
+def _with_submodules(spec, submodules):
     """``spec`` (``ModuleSpec`` or ``functools.partial``) with its ``submodules`` replaced."""
     if isinstance(spec, functools.partial):
         return functools.partial(
@@ -105,22 +105,22 @@ def with_submodules(spec, submodules):
     return dataclasses.replace(spec, submodules=submodules)
 
 
-def with_expert_fc2(spec) -> object:
+def _with_expert_fc2(spec) -> object:
     """Return the layer ``spec`` with a local MoE's expert ``linear_fc2`` set to
     :class:`ExpertRowParallelLinear` (dense layers are returned unchanged)."""
-    mlp = getattr(submodules_of(spec), "mlp", None)
-    experts = getattr(submodules_of(mlp), "experts", None)
-    fc2 = getattr(submodules_of(experts), "linear_fc2", None)
+    mlp = getattr(_submodules(spec), "mlp", None)
+    experts = getattr(_submodules(mlp), "experts", None)
+    fc2 = getattr(_submodules(experts), "linear_fc2", None)
     if fc2 is not RowParallelLinear:
         return spec
-    experts = with_submodules(
-        experts, dataclasses.replace(submodules_of(experts), linear_fc2=ExpertRowParallelLinear)
+    experts = _with_submodules(
+        experts, dataclasses.replace(_submodules(experts), linear_fc2=ExpertRowParallelLinear)
     )
-    mlp = with_submodules(mlp, dataclasses.replace(submodules_of(mlp), experts=experts))
+    mlp = _with_submodules(mlp, dataclasses.replace(_submodules(mlp), experts=experts))
     return dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, mlp=mlp))
 
 
-def with_norm(spec, norm) -> object:
+def _with_norm(spec, norm) -> object:
     """Return ``spec`` with every norm slot of a local transformer layer set to ``norm``."""
     if not isinstance(spec, ModuleSpec) or spec.submodules is None:
         return spec
@@ -145,6 +145,13 @@ def with_norm(spec, norm) -> object:
     return dataclasses.replace(spec, submodules=dataclasses.replace(sub, **changes))
 
 
+def local_layer(spec):
+    """A local transformer layer ``spec`` with the project's pieces: every norm a
+    :class:`SequenceParallelNorm` (TP + SP + MoE without TE or Apex) and a local MoE's expert
+    ``linear_fc2`` an :class:`ExpertRowParallelLinear` (MoE with biases)."""
+    return _with_expert_fc2(_with_norm(spec, SequenceParallelNorm))
+
+
 def local_layer_specs(config: TransformerConfig):
     """megatron-core's local dense and MoE transformer layer specs (``get_gpt_layer_local_spec``,
     as ``get_gpt_decoder_layer_specs`` builds them for ``--transformer-impl local``) with
@@ -162,7 +169,7 @@ def local_layer_specs(config: TransformerConfig):
             normalization=config.normalization,
             qk_l2_norm=config.qk_l2_norm,
         )
-        return with_expert_fc2(with_norm(spec, SequenceParallelNorm))
+        return local_layer(spec)
 
     return local(None), (local(config.num_moe_experts) if config.num_moe_experts else None)
 

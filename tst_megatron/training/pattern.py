@@ -24,7 +24,12 @@ FAMILIES = {
     Symbols.MOE: "MoE",
 }
 
-#: One ``GPTModel`` layer per pair: attention ``*`` and its MLP ``-`` or MoE ``E``.
+#: The main part of a ``HybridModel`` pattern that is a ``GPTModel``: each attention layer
+#: ``*`` followed by its MLP (``-``) or MoE (``E``) layer. megatron-core's migration guide
+#: (``docs/user-guide/hybrid-model-migration.md``) maps a GPT block onto ``*-`` / ``*E``, and
+#: ``dist_checkpointing.gpt_checkpoint_interop.gpt_compatible_layer_maps`` pairs the i-th
+#: ``*`` and the i-th MLP layer with GPT layer i; adjacent pairs compute what the GPT layer
+#: computes (a pre-norm residual attention block, then a pre-norm residual MLP block).
 GPT_SHAPED = re.compile(r"(\*[-E])+")
 
 

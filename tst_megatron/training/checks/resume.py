@@ -261,8 +261,6 @@ def epoch_layout(tokens_per_epoch: int, num_samples: int, seq_length: int, extra
     ``_get_num_epochs``, and the 0.80 threshold of ``_build_document_sample_shuffle_indices``.
     Its documents are shuffled by these two: the same windows, in the same order, iff equal."""
     # megatron-core: heavy, imported when used
-    from types import SimpleNamespace
-
     from megatron.core.datasets.gpt_dataset import GPTDataset
 
     config = SimpleNamespace(sequence_length=seq_length, add_extra_token_to_sequence=extra)
