@@ -19,6 +19,7 @@ the CPU. Neither ever replaces a checkpoint, its own input, or a folder holding 
 """
 
 import argparse
+import signal
 import sys
 
 
@@ -53,6 +54,13 @@ def main(argv=None) -> int:
     e.add_argument(
         "--force", action="store_true", help="replace a previous export at --save (nothing else)"
     )
+    e.add_argument(
+        "--trust-checkpoint",
+        action="store_true",
+        help="read --load's pickles without the restricted unpickler that refuses any global "
+        "a Megatron-LM checkpoint does not hold; such a pickle can run any code: only for "
+        "checkpoints you made yourself",
+    )
     i = sub.add_parser("import", help="Hugging Face -> Megatron torch_dist (release)")
     i.add_argument("--load", required=True, help="Hugging Face model directory")
     i.add_argument("--save", required=True, help="checkpoint root to create (for --load)")
@@ -72,6 +80,8 @@ def main(argv=None) -> int:
         "--force", action="store_true", help="replace a previous import at --save (nothing else)"
     )
     args = p.parse_args(argv)
+    # a SIGTERM (Slurm, kill) unwinds like an error: the conversion's temporary folder is removed
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
 
     from tst_megatron.quiet import quiet_known_warnings
 
@@ -88,6 +98,7 @@ def main(argv=None) -> int:
                 tokenizer_model=args.tokenizer_model,
                 max_shard_size=args.max_shard_size,
                 force=args.force,
+                trust=args.trust_checkpoint,
             )
             print(
                 f"exported {done['checkpoint']} as {done['architecture']} "

@@ -27,6 +27,7 @@ from typing import Optional
 from tst_megatron.conversion import hf, mlm, rules
 from tst_megatron.conversion.megatron import (
     build_model,
+    check_checkpoint,
     read_args,
     read_checkpoint,
     resolve_checkpoint,
@@ -36,10 +37,8 @@ from tst_megatron.conversion.megatron import (
 )
 from tst_megatron.conversion.output import (
     IMPORT_MARKER,
+    building,
     check_output,
-    discard,
-    replace_dir,
-    temporary_dir,
 )
 from tst_megatron.training.pattern import gpt_equivalent
 from tst_megatron.training.plan import run_plan
@@ -54,6 +53,7 @@ def export_checkpoint(
     tokenizer_model: Optional[str] = None,
     max_shard_size="5GB",
     force: bool = False,
+    trust: bool = False,
 ) -> dict:
     """Megatron ``torch_dist`` checkpoint -> Hugging Face directory.
 
@@ -67,6 +67,8 @@ def export_checkpoint(
         max_shard_size: safetensors shard limit (``"5GB"``, or bytes); above it the weights
             are sharded with ``model.safetensors.index.json``.
         force: replace an existing ``out``.
+        trust: read the checkpoint's pickles without the restricted unpickler
+            (``--trust-checkpoint``: only for checkpoints the user made).
 
     Returns:
         ``{"architecture", "checkpoint", "out", "tensors", "dtype", "tokenizer", "phase1"}``
@@ -79,6 +81,8 @@ def export_checkpoint(
             files an export does not write, with or without ``force``
             (:func:`.output.check_output`; these are checked before any work).
         FileNotFoundError: no checkpoint at ``load``.
+        ConfigError: a pickle in the checkpoint would run code, or it is damaged
+            (:func:`.megatron.check_checkpoint`; before it is read).
         ValueError: a setting or a tensor with no place in any target (named), or a
             checkpoint of the former hand-written trainer (no longer read).
     """
@@ -87,10 +91,11 @@ def export_checkpoint(
         raise ValueError(f"--dtype must be auto, float32, bfloat16 or float16, got {dtype!r}")
     hf.require_transformers()
     path = resolve_checkpoint(load, ckpt_step)
-    saved = read_args(path)
+    check_checkpoint(path, trust=trust)  # before anything unpickles it
+    saved = read_args(path, trust=trust)
     hf.target_architecture(gpt_equivalent(saved))  # before the weights are read
     phase1 = _phase1_position(saved, path)
-    args, state = read_checkpoint(path)
+    args, state = read_checkpoint(path, trust=trust)
     arch = hf.target_architecture(args)
     if dtype == "auto":
         dtype = getattr(args, "hf_dtype", None) or mlm.dtype_name(args)
@@ -185,8 +190,7 @@ def import_checkpoint(
     with single_process():
         expected = tensor_names(build_model(ns))
     state = rules.hf_to_megatron(hf_state, expected, arch, hf.shapes_of(ns))
-    tmp = temporary_dir(save)
-    try:
+    with building(save) as tmp:
         if tokenizer:
             shutil.copyfile(
                 os.path.join(hf_dir, "tokenizer.model"), os.path.join(tmp, "tokenizer.model")
@@ -194,10 +198,6 @@ def import_checkpoint(
         write_release(tmp, ns, state)
         with open(os.path.join(tmp, IMPORT_MARKER), "w") as f:  # lets --force replace it later
             f.write(f"imported from {os.path.abspath(hf_dir)}\n")
-    except BaseException:
-        discard(tmp)
-        raise
-    replace_dir(tmp, save)
     return {
         "architecture": arch.name,
         "checkpoint": os.path.join(save, "release"),

@@ -20,10 +20,8 @@ import torch
 
 from tst_megatron.conversion import mlm
 from tst_megatron.conversion.output import (
+    building,
     check_output,
-    discard,
-    replace_dir,
-    temporary_dir,
     umask,
 )
 from tst_megatron.conversion.rules import ARCHITECTURES, Architecture, Shapes, architecture_for
@@ -389,8 +387,7 @@ def write_hf_dir(
 
     reads = {"--tokenizer-model": tokenizer_model} if tokenizer_model else {}
     check_output(out, reads=reads, force=force, kind="export")
-    tmp = temporary_dir(out)
-    try:
+    with building(out) as tmp:
         config.save_pretrained(tmp)
         GenerationConfig.from_model_config(config).save_pretrained(tmp)
         split = split_torch_state_dict_into_shards(state, max_shard_size=max_shard_size)
@@ -407,10 +404,6 @@ def write_hf_dir(
         mask = umask()
         for name in os.listdir(tmp):  # safetensors writes 0600; give every file the usual mode
             os.chmod(os.path.join(tmp, name), 0o666 & ~mask)
-    except BaseException:
-        discard(tmp)
-        raise
-    replace_dir(tmp, out)
     return out
 
 

@@ -26,6 +26,13 @@ import torch.distributed as dist
 
 from tst_megatron.conversion import mlm
 from tst_megatron.conversion.output import RELEASE, TRACKER
+from tst_megatron.data.checkpoint import (
+    UnsafeCheckpoint,
+    inspect,
+    instead,
+    read_common_state,
+)
+from tst_megatron.errors import ConfigError
 from tst_megatron.runtime import destroy, init_distributed, initialize_model_parallel
 from tst_megatron.runtime.distributed import ParallelConfig, free_port
 from tst_megatron.training.family import HYBRID, family_of
@@ -150,20 +157,41 @@ def resolve_checkpoint(load: str, ckpt_step: Optional[int] = None) -> str:
     return path
 
 
-def read_args(path: str):
+def check_checkpoint(path: str, *, trust: bool = False) -> None:
+    """Refuse the checkpoint directory ``path`` before anything unpickles it
+    (:func:`tst_megatron.data.checkpoint.inspect`, with every entry read against its CRC-32):
+    megatron-core's load unpickles its ``.metadata`` and byte objects without restriction.
+
+    Raises:
+        ConfigError: a pickle in it would run code (unless ``trust``), or it is damaged (naming
+            the newest intact checkpoint beside it).
+    """
+    try:
+        problem = inspect(path, trust=trust, crc=True)
+    except UnsafeCheckpoint as exc:
+        raise ConfigError(f"--load: {exc}") from None
+    if problem is not None:
+        root, name = os.path.split(os.path.normpath(path))
+        raise ConfigError(
+            f"--load: {path} is damaged: {problem}; "
+            + instead(root, skip=_iteration_of(name), trust=trust)
+        )
+
+
+def _iteration_of(name: str) -> tuple:
+    return (int(name[5:]),) if name.startswith("iter_") and name[5:].isdigit() else ()
+
+
+def read_args(path: str, *, trust: bool = False):
     """Megatron-LM's ``args`` namespace stored in the checkpoint directory ``path`` (no weights
-    are read), checked by :func:`.mlm.check_supported`.
+    are read; ``weights_only`` unless ``trust``), checked by :func:`.mlm.check_supported`.
 
     Raises:
         ValueError: the checkpoint has no ``args``, is in the former hand-written trainer's
             format (a dict as ``args``: no longer read; names :data:`LAST_OLD_FORMAT_COMMIT`),
             or has a setting the converter cannot hold (named).
     """
-    # megatron-core: heavy, imported when used
-    from megatron.core import dist_checkpointing
-
-    common = dist_checkpointing.load_common_state_dict(path)
-    args = common.get("args")
+    args = read_common_state(path, trust=trust).get("args")
     if args is None:
         raise ValueError(
             f"{path} stores no model args (Megatron-LM's args left out); re-save it "
@@ -247,7 +275,7 @@ def load_weights(path: str, model) -> None:
     model.load_state_dict(load_sharded({"model": model.sharded_state_dict()}, path)["model"])
 
 
-def read_checkpoint(path: str) -> Tuple[object, Dict[str, torch.Tensor]]:
+def read_checkpoint(path: str, *, trust: bool = False) -> Tuple[object, Dict[str, torch.Tensor]]:
     """Load the ``torch_dist`` checkpoint directory ``path`` into a 1-process model.
 
     Returns:
@@ -260,7 +288,7 @@ def read_checkpoint(path: str) -> Tuple[object, Dict[str, torch.Tensor]]:
     Raises:
         ValueError: see :func:`read_args`.
     """
-    args = read_args(path)
+    args = read_args(path, trust=trust)
     with single_process():
         model = build_model(args)
         load_weights(path, model)

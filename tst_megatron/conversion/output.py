@@ -10,11 +10,12 @@ A conversion writes one folder (``--save``). It never deletes or overwrites:
   (a folder with this module's :data:`IMPORT_MARKER`); anything else is refused in one line.
 
 Output is built in a fresh hidden folder next to ``--save`` and renamed into place
-(:func:`replace_dir`), so a failed conversion leaves what was there.
+(:func:`building`), so a failed conversion leaves what was there and no temporary folder.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -73,7 +74,15 @@ def check_output(save: str, *, reads: Mapping[str, str], force: bool, kind: str)
             conversion does not write.
         FileExistsError: ``save`` is a previous output of ``kind`` and ``force`` is False.
     """
+    if not save:
+        raise RefusedOutput("--save is empty: name the folder to create")
     target = os.path.realpath(save)
+    here = os.path.realpath(os.getcwd())
+    if os.path.lexists(save) and _within(here, target):
+        raise RefusedOutput(
+            f"--save {save} holds the current folder, which a conversion cannot replace (it "
+            "renames the finished output into place): run it from outside, or choose a new folder"
+        )
     for flag, path in reads.items():
         source = os.path.realpath(path)
         if _within(source, target):
@@ -136,17 +145,41 @@ def temporary_dir(save: str) -> str:
 
 def replace_dir(tmp: str, save: str) -> None:
     """Move the finished ``tmp`` to ``save``; a previous output there (already allowed by
-    :func:`check_output`) is moved aside first and removed only once ``tmp`` is in place."""
+    :func:`check_output`) is moved aside first and removed only once ``tmp`` is in place. On
+    any failure the previous output is put back and the aside folder removed (``tmp`` is the
+    caller's: :func:`building`)."""
     old = None
-    if os.path.lexists(save):
-        old = tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.abspath(save))}.old-",
-                               dir=os.path.dirname(os.path.abspath(save)))  # fmt: skip
-        os.replace(save, os.path.join(old, "previous"))
-    os.replace(tmp, save)
+    try:
+        if os.path.lexists(save):
+            old = tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.abspath(save))}.old-",
+                                   dir=os.path.dirname(os.path.abspath(save)))  # fmt: skip
+            os.replace(save, os.path.join(old, "previous"))
+        os.replace(tmp, save)
+    except BaseException:
+        previous = os.path.join(old, "previous") if old else None
+        if previous and os.path.lexists(previous) and not os.path.lexists(save):
+            os.replace(previous, save)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+        raise
     if old is not None:
-        shutil.rmtree(old)
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def discard(tmp: str) -> None:
     """Remove a temporary folder of :func:`temporary_dir` after a failure."""
     shutil.rmtree(tmp, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def building(save: str):
+    """Yield a new :func:`temporary_dir` next to ``save`` to write the output in; on success
+    move it to ``save`` (:func:`replace_dir`). On any failure (an exception, ``SystemExit``
+    from a signal handler, a failed rename) the temporary folder is removed and what was at
+    ``save`` stays."""
+    tmp = temporary_dir(save)
+    try:
+        yield tmp
+        replace_dir(tmp, save)
+    finally:
+        discard(tmp)  # gone after the rename; removed after a failure

@@ -13,7 +13,7 @@ import copy
 import io
 import os
 import sys
-from typing import Sequence
+from typing import Optional, Sequence
 
 from megatron.core.models.gpt.experimental_attention_variant_module_specs import (
     get_linear_attention_pattern,
@@ -21,9 +21,29 @@ from megatron.core.models.gpt.experimental_attention_variant_module_specs import
 )
 
 from tst_megatron.runtime.distributed import is_rank_zero
+from tst_megatron.training.checks import outputs
 from tst_megatron.training.family import GPT, ModelFamily
 from tst_megatron.training.pattern import FAMILIES, gpt_equivalent, pattern_of
 from tst_megatron.training.validate import check
+
+
+def _countable(args):
+    """A copy of ``args`` that Megatron-LM's memory arithmetic can count: its padded
+    vocabulary from ``--vocab-size`` (NullTokenizer), else 0 (a tokenizer file's vocabulary: a
+    dry run reads none)."""
+    counted = copy.copy(args)
+    counted.padded_vocab_size = 0
+    if args.tokenizer_type == "NullTokenizer" and args.vocab_size:  # given by --vocab-size
+        # megatron.training (Megatron-LM) is heavy: imported once the line is known good
+        from megatron.training.vocab_utils import calculate_padded_vocab_size
+
+        counted.padded_vocab_size = calculate_padded_vocab_size(
+            args.vocab_size,
+            args.make_vocab_size_divisible_by,
+            args.tensor_model_parallel_size,
+            logging_enabled=False,
+        )
+    return counted
 
 
 def parameter_lines(args) -> list[str]:
@@ -43,17 +63,7 @@ def parameter_lines(args) -> list[str]:
         compute_weight_and_optimizer_memory,
     )
 
-    counted = copy.copy(args)
-    counted.padded_vocab_size = 0  # a tokenizer file's vocabulary: a dry run reads none
-    if args.tokenizer_type == "NullTokenizer" and args.vocab_size:  # given by --vocab-size
-        from megatron.training.vocab_utils import calculate_padded_vocab_size  # heavy, as above
-
-        counted.padded_vocab_size = calculate_padded_vocab_size(
-            args.vocab_size,
-            args.make_vocab_size_divisible_by,
-            args.tensor_model_parallel_size,
-            logging_enabled=False,
-        )
+    counted = _countable(args)
     text = io.StringIO()
     try:
         with contextlib.redirect_stdout(text):
@@ -73,6 +83,30 @@ def parameter_lines(args) -> list[str]:
         f"{memory / NUM_BYTES_IN_MEGABYTE:,.0f} MB"
     )
     return lines
+
+
+def checkpoint_bytes(args) -> Optional[float]:
+    """One checkpoint's size in bytes, estimated from Megatron-LM's parameter count
+    (``compute_weight_and_optimizer_memory`` of the whole model as one shard, 18 bytes per
+    parameter without the distributed optimizer): the weights in their dtype (2 bytes in
+    bf16/fp16, else 4) plus the fp32 main weights (mixed precision only) and Adam's two fp32
+    moments; gradients are not saved (embeddings counted as :func:`parameter_lines` does).
+    None when Megatron-LM's arithmetic cannot count the
+    model (a hybrid's non-GPT layers, MLA + GQA, ...)."""
+    # megatron.training (Megatron-LM) is heavy: imported once the line is known good
+    from megatron.training.theoretical_memory_usage import compute_weight_and_optimizer_memory
+
+    whole = _countable(args)
+    whole.tensor_model_parallel_size = whole.pipeline_model_parallel_size = 1
+    whole.expert_model_parallel_size = whole.data_parallel_size = 1
+    whole.use_distributed_optimizer = False
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            parameters = compute_weight_and_optimizer_memory(whole, verbose=False) / 18
+    except Exception:  # a model its arithmetic does not cover: no estimate, no note
+        return None
+    mixed = getattr(args, "bf16", False) or getattr(args, "fp16", False)
+    return parameters * ((2 + 4) + 8 if mixed else 4 + 8)
 
 
 # --- the dry run ---------------------------------------------------------------------------
@@ -248,6 +282,8 @@ def dry_run(argv: Sequence[str], *, out=None, err=None, family: ModelFamily = GP
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if not problems:
         lines = describe(checked.args, checked.plan)
+        family_args = checked.args if family is GPT else gpt_equivalent(checked.args)
+        notes = notes + outputs.space_notes(checked.args, checkpoint_bytes(family_args))
     if not rank0:
         return 2 if problems else 0
     if problems:

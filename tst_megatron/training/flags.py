@@ -58,7 +58,8 @@ def _tst_group_factory():
 
 
 def add_tst_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Megatron-LM extra-args provider: ``--tst-*``, ``--dry-run``, ``--device``; returns
+    """Megatron-LM extra-args provider: ``--tst-*``, ``--dry-run``, ``--trust-checkpoint``,
+    ``--device``; returns
     ``parser``."""
     group = _tst_group_factory().build_group(parser, title="token superposition training (TST)")
     group.add_argument(
@@ -76,6 +77,13 @@ def add_tst_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="The GPU --dry-run checks the line for (Megatron-LM's rules that depend on the "
         "architecture, e.g. CUDA_DEVICE_MAX_CONNECTIONS below Blackwell). Default: this "
         f"machine's GPU, or an {DEFAULT_GPU} where there is none.",
+    )
+    group.add_argument(
+        "--trust-checkpoint",
+        action="store_true",
+        help="Read --load's and --pretrained-checkpoint's pickles without the restricted "
+        "unpickler that refuses any global a Megatron-LM checkpoint does not hold. Such a "
+        "pickle can run any code: only for checkpoints you made yourself. Default: off.",
     )
     group.add_argument(
         "--device",

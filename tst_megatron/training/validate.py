@@ -26,7 +26,7 @@ from tst_megatron.training.checks import (
     launch_problems,
     validation_error,
 )
-from tst_megatron.training.checks.resume import checkpoint_to_resume
+from tst_megatron.training.checks.resume import checkpoint_folder, checkpoint_to_resume
 from tst_megatron.training.family import GPT, ModelFamily
 from tst_megatron.training.flags import add_tst_args
 from tst_megatron.training.plan import run_plan
@@ -82,7 +82,8 @@ def check(argv: Sequence[str], *, dry_run: bool = False, family: ModelFamily = G
     ``plan``; ``assumed`` in a dry run).
 
     The stages, in order, stopping at the first that finds a problem: :func:`argv_problems`
-    (the command line as given), Megatron-LM's ``parse_args``, ``--use-checkpoint-args`` with
+    (the command line as given), Megatron-LM's ``parse_args``, the checkpoints it would read
+    (:func:`_checkpoints`: intact, no code in their pickles), ``--use-checkpoint-args`` with
     ``validate_args`` (:data:`PRETRAIN_GPT_DEFAULTS`) and ``core_transformer_config_from_args``,
     the run's :class:`RunPlan`, then :func:`launch_problems` (every rule of
     :data:`tst_megatron.training.checks.RULES`). A CPU run appends :data:`CPU_FLAGS` and, in a
@@ -93,7 +94,7 @@ def check(argv: Sequence[str], *, dry_run: bool = False, family: ModelFamily = G
     """
     device = pick_device(argv, cuda=True if dry_run else None)
     launch = Launch(tuple(argv), family, device, launch=not dry_run)
-    for stage in (_given, _parsed, _validated, _planned, _ruled):
+    for stage in (_given, _parsed, _checkpoints, _validated, _planned, _ruled):
         stage(launch)
         if launch.problems:
             break
@@ -122,6 +123,19 @@ def _parsed(launch: Launch) -> None:
             launch.args = _parse(argv)
         except _ParserError as exc:
             launch.problems.append(f"Megatron-LM's argument parser: {exc}")
+
+
+def _checkpoints(launch: Launch) -> None:
+    """The checkpoints Megatron-LM would read (``--load``, ``--pretrained-checkpoint``), before
+    anything reads them (``--use-checkpoint-args`` next, then Megatron-LM's own load, whose
+    unpickling is unrestricted): intact, and no pickle in them would run code
+    (:func:`~tst_megatron.training.checks.resume.checkpoint_folder`). A dry run also reads
+    every entry against its CRC-32 (a launch does not: every rank would read it all)."""
+    for flag in ("--load", "--pretrained-checkpoint"):
+        try:
+            checkpoint_folder(launch.args, flag, crc=not launch.launch)
+        except ConfigError as exc:
+            launch.problems.append(str(exc))
 
 
 def _validated(launch: Launch) -> None:
@@ -205,7 +219,7 @@ def _resumed(args) -> Optional[tuple[int, object]]:
     rules report)."""
     try:
         found = checkpoint_to_resume(args)
-    except ConfigError:
+    except Exception:  # ConfigError, or any other: reported by the resume rules, in one line
         return None
     if found is None or found[1].get("args") is None:
         return None

@@ -2,7 +2,8 @@
 ``TransformerConfig`` (which stay Megatron-LM's): :mod:`.layout`, :mod:`.batch`, :mod:`.model`,
 :mod:`.data`, :mod:`.tst`, :mod:`.unsupported` (settings Megatron-LM 0.19 accepts but cannot
 run, and the flags this launcher refuses), :mod:`.deprecated` (flags Megatron-LM 0.19 parses
-but no longer runs as written), :mod:`.hardware` (TE, Apex, GPU, CPU) and :mod:`.resume`. Each rule is a function of the :class:`Launch` returning one line per problem
+but no longer runs as written), :mod:`.hardware` (TE, Apex, GPU, CPU), :mod:`.outputs` (the
+folders it writes) and :mod:`.resume`. Each rule is a function of the :class:`Launch` returning one line per problem
 naming the flag (empty: none). :data:`RULES` and :data:`NOTES` are the one list of errors and
 the one list of notes that the real launch and the dry run both print
 (:func:`tst_megatron.training.validate.check`).
@@ -26,6 +27,7 @@ from tst_megatron.training.checks import (
     hardware,
     layout,
     model,
+    outputs,
     resume,
     tst,
     unsupported,
@@ -79,8 +81,8 @@ RULES = (
 )
 
 #: Rules that run only when :data:`RULES` found nothing: they read files (the data, the
-#: checkpoint to resume), which a wrong line need not reach.
-LAST_RULES = (data.file_problems, resume.problems)
+#: checkpoint to resume) and probe the output folders, which a wrong line need not reach.
+LAST_RULES = (data.file_problems, outputs.problems, resume.problems)
 
 #: What the user should know before the run starts (``note:`` lines, printed by the launch on
 #: rank 0 and by the dry run).
@@ -123,6 +125,8 @@ def dry_run_assumptions(launch: Launch) -> list[str]:
     if missing := data.files_not_here(launch.args):
         shown = ", ".join(missing[:3]) + (", ..." if len(missing) > 3 else "")
         lines.append(f"not here, so not checked: {shown} ({assumed.DRY_RUN_SKIPS['files']})")
+    if away := outputs.not_here(launch.args):
+        lines.append(f"not here, so not probed for writing: {', '.join(away)}")
     if launch.device == "cuda":
         absent = [
             name

@@ -3,109 +3,149 @@ plan, the model, the learning-rate schedule), read before any work."""
 
 from __future__ import annotations
 
-import glob
+import functools
 import os
-import warnings
 from types import SimpleNamespace
 from typing import Optional
 
-import torch
-
+from tst_megatron.data.checkpoint import (
+    UnsafeCheckpoint,
+    inspect,
+    instead,
+    read_common_state,
+)
 from tst_megatron.data.gpt_datasets import data_prefixes, training_windows
 from tst_megatron.errors import ConfigError
 from tst_megatron.training.plan import run_plan
 
 
+def _tracker_iteration(root: str, flag: str, trust: bool):
+    """``root``'s tracker file read as Megatron-LM's ``read_metadata`` does: ``(iteration,
+    None)``, ``(0, "release")``, or None when there is none (a fresh start).
+
+    Raises:
+        ConfigError: a tracker that holds no iteration (naming the newest intact one).
+    """
+    # Megatron-LM's training package: heavy, imported where it runs
+    from megatron.training.checkpointing import get_checkpoint_tracker_filename
+
+    tracker = get_checkpoint_tracker_filename(root)
+    if not os.path.isfile(tracker):
+        return None
+    # not Megatron-LM's read_metadata: on a malformed file it exits with status 0 (0.19.2)
+    with open(tracker) as f:
+        text = f.read().strip()
+    if text == "release":
+        return 0, "release"
+    if not text.isdigit():
+        raise ConfigError(
+            f"{flag} {root}: {os.path.basename(tracker)} holds {text!r}, not an iteration; "
+            + _fallback(root, flag, (), trust)
+        )
+    return int(text), None
+
+
+def _fallback(root: str, flag: str, skip, trust: bool, crc: bool = False) -> str:
+    """:func:`~tst_megatron.data.checkpoint.instead`, or to start without ``flag``."""
+    line = instead(root, skip=skip, trust=trust, crc=crc)
+    return line if "--ckpt-step" in line else f"{line}, or start without {flag}"
+
+
+def checkpoint_folder(
+    args, flag: str = "--load", *, crc: bool = False
+) -> Optional[tuple[int, str]]:
+    """``(iteration, folder)`` of the checkpoint Megatron-LM's ``load_checkpoint`` would read
+    from ``flag`` (``--load``, with ``--ckpt-step`` or the tracker file; or
+    ``--pretrained-checkpoint``), checked by :func:`tst_megatron.data.checkpoint.inspect`:
+    intact, and no pickle in it would run code (``crc``: its data matches its CRC-32s too,
+    which reads it all). None when nothing would be read (no such flag, or no tracker file:
+    Megatron-LM starts afresh).
+
+    Raises:
+        ConfigError: one line: the tracker and the folders disagree, the folder is damaged
+            (naming the newest intact checkpoint and ``--ckpt-step``), or a pickle would run
+            code (:class:`~tst_megatron.data.checkpoint.UnsafeCheckpoint`); any exception while
+            reading becomes that line.
+    """
+    root = getattr(args, flag[2:].replace("-", "_"), None)
+    if not root:
+        return None
+    trust = bool(getattr(args, "trust_checkpoint", False))
+    try:
+        return _checked_folder(args, root, flag, trust, crc)
+    except UnsafeCheckpoint as exc:
+        raise ConfigError(f"{flag} {root}: {exc}") from None
+    except ConfigError:
+        raise
+    except Exception as exc:  # the launcher's own reading never ends in a traceback
+        raise ConfigError(
+            f"{flag} {root}: the checkpoint could not be read ({type(exc).__name__}: "
+            f"{' '.join(str(exc).split())[:200]})"
+        ) from None
+
+
+def _checked_folder(args, root, flag, trust, crc) -> Optional[tuple[int, str]]:
+    # Megatron-LM's training package: heavy, imported where it runs
+    from megatron.training.checkpointing import get_checkpoint_name
+
+    step = getattr(args, "ckpt_step", None) if flag == "--load" else None
+    if step is not None:
+        iteration, release, source = step, None, f"--ckpt-step {step}"
+    else:
+        found = _tracker_iteration(root, flag, trust)
+        if found is None:
+            return None
+        (iteration, release), source = found, "the tracker file's"
+    path = get_checkpoint_name(root, iteration, release=bool(release), return_base_dir=True)
+    name = os.path.basename(path)
+    problem = _inspected(path, trust, crc, _stamp(path))
+    if problem is not None:
+        what = "does not exist" if not os.path.isdir(path) else f"is damaged: {problem}"
+        raise ConfigError(
+            f"{flag} {root}: {name} ({source} checkpoint) {what}; "
+            + _fallback(root, flag, (iteration,), trust, crc)
+        )
+    return iteration, path
+
+
+def _stamp(path: str) -> tuple:
+    """What changes when a checkpoint folder is rewritten (the :func:`_inspected` cache key)."""
+    try:
+        st = os.stat(path)
+        return st.st_mtime_ns, st.st_ino, tuple(sorted(os.listdir(path)))
+    except OSError:
+        return ()
+
+
+@functools.lru_cache(maxsize=8)
+def _inspected(path: str, trust: bool, crc: bool, stamp: tuple) -> Optional[str]:
+    """:func:`~tst_megatron.data.checkpoint.inspect`, once per folder state: a launch asks
+    for the checkpoint to resume several times."""
+    return inspect(path, trust=trust, crc=crc)
+
+
 def checkpoint_to_resume(args) -> Optional[tuple[int, dict]]:
     """``(iteration, common state)`` of the checkpoint Megatron-LM's ``load_checkpoint`` would
-    resume (``--load``, ``--ckpt-step`` or the tracker file), in any format it loads
-    (:func:`read_common_state`), read without process groups. None when nothing would be
-    resumed (no tracker file, a release checkpoint, ``--finetune``, or no checkpoint folder
-    at that iteration: Megatron-LM's own load reports that).
+    resume (:func:`checkpoint_folder`: ``--load``, ``--ckpt-step`` or the tracker file,
+    checked), in any format it loads (:func:`read_common_state`), read without process groups.
+    None when nothing would be resumed (no tracker file, a release checkpoint, ``--finetune``).
 
     Raises:
-        ConfigError: a tracker file that holds no iteration; a checkpoint folder in no
-            format Megatron-LM reads.
+        ConfigError: see :func:`checkpoint_folder`; a folder in no format Megatron-LM reads.
     """
-    if not args.load or getattr(args, "finetune", False):
+    found = checkpoint_folder(args)
+    if found is None or getattr(args, "finetune", False) or found[1].endswith("release"):
         return None
-    # Megatron-LM's training package: heavy, imported where it runs
-    from megatron.training.checkpointing import (
-        get_checkpoint_name,
-        get_checkpoint_tracker_filename,
-    )
-
-    iteration = getattr(args, "ckpt_step", None)
-    if iteration is None:
-        tracker = get_checkpoint_tracker_filename(args.load)
-        if not os.path.isfile(tracker):
-            return None
-        # not Megatron-LM's read_metadata: on a malformed file it exits with status 0 (0.19.2)
-        with open(tracker) as f:
-            text = f.read().strip()
-        if text == "release":
-            return None
-        if not text.isdigit():
-            raise ConfigError(
-                f"--load {args.load}: {os.path.basename(tracker)} holds {text!r}, not an "
-                "iteration (give --ckpt-step, or fix or remove the file)"
-            )
-        iteration = int(text)
-    path = get_checkpoint_name(args.load, iteration, return_base_dir=True)
-    if not os.path.isdir(path):
-        return None
-    return iteration, read_common_state(path)
-
-
-#: What :func:`read_common_state` keeps of a checkpoint's common state.
-COMMON_KEYS = ("args", "iteration", "opt_param_scheduler", "checkpoint_version")
-
-
-def read_common_state(path: str) -> dict:
-    """The entries :data:`COMMON_KEYS` of the checkpoint folder ``path`` (``iter_<N>``), and
-    its ``"format"`` (``torch_dist``, ``torch`` or ``torch_dcp``), in each format
-    Megatron-LM 0.19's ``load_checkpoint`` tells apart (``_get_checkpoint_format``):
-
-    - ``torch_dist`` (``metadata.json``, any layout): megatron-core's
-      ``load_common_state_dict``;
-    - ``torch`` (``mp_rank_*/model_optim_rng.pt``): one rank's file, memory-mapped so that
-      its tensors are not read (every rank's file holds the same ``args``);
-    - ``torch_dcp`` / ``fsdp_dtensor`` (``.metadata``): torch's distributed checkpoint,
-      reading those keys only.
-
-    Raises:
-        ConfigError: none of these formats.
-    """
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)
-        if os.path.isfile(os.path.join(path, "metadata.json")):
-            # megatron-core: heavy, imported when used
-            from megatron.core import dist_checkpointing
-
-            fmt, common = "torch_dist", dist_checkpointing.load_common_state_dict(path)
-        elif shards := sorted(glob.glob(os.path.join(path, "mp_rank_*", "model_optim_rng.pt"))):
-            fmt = "torch"
-            try:
-                common = torch.load(shards[0], map_location="cpu", weights_only=False, mmap=True)
-            except RuntimeError:  # a file of torch's pre-1.6 format cannot be mapped
-                common = torch.load(shards[0], map_location="cpu", weights_only=False)
-        elif os.path.isfile(os.path.join(path, ".metadata")):
-            # torch's DCP reader: heavy, only for a torch_dcp checkpoint
-            from torch.distributed.checkpoint import FileSystemReader
-            from torch.distributed.checkpoint.metadata import BytesStorageMetadata
-            from torch.distributed.checkpoint.state_dict_loader import (
-                _load_state_dict_from_keys,
-            )
-
-            fmt, saved = "torch_dcp", FileSystemReader(path).read_metadata().state_dict_metadata
-            keys = {k for k in COMMON_KEYS if isinstance(saved.get(k), BytesStorageMetadata)}
-            common = _load_state_dict_from_keys(keys, checkpoint_id=path) if keys else {}
-        else:
-            raise ConfigError(
-                f"--load: {path} holds no checkpoint Megatron-LM reads (no metadata.json, "
-                "mp_rank_*/model_optim_rng.pt or .metadata)"
-            )
-    return {"format": fmt, **{k: common[k] for k in COMMON_KEYS if k in common}}
+    iteration, path = found
+    try:
+        return iteration, read_common_state(path, trust=bool(getattr(args, "trust_checkpoint", 0)))
+    except ConfigError:
+        raise
+    except Exception as exc:  # never a traceback from the launcher's own read
+        raise ConfigError(
+            f"--load {args.load}: {os.path.basename(path)} could not be read "
+            f"({type(exc).__name__}: {' '.join(str(exc).split())[:200]})"
+        ) from None
 
 
 #: Every key of the sample orders' cache description (:func:`tst_megatron.data.stream.describe`:

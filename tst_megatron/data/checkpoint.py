@@ -1,0 +1,488 @@
+"""A Megatron-LM checkpoint folder read as input, never as code: every pickled part is parsed by
+a restricted unpickler before anything unpickles it for real, and the folder is checked for
+damage without reading tensors.
+
+A checkpoint is pickles. Megatron-LM 0.19.2 reads some of them with bare ``pickle.load`` or
+``torch.load(weights_only=False)``: DCP's ``.metadata`` (``FileSystemReader.read_metadata``,
+torch 2.13 ``torch/distributed/checkpoint/filesystem.py``) and each stored byte object
+(``DefaultLoadPlanner.load_bytes``; megatron-core's common state, RNG state, optimizer groups).
+So a crafted ``iter_N/.metadata`` runs its code in any tool that reads it. Here:
+
+- :func:`scan_pickle` parses a pickle with every global replaced by an inert stand-in, so
+  nothing from the file is ever called; a global outside :data:`ALLOWED_GLOBALS` raises
+  :class:`UnsafeCheckpoint` naming it;
+- :func:`inspect` does that for every pickled part of one ``iter_N`` folder in each format
+  Megatron-LM 0.19 tells apart (``torch_dist``, ``torch``, ``torch_dcp``/``fsdp_dtensor``), and
+  checks what can be checked without reading tensors: the files the metadata names exist, hold
+  the bytes their entries need, and each entry is a well-formed ``torch.save`` archive;
+- :func:`read_dcp_metadata` and :func:`read_dcp_bytes` read a DCP folder's metadata and byte
+  objects through the restricted unpickler and ``torch.load(weights_only=True)``.
+
+Files from a source the user trusts can skip this (``trust=True``: the launchers'
+``--trust-checkpoint``); never the default.
+"""
+
+from __future__ import annotations
+
+import glob
+import io
+import json
+import os
+import pickle
+import re
+import warnings
+import zipfile
+from typing import Iterable, Optional
+
+import torch
+
+from tst_megatron.errors import ConfigError
+
+#: The DCP metadata classes torch 2.13 pickles in ``.metadata`` (a real ``torch_dist`` and
+#: ``torch_dcp`` checkpoint's, read with a recording unpickler).
+DCP_METADATA_GLOBALS = frozenset(
+    [f"torch.distributed.checkpoint.metadata.{name}" for name in (
+        "Metadata", "ChunkStorageMetadata", "TensorStorageMetadata", "BytesStorageMetadata",
+        "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING",
+    )]
+    + [f"torch.distributed.checkpoint.planner.{name}" for name in (
+        "SavePlan", "WriteItem", "WriteItemType", "TensorWriteData",
+    )]
+    + ["torch.distributed.checkpoint.filesystem._StorageInfo", "torch.serialization._get_layout"]
+)  # fmt: skip
+
+
+def _megatron_globals() -> set:
+    """megatron-core's allowed globals: those it registers with torch at import
+    (``megatron/core/safe_globals.py``, ``SAFE_GLOBALS``) and its restricted unpickler's
+    (``SafeUnpickler._SAFE_CLASSES``: TE's FP8 recipes among them)."""
+    # megatron-core: heavy, imported when a checkpoint is read
+    from megatron.core.safe_globals import SAFE_GLOBALS, SafeUnpickler
+
+    names = {f"{g.__module__}.{g.__qualname__}" for g in SAFE_GLOBALS}
+    return names | {f"{m}.{n}" for m, n in SafeUnpickler._SAFE_CLASSES}
+
+
+def allowed_globals() -> frozenset:
+    """Every global a checkpoint's pickles may name (``"module.name"``): torch's own
+    ``weights_only`` set (tensors, storages, dtypes, ``OrderedDict``, ...), the globals
+    registered with ``torch.serialization.add_safe_globals`` (megatron-core's, at its import),
+    megatron-core's own restricted unpickler's, and :data:`DCP_METADATA_GLOBALS`."""
+    # torch's default weights_only allow-list (the set torch.load(weights_only=True) starts from)
+    from torch._weights_only_unpickler import _get_allowed_globals
+
+    registered = set()
+    for g in torch.serialization.get_safe_globals():
+        g = g[0] if isinstance(g, tuple) else g
+        registered.add(f"{g.__module__}.{g.__qualname__}")
+    return frozenset(
+        set(_get_allowed_globals()) | registered | _megatron_globals() | DCP_METADATA_GLOBALS
+    )
+
+
+class UnsafeCheckpoint(ConfigError):
+    """A checkpoint file's pickle names a global outside :func:`allowed_globals`: reading it
+    with ``pickle`` would import and may call it.
+
+    Attributes:
+        file: the file's path.
+        name: the global, ``"module.name"``.
+    """
+
+    def __init__(self, file: str, name: str):
+        self.file, self.name = file, name
+        super().__init__(
+            f"{file} would run code when read: its pickle names {name}, which no Megatron-LM "
+            "checkpoint holds; refused. If you made this checkpoint yourself and trust it, "
+            "add --trust-checkpoint"
+        )
+
+
+class _Inert:
+    """What every allowed global becomes while a pickle is scanned: it takes any call,
+    construction, state and item, and does nothing."""
+
+    def __new__(cls, *args, **kwargs):
+        return object.__new__(cls)
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def __call__(self, *args, **kwargs):
+        return _Inert()
+
+    def __setstate__(self, state):
+        pass
+
+    def __setitem__(self, key, value):
+        pass
+
+    def append(self, value):
+        pass
+
+    def extend(self, values):
+        pass
+
+
+class _Scanner(pickle.Unpickler):
+    def __init__(self, file, allowed: frozenset, where: str):
+        super().__init__(file)
+        self.allowed, self.where = allowed, where
+
+    def find_class(self, module, name):
+        full = f"{module}.{name}"
+        if full not in self.allowed:
+            raise UnsafeCheckpoint(self.where, full)
+        return _Inert  # never the real object: nothing the file names is called
+
+    def persistent_load(self, pid):
+        return _Inert()  # torch.save's storages: not read
+
+
+class _Restricted(pickle.Unpickler):
+    """An unpickler that resolves only :data:`DCP_METADATA_GLOBALS` and torch's own
+    ``weights_only`` globals (``torch.Size``, dtypes)."""
+
+    def __init__(self, file, allowed: frozenset, where: str):
+        super().__init__(file)
+        self.allowed, self.where = allowed, where
+
+    def find_class(self, module, name):
+        if f"{module}.{name}" not in self.allowed:
+            raise UnsafeCheckpoint(self.where, f"{module}.{name}")
+        return super().find_class(module, name)
+
+
+def scan_pickle(stream, where: str, allowed: Optional[frozenset] = None) -> None:
+    """Parse one pickle from ``stream`` with every global an inert stand-in.
+
+    Raises:
+        UnsafeCheckpoint: a global outside ``allowed`` (default :func:`allowed_globals`).
+        pickle.UnpicklingError, EOFError, ValueError: not a whole pickle (damage).
+    """
+    _Scanner(stream, allowed or allowed_globals(), where).load()
+
+
+def scan_torch_save(data, where: str, allowed: Optional[frozenset] = None) -> None:
+    """Scan every pickle of one ``torch.save`` output (a path or a binary stream): each
+    ``*.pkl`` record of its zip archive, or the leading pickles of torch's pre-1.6 format.
+
+    Raises:
+        UnsafeCheckpoint: see :func:`scan_pickle`.
+        zipfile.BadZipFile, pickle.UnpicklingError, EOFError, ValueError: damage.
+    """
+    allowed = allowed or allowed_globals()
+    if zipfile.is_zipfile(data):
+        with zipfile.ZipFile(data) as archive:
+            for name in archive.namelist():
+                if name.endswith(".pkl"):
+                    with archive.open(name) as record:
+                        scan_pickle(record, where, allowed)
+        return
+    stream = open(data, "rb") if isinstance(data, str) else data
+    try:
+        stream.seek(0)
+        for _ in range(4):  # magic number, protocol, system info, the object (torch < 1.6)
+            scan_pickle(stream, where, allowed)
+    finally:
+        if isinstance(data, str):
+            stream.close()
+
+
+class _Slice(io.RawIOBase):
+    """``length`` bytes of an open binary file from ``offset``, as a seekable stream (a DCP
+    entry inside its ``.distcp`` file)."""
+
+    def __init__(self, file, offset: int, length: int):
+        self.file, self.offset, self.length, self.pos = file, offset, length, 0
+
+    def readable(self):
+        return True
+
+    def seekable(self):
+        return True
+
+    def tell(self):
+        return self.pos
+
+    def seek(self, pos, whence=0):
+        self.pos = {0: pos, 1: self.pos + pos, 2: self.length + pos}[whence]
+        return self.pos
+
+    def readinto(self, buffer):
+        n = max(0, min(len(buffer), self.length - self.pos))
+        self.file.seek(self.offset + self.pos)
+        data = self.file.read(n)
+        buffer[: len(data)] = data
+        self.pos += len(data)
+        return len(data)
+
+
+def _check_archive(stream, crc: bool = False) -> None:
+    """A ``torch.save`` archive's structure: its central directory, and each record's local
+    header (read without the records' data); with ``crc``, every record's data against the
+    CRC-32 ``torch.save`` stored (reads it all).
+
+    Raises:
+        zipfile.BadZipFile: damage.
+    """
+    with zipfile.ZipFile(stream) as archive:
+        for info in archive.infolist():
+            archive.open(info).close()  # reads and checks the record's local header
+        # torch.load does not check the CRC: data damage would load as other numbers
+        if crc and (bad := archive.testzip()) is not None:
+            raise zipfile.BadZipFile(f"{bad}: its data does not match its CRC-32")
+
+
+def read_dcp_metadata(path: str, *, trust: bool = False):
+    """The ``Metadata`` of the DCP folder ``path`` (its ``.metadata``), unpickled resolving only
+    :data:`DCP_METADATA_GLOBALS` and torch's own ``weights_only`` globals (``trust``: plain
+    ``pickle``, as torch's ``FileSystemReader.read_metadata``).
+
+    Raises:
+        UnsafeCheckpoint: any other global.
+        OSError, pickle.UnpicklingError, EOFError, ...: missing or damaged.
+    """
+    where = os.path.join(path, ".metadata")
+    with open(where, "rb") as f:
+        if trust:
+            return pickle.load(f)
+        return _Restricted(f, allowed_globals(), where).load()
+
+
+def read_dcp_bytes(path: str, metadata, fqn: str, *, trust: bool = False):
+    """The byte object ``fqn`` of the DCP folder ``path`` (a ``BytesStorageMetadata`` entry),
+    loaded with ``torch.load(weights_only=True)`` (``trust``: ``False``, as torch's
+    ``DefaultLoadPlanner.load_bytes``).
+
+    Raises:
+        KeyError: no such entry.
+        pickle.UnpicklingError: a global outside megatron-core's and torch's safe globals.
+    """
+    info = next(v for k, v in metadata.storage_data.items() if k.fqn == fqn)
+    with open(os.path.join(path, info.relative_path), "rb") as f:
+        f.seek(info.offset)
+        data = io.BytesIO(f.read(info.length))
+    return torch.load(data, map_location="cpu", weights_only=not trust)
+
+
+def checkpoint_format(path: str) -> Optional[str]:
+    """The format of the ``iter_N`` folder ``path`` as Megatron-LM 0.19's
+    ``_get_checkpoint_format`` tells it (``metadata.json``: ``torch_dist``; ``mp_rank_0*``:
+    ``torch``; ``.metadata``: ``torch_dcp``), or None for none of them."""
+    if os.path.isfile(os.path.join(path, "metadata.json")):
+        return "torch_dist"
+    if glob.glob(os.path.join(path, "mp_rank_0*")):
+        return "torch"
+    if os.path.isfile(os.path.join(path, ".metadata")):
+        return "torch_dcp"
+    return None
+
+
+def inspect(path: str, *, trust: bool = False, crc: bool = False) -> Optional[str]:
+    """What is wrong with the checkpoint folder ``path`` (``iter_N``), read without its tensors:
+    None when intact. Unless ``trust``, every pickled part is scanned first (:func:`scan_pickle`).
+    With ``crc``, every entry's data is also read and checked against its stored CRC-32: the
+    only check here that finds bytes changed inside a tensor (torch.load would load them).
+
+    - ``torch_dist``: ``metadata.json`` is JSON; ``.metadata`` unpickles; every file it names
+      exists and holds the bytes its entries need; every entry is a well-formed ``torch.save``
+      archive; every byte object's pickle is scanned;
+    - ``torch_dcp``/``fsdp_dtensor``: the same without ``metadata.json``; a folder whose
+      entries are megatron-core's (``common_state``) lacks its ``metadata.json``;
+    - ``torch``: each ``mp_rank_*`` folder's ``*.pt`` files are well-formed archives whose
+      pickles are scanned (their tensors are not read).
+
+    Raises:
+        UnsafeCheckpoint: a pickle would run code (never turned into damage).
+    """
+    fmt = checkpoint_format(path)
+    if fmt is None:
+        if not os.path.isdir(path):
+            return "its folder does not exist"
+        return (
+            "no checkpoint Megatron-LM reads is in it (no metadata.json, mp_rank_*/ or .metadata)"
+        )
+    try:
+        if fmt == "torch":
+            return _torch_problem(path, trust, crc)
+        return _dcp_problem(path, fmt, trust, crc)
+    except UnsafeCheckpoint:
+        raise
+    except Exception as exc:  # any failure to read is damage, in one line
+        return f"unreadable ({type(exc).__name__}: {' '.join(str(exc).split())[:200]})"
+
+
+def _torch_problem(path: str, trust: bool, crc: bool) -> Optional[str]:
+    files = sorted(glob.glob(os.path.join(path, "mp_rank_*", "*.pt")))
+    folders = sorted(glob.glob(os.path.join(path, "mp_rank_*")))
+    empty = [os.path.basename(d) for d in folders if not glob.glob(os.path.join(d, "*.pt"))]
+    if empty:
+        return f"{empty[0]}/ holds no .pt file"
+    for file in files:
+        name = os.path.relpath(file, path)
+        if zipfile.is_zipfile(file):
+            try:
+                _check_archive(file, crc)
+            except zipfile.BadZipFile as exc:
+                return f"{name} is damaged ({exc})"
+        if not trust:
+            try:
+                scan_torch_save(file, file)
+            except UnsafeCheckpoint:
+                raise
+            except Exception as exc:
+                return f"{name} is damaged ({type(exc).__name__}: {exc})"
+    return None
+
+
+def _dcp_problem(path: str, fmt: str, trust: bool, crc: bool) -> Optional[str]:
+    # torch's DCP metadata: imported when a DCP folder is read
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    if fmt == "torch_dist":
+        try:
+            with open(os.path.join(path, "metadata.json")) as f:
+                if not isinstance(json.load(f), dict):
+                    return "metadata.json holds no JSON object"
+        except (OSError, ValueError) as exc:
+            return f"metadata.json is unreadable ({type(exc).__name__})"
+    if not os.path.isfile(os.path.join(path, ".metadata")):
+        return ".metadata is missing"
+    try:
+        metadata = read_dcp_metadata(path, trust=trust)
+    except UnsafeCheckpoint:
+        raise
+    except Exception as exc:
+        return f".metadata is unreadable ({type(exc).__name__})"
+    stored = metadata.state_dict_metadata
+    if fmt == "torch_dcp" and any(k.startswith("common_state/") for k in stored):
+        return "metadata.json is missing (its entries are a torch_dist checkpoint's)"
+    kinds = {fqn: isinstance(md, BytesStorageMetadata) for fqn, md in stored.items()}
+    by_file: dict = {}
+    for index, info in metadata.storage_data.items():
+        by_file.setdefault(info.relative_path, []).append((index.fqn, info))
+    for relative, entries in sorted(by_file.items()):
+        file = os.path.join(path, relative)
+        if not os.path.isfile(file):
+            return f"{relative} is missing ({len(entries)} entries of .metadata are in it)"
+        size, need = os.path.getsize(file), max(i.offset + i.length for _, i in entries)
+        if size < need:
+            return f"{relative} holds {size} of the {need} bytes its entries need (truncated)"
+        with open(file, "rb") as f:
+            for fqn, info in entries:
+                if info.transform_descriptors:
+                    return f"{relative}: {fqn} is stored transformed, which is not checked here"
+                item = _Slice(f, info.offset, info.length)
+                try:
+                    _check_archive(item, crc)
+                    if kinds.get(fqn) and not trust:
+                        scan_torch_save(io.BufferedReader(item), os.path.join(path, relative))
+                except UnsafeCheckpoint:
+                    raise
+                except Exception as exc:
+                    return f"{relative}: the entry {fqn} is damaged ({type(exc).__name__}: {exc})"
+    return None
+
+
+#: What :func:`read_common_state` keeps of a checkpoint's common state.
+COMMON_KEYS = ("args", "iteration", "opt_param_scheduler", "checkpoint_version")
+
+
+def read_common_state(path: str, *, trust: bool = False) -> dict:
+    """The entries :data:`COMMON_KEYS` of the checkpoint folder ``path`` (``iter_<N>``), and
+    its ``"format"`` (``torch_dist``, ``torch`` or ``torch_dcp``), in each format
+    Megatron-LM 0.19's ``load_checkpoint`` tells apart (``_get_checkpoint_format``), read as
+    data (``torch.load(weights_only=True)`` with megatron-core's safe globals; the DCP
+    metadata through :func:`read_dcp_metadata`), or, with
+    ``trust``, as Megatron-LM reads them:
+
+    - ``torch_dist`` (``metadata.json``, any layout): megatron-core's ``common_state`` byte
+      object (or its legacy ``common.pt``);
+    - ``torch`` (``mp_rank_*/model_optim_rng.pt``): one rank's file, memory-mapped so that
+      its tensors are not read (every rank's file holds the same ``args``);
+    - ``torch_dcp`` / ``fsdp_dtensor`` (``.metadata``): torch's distributed checkpoint,
+      reading those keys' byte objects only.
+
+    Raises:
+        ConfigError: none of these formats.
+        pickle.UnpicklingError: a global outside the safe ones (run :func:`inspect` first:
+            it names it).
+    """
+    fmt = checkpoint_format(path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        if fmt == "torch_dist" and os.path.isfile(os.path.join(path, "common.pt")):
+            common = torch.load(os.path.join(path, "common.pt"), weights_only=not trust)
+        elif fmt == "torch_dist":
+            metadata = read_dcp_metadata(path, trust=trust)
+            # megatron-core stores it as a one-element list (serialization.load_common_state_dict)
+            common = read_dcp_bytes(path, metadata, "common_state/shard_0_1", trust=trust)[0]
+        elif fmt == "torch":
+            shard = sorted(glob.glob(os.path.join(path, "mp_rank_*", "model_optim_rng.pt")))[0]
+            try:
+                common = torch.load(shard, map_location="cpu", weights_only=not trust, mmap=True)
+            except RuntimeError:  # a file of torch's pre-1.6 format cannot be mapped
+                common = torch.load(shard, map_location="cpu", weights_only=not trust)
+        elif fmt == "torch_dcp":
+            # torch's DCP metadata: imported when a DCP folder is read
+            from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+            metadata = read_dcp_metadata(path, trust=trust)
+            stored = metadata.state_dict_metadata
+            common = {
+                k: read_dcp_bytes(path, metadata, k, trust=trust)
+                for k in COMMON_KEYS
+                if isinstance(stored.get(k), BytesStorageMetadata)
+            }
+        else:
+            raise ConfigError(
+                f"--load: {path} holds no checkpoint Megatron-LM reads (no metadata.json, "
+                "mp_rank_*/model_optim_rng.pt or .metadata)"
+            )
+    return {"format": fmt, **{k: common[k] for k in COMMON_KEYS if k in common}}
+
+
+_ITER = re.compile(r"iter_(\d{7,})$")
+
+
+def iterations(root: str) -> list[int]:
+    """The iterations of the ``iter_N`` folders in the checkpoint root ``root``, newest first."""
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return []
+    found = [int(m.group(1)) for n in names if (m := _ITER.match(n))]
+    return sorted(found, reverse=True)
+
+
+def newest_intact(
+    root: str, *, skip: Iterable[int] = (), trust: bool = False, crc: bool = False
+) -> Optional[int]:
+    """The newest iteration in ``root`` whose folder :func:`inspect` (``trust``, ``crc``) finds
+    intact, other than ``skip``; None when there is none. A folder that would run code is not
+    intact."""
+    skip = set(skip)
+    for iteration in iterations(root):
+        if iteration in skip:
+            continue
+        try:
+            folder = os.path.join(root, f"iter_{iteration:07d}")
+            if inspect(folder, trust=trust, crc=crc) is None:
+                return iteration
+        except UnsafeCheckpoint:
+            continue
+    return None
+
+
+def instead(root: str, *, skip: Iterable[int] = (), trust: bool = False, crc: bool = False) -> str:
+    """What to do about a damaged checkpoint in ``root``: resume the newest intact one
+    (:func:`newest_intact`) with ``--ckpt-step``, which Megatron-LM's ``load_checkpoint`` and
+    the converter honour, or that there is none."""
+    newest = newest_intact(root, skip=skip, trust=trust, crc=crc)
+    if newest is None:
+        return f"no intact checkpoint is in {root}: restore one"
+    return (
+        f"the newest intact checkpoint is iter_{newest:07d}: use it with --ckpt-step {newest} "
+        "(or fix or remove the damaged one)"
+    )
