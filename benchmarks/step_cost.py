@@ -142,7 +142,7 @@ def embedding_tp_traffic(bag: int, sp: bool) -> dict:
         mp.start_processes(
             _traffic_child, args=(2, port, sp, bag, out), nprocs=2, start_method="spawn"
         )
-        return torch.load(out)
+        return torch.load(out, weights_only=True)
 
 
 def run_flags(

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import math
 import os
 import re
@@ -291,6 +292,12 @@ def test_sigterm_on_one_rank_saves_and_stops_every_rank(runs):
     sig = runs[1] / "sig"
     assert (sig / "latest_checkpointed_iteration.txt").read_text() == "2"
     assert sorted(p for p in os.listdir(sig) if p.startswith("iter_")) == ["iter_0000002"]
+    # status 0 as in Megatron-LM; the launcher's exit marker tells a wrapper it stopped early
+    marker = json.loads((sig / "tst_exit.json").read_text())
+    assert marker == {"status": "stopped_early", "iteration": 2, "train_iters": 50}, marker
+    assert "TST: stopped early at checkpoint iteration 2 of 50" in first, first[-3000:]
+    finished = json.loads((runs[1] / "ep2" / "tst_exit.json").read_text())
+    assert finished == {"status": "finished", "iteration": 6, "train_iters": 6}, finished
 
 
 def _model_keys(path):

@@ -613,8 +613,9 @@ HYBRID = _without(_without(SMALL, "--num-layers"), "--tst-bag-size") + [
         (("--hybrid-layer-pattern", "**EE"), "give every rank an E layer in its share"),
         (("--hybrid-layer-pattern", "*E*E-"), "5 layers do not split evenly"),
         # megatron-core: "TransformerConfig: ZeroDivisionError: float division by zero"
-        (("--hybrid-layer-pattern", ""), "'' holds no layer before its MTP part"),
+        (("--hybrid-layer-pattern", ""), "'' is empty"),
         (("--hybrid-layer-pattern", "/"), "'/' holds no layer before its MTP part"),
+        (("--hybrid-layer-pattern", "|"), "'|' holds no layer, only pipeline-stage splits"),
         (("--hybrid-layer-pattern", "*E*E/"), "without an MTP pattern"),
         (("--transformer-impl", "inference_optimized"), "--transformer-impl inference_optimized"),
     ],

@@ -455,7 +455,8 @@ def test_a_checkpoint_folder_in_no_known_format_is_one_line(tmp_path):
     (tmp_path / "iter_0000003" / "weights.bin").write_text("?")
     args = argparse.Namespace(load=str(tmp_path), finetune=False, ckpt_step=None)
     (line,) = resume_checks(args, None)
-    assert "iter_0000003 holds no checkpoint Megatron-LM reads" in line, line
+    assert "iter_0000003 (the tracker file's checkpoint) is damaged" in line, line
+    assert "no checkpoint Megatron-LM reads is in it" in line, line
 
 
 def test_a_torch_dcp_checkpoint_s_common_state_is_read(tmp_path):
@@ -464,7 +465,7 @@ def test_a_torch_dcp_checkpoint_s_common_state_is_read(tmp_path):
     import torch
     import torch.distributed.checkpoint as dcp
 
-    from tst_megatron.training.checks.resume import read_common_state
+    from tst_megatron.data.checkpoint import read_common_state
 
     saved = argparse.Namespace(tst_bag_size=4, seq_length=16)
     state = {"args": saved, "iteration": 7, "model": {"w": torch.ones(3)}, "rng_state": [1]}

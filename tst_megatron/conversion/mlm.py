@@ -77,6 +77,74 @@ UNSUPPORTED = (
 )  # fmt: skip
 
 
+def layer_pattern(text: str, *, limit: int) -> list[int]:
+    """A ``--moe-layer-freq`` list pattern (``"([1]*3+[0])*2"``: lists of integers, ``+``,
+    ``* n`` and parentheses, the expressions Megatron-LM's ``moe_freq_type`` evaluates),
+    parsed without ``eval``.
+
+    Raises:
+        ValueError: anything else, or a list longer than ``limit`` at any step (a pattern such
+            as ``[1]*9**9`` is refused before it grows).
+    """
+    tokens = re.findall(r"\d+|[\[\]()*+,]|\S", text)
+    at = 0
+
+    def fail(why: str):
+        raise ValueError(f"--moe-layer-freq {text!r} is not a layer pattern ({why})")
+
+    def take(expected=None):
+        nonlocal at
+        if at >= len(tokens) or (expected and tokens[at] != expected):
+            fail(f"expected {expected!r}" if expected else "it ends early")
+        at += 1
+        return tokens[at - 1]
+
+    def atom() -> list:
+        token = take()
+        if token == "(":
+            inner = expr()
+            take(")")
+            return inner
+        if token != "[":
+            fail(f"unexpected {token!r}")
+        items = []
+        while tokens[at : at + 1] != ["]"]:
+            item = take()
+            if not item.isdigit():
+                fail(f"unexpected {item!r}")
+            items.append(int(item))
+            if tokens[at : at + 1] == [","]:
+                take(",")
+        take("]")
+        return items
+
+    def term() -> list:
+        value = atom()
+        while tokens[at : at + 1] == ["*"]:
+            take("*")
+            count = take()
+            if not count.isdigit():
+                fail(f"unexpected {count!r}")
+            if len(value) * int(count) > limit:
+                fail(f"longer than the {limit} layers")
+            value = value * int(count)
+        return value
+
+    def expr() -> list:
+        value = term()
+        while tokens[at : at + 1] == ["+"]:
+            take("+")
+            value = value + term()
+            if len(value) > limit:
+                fail(f"longer than the {limit} layers")
+        return value
+
+    result = expr()
+    if at != len(tokens):
+        fail(f"unexpected {tokens[at]!r}")
+    return result
+
+
 def _layer_freq(value, num_layers: int) -> int:
     """``--moe-layer-freq`` as the every-n-th integer the converter's targets use.
 
@@ -89,10 +157,8 @@ def _layer_freq(value, num_layers: int) -> int:
     """
     if isinstance(value, int):
         return value
-    if isinstance(value, str):  # Megatron-LM's moe_freq_type evaluates such a pattern too
-        if not re.fullmatch(r"[\[\]()0-9*+, ]+", value):
-            raise ValueError(f"--moe-layer-freq {value!r} is not a layer pattern")
-        value = eval(value, {"__builtins__": {}})
+    if isinstance(value, str):  # Megatron-LM's moe_freq_type evaluates such a pattern
+        value = layer_pattern(value, limit=num_layers)
     pattern = list(value)
     for n in range(1, num_layers + 1):
         if pattern == [int(i % n == 0) for i in range(num_layers)]:

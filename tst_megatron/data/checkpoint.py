@@ -24,6 +24,7 @@ Files from a source the user trusts can skip this (``trust=True``: the launchers
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import io
 import json
@@ -129,10 +130,13 @@ class _Scanner(pickle.Unpickler):
         super().__init__(file)
         self.allowed, self.where = allowed, where
 
+    nested = False  # the pickle builds an io.BytesIO: bytes that may hold another pickle
+
     def find_class(self, module, name):
         full = f"{module}.{name}"
         if full not in self.allowed:
             raise UnsafeCheckpoint(self.where, full)
+        self.nested |= full == "_io.BytesIO"
         return _Inert  # never the real object: nothing the file names is called
 
     def persistent_load(self, pid):
@@ -153,19 +157,38 @@ class _Restricted(pickle.Unpickler):
         return super().find_class(module, name)
 
 
-def scan_pickle(stream, where: str, allowed: Optional[frozenset] = None) -> None:
-    """Parse one pickle from ``stream`` with every global an inert stand-in.
+def scan_pickle(stream, where: str, allowed: Optional[frozenset] = None) -> bool:
+    """Parse one pickle from ``stream`` with every global an inert stand-in. Returns whether it
+    builds an ``io.BytesIO`` (whose bytes :func:`scan_torch_save` scans in turn).
 
     Raises:
         UnsafeCheckpoint: a global outside ``allowed`` (default :func:`allowed_globals`).
         pickle.UnpicklingError, EOFError, ValueError: not a whole pickle (damage).
     """
-    _Scanner(stream, allowed or allowed_globals(), where).load()
+    scanner = _Scanner(stream, allowed or allowed_globals(), where)
+    scanner.load()
+    return scanner.nested
 
 
-def scan_torch_save(data, where: str, allowed: Optional[frozenset] = None) -> None:
+def _byte_streams(obj, depth: int = 0) -> list:
+    """The ``io.BytesIO`` objects in ``obj`` (itself, or in its lists, tuples and dicts)."""
+    if isinstance(obj, io.BytesIO):
+        return [obj]
+    if depth > 8:
+        return []
+    if isinstance(obj, dict):
+        obj = list(obj.values())
+    if isinstance(obj, (list, tuple)):
+        return [b for item in obj for b in _byte_streams(item, depth + 1)]
+    return []
+
+
+def scan_torch_save(
+    data, where: str, allowed: Optional[frozenset] = None, *, depth: int = 0
+) -> None:
     """Scan every pickle of one ``torch.save`` output (a path or a binary stream): each
-    ``*.pkl`` record of its zip archive, or the leading pickles of torch's pre-1.6 format.
+    ``*.pkl`` record of its zip archive, or the leading pickles of torch's pre-1.6 format; and,
+    when it holds ``io.BytesIO`` objects, their bytes in turn (to ``depth`` 4).
 
     Raises:
         UnsafeCheckpoint: see :func:`scan_pickle`.
@@ -173,11 +196,23 @@ def scan_torch_save(data, where: str, allowed: Optional[frozenset] = None) -> No
     """
     allowed = allowed or allowed_globals()
     if zipfile.is_zipfile(data):
+        nested = False
         with zipfile.ZipFile(data) as archive:
             for name in archive.namelist():
                 if name.endswith(".pkl"):
                     with archive.open(name) as record:
-                        scan_pickle(record, where, allowed)
+                        nested |= scan_pickle(record, where, allowed)
+        if nested and depth < 4:  # DCP stores a BytesIO value as torch.save(BytesIO(...))
+            if not isinstance(data, str):
+                data.seek(0)
+            # every global in it was allowed above: weights_only gives the real bytes
+            for inner in _byte_streams(torch.load(data, map_location="cpu", weights_only=True)):
+                if zipfile.is_zipfile(inner):
+                    scan_torch_save(inner, where, allowed, depth=depth + 1)
+                else:
+                    inner.seek(0)
+                    with contextlib.suppress(Exception):  # raw bytes, not a pickle: no code
+                        scan_pickle(inner, where, allowed)
         return
     stream = open(data, "rb") if isinstance(data, str) else data
     try:
@@ -416,8 +451,11 @@ def read_common_state(path: str, *, trust: bool = False) -> dict:
             common = torch.load(os.path.join(path, "common.pt"), weights_only=not trust)
         elif fmt == "torch_dist":
             metadata = read_dcp_metadata(path, trust=trust)
-            # megatron-core stores it as a one-element list (serialization.load_common_state_dict)
-            common = read_dcp_bytes(path, metadata, "common_state/shard_0_1", trust=trust)[0]
+            loaded = read_dcp_bytes(path, metadata, "common_state/shard_0_1", trust=trust)
+            if isinstance(loaded, io.BytesIO):  # as megatron-core's load_common_state_dict
+                loaded.seek(0)
+                loaded = torch.load(loaded, map_location="cpu", weights_only=not trust)
+            common = loaded[0]  # a one-element list
         elif fmt == "torch":
             shard = sorted(glob.glob(os.path.join(path, "mp_rank_*", "model_optim_rng.pt")))[0]
             try:

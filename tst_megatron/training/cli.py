@@ -9,6 +9,7 @@ group, model or data exists. A CPU run (``--device cpu``) enables
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import typing
@@ -44,6 +45,9 @@ def main(argv: Optional[Sequence[str]] = None, *, family: ModelFamily = GPT) -> 
     which share the run plan the checks built (and, with MTP, the optimizer hook
     :class:`~tst_megatron.training.switch.FreshAdamForMTP`), with megatron-core's
     distributed-optimizer resume mended (:func:`tst_megatron.upstream.distributed_optimizer_resume`).
+
+    Writes :data:`EXIT_MARKER` in ``--save`` when ``pretrain()`` ends without an error
+    (:func:`write_exit_marker`: finished, or stopped early to be resumed).
 
     Raises:
         SystemExit: 2 on every rank after one ``error:`` line per problem from rank 0 (any
@@ -89,6 +93,12 @@ def main(argv: Optional[Sequence[str]] = None, *, family: ModelFamily = GPT) -> 
             )
     except ConfigError as exc:  # found inside: the datasets provider's data checks
         _exit_on(exc)
+    except SystemExit as exc:  # train()'s early exit: a signal, --exit-duration-in-mins/-interval
+        if exc.code in (0, None):
+            write_exit_marker(checked.args, plan.n, finished=False)
+        raise
+    else:
+        write_exit_marker(checked.args, plan.n, finished=True)
     finally:
         if hook is not None:
             hook.remove()
@@ -108,6 +118,44 @@ def _nothing_left_to_train(args, n: int) -> bool:
             flush=True,
         )
     return True
+
+
+#: The file the launcher writes in ``--save`` when ``pretrain()`` ends without an error.
+EXIT_MARKER = "tst_exit.json"
+
+
+def write_exit_marker(args, n: int, *, finished: bool) -> None:
+    """Write :data:`EXIT_MARKER` in ``--save`` (rank 0; atomically): how the run ended, for a
+    wrapper such as the Slurm template. Megatron-LM 0.19.2 exits with status 0 both when the run
+    is done and when it saved and stopped early (``--exit-signal-handler`` on SIGTERM,
+    ``--exit-duration-in-mins``, ``--exit-interval``: ``sys.exit(0)`` in ``train()``); the status
+    stays 0, as torchrun restarts workers that exit otherwise (``--max-restarts``).
+
+    The file holds ``{"status": "finished" | "stopped_early", "iteration": the tracker file's
+    latest iteration (None without one), "train_iters": n}``; ``stopped_early``: run the same
+    line again to continue from that checkpoint.
+    """
+    if not args.save or not is_rank_zero():
+        return
+    try:
+        with open(os.path.join(args.save, "latest_checkpointed_iteration.txt")) as f:
+            text = f.read().strip()
+        latest = int(text) if text.isdigit() else None
+    except OSError:
+        latest = None
+    status = "finished" if finished else "stopped_early"
+    marker = os.path.join(args.save, EXIT_MARKER)
+    tmp = f"{marker}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump({"status": status, "iteration": latest, "train_iters": n}, f)
+    os.replace(tmp, marker)
+    if not finished:
+        print(
+            f"TST: stopped early at checkpoint iteration {latest} of {n} (a signal, "
+            f"--exit-duration-in-mins or --exit-interval): run the same line to continue "
+            f"({marker} says stopped_early)",
+            flush=True,
+        )
 
 
 def _exit_on(exc: ConfigError) -> typing.NoReturn:

@@ -67,8 +67,14 @@ def hybrid_pattern_argv_problems(argv: Sequence[str]) -> list[str]:
     if pattern is None:  # --use-checkpoint-args may bring one: hybrid_pattern_problems
         return [] if "--use-checkpoint-args" in argv else [_NO_PATTERN]
     if not HybridPattern.main_of(pattern).strip():
+        if "/" in pattern:
+            what = "holds no layer before its MTP part"
+        elif pattern.strip():
+            what = "holds no layer, only pipeline-stage splits"
+        else:
+            what = "is empty"
         return [
-            f"{flag} {pattern!r} holds no layer before its MTP part: give one symbol per "
+            f"{flag} {pattern!r} {what}: give one symbol per "
             "layer (* attention, - MLP, E MoE, M Mamba-2, G gated delta net; '|' splits "
             "pipeline stages, '/' starts the MTP part)"
         ]
