@@ -179,12 +179,29 @@ def test_a_crafted_checkpoint_is_one_line_naming_the_global_and_runs_nothing(tmp
     assert not flag.exists(), name
 
 
+@pytest.mark.parametrize("name", ["torch_dist .metadata", "torch model_optim_rng.pt"])
+def test_use_checkpoint_args_reads_nothing_before_the_scan(tmp_path, name):
+    """``--use-checkpoint-args`` makes Megatron-LM's ``load_args_from_checkpoint`` read the
+    checkpoint inside argument validation (unrestricted for DCP's ``.metadata``): the launch's
+    checkpoint stage runs before it."""
+    from tst_megatron.training.dry_run import dry_run
+
+    root, flag = _crafted(tmp_path, name)
+    err = io.StringIO()
+    argv = DRY + ["--load", str(root), "--use-checkpoint-args"]
+    assert dry_run(argv, out=io.StringIO(), err=err) == 2
+    errors = [x for x in err.getvalue().splitlines() if x.startswith("error:")]
+    assert len(errors) == 1 and "posix.system" in errors[0], err.getvalue()
+    assert not flag.exists(), name
+
+
 #: A tiny CPU launch line for in-process dry runs.
 DRY = [
     "--device", "cpu", "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128",
     "--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "4",
     "--seq-length", "16", "--max-position-embeddings", "16", "--micro-batch-size", "2",
-    "--global-batch-size", "2", "--train-iters", "6", "--lr", "1e-3",
+    "--global-batch-size", "2", "--train-iters", "6", "--lr", "1e-3", "--eval-interval", "6",
+    "--eval-iters", "1", "--num-workers", "0",
     "--tst-bag-size", "2", "--tst-phase1-iters", "3",
 ]  # fmt: skip
 

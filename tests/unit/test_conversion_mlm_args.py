@@ -136,3 +136,37 @@ def test_vocabulary_from_the_tokenizer_when_no_vocab_size(namespace, tmp_path):
     changed.tokenizer_model = str(tmp_path / "missing.model")
     with pytest.raises(ValueError, match="no --vocab-size"):
         mlm.vocab_size(changed)
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("([1]*3+[0])*2", [1, 1, 1, 0, 1, 1, 1, 0]),
+        ("[1, 0] * 2", [1, 0, 1, 0]),
+        ("([0]+[1]*3)", [0, 1, 1, 1]),
+        ("[1,0,0,1]", [1, 0, 0, 1]),
+    ],
+)
+def test_a_moe_layer_freq_pattern_is_parsed_as_megatron_lm_evaluates_it(text, expected):
+    """The reference is Python's own evaluation of the expression (what Megatron-LM's
+    ``moe_freq_type`` does), on patterns known to be harmless."""
+    assert mlm.layer_pattern(text, limit=64) == expected == eval(text)  # noqa: S307
+
+
+@pytest.mark.parametrize(
+    "text, why",
+    [
+        ("9**9**9**9", "unexpected '9'"),  # passed the old character check and hung
+        ("[1]*9**9", "unexpected '*'"),
+        ("[1]*100000000", "longer than the 64 layers"),
+        ("([1]*8)*8+[1]", "longer than the 64 layers"),
+        ("__import__('os')", "unexpected '_'"),
+        ("[1]*", "it ends early"),
+        ("([1]", "expected ')'"),
+        ("[1.5]", "unexpected"),
+    ],
+)
+def test_a_moe_layer_freq_pattern_that_is_code_or_grows_without_bound_is_one_line(text, why):
+    with pytest.raises(ValueError, match="is not a layer pattern") as refused:
+        mlm.layer_pattern(text, limit=64)
+    assert why in str(refused.value), refused.value
