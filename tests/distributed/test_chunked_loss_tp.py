@@ -1,0 +1,68 @@
+"""The chunked output layer + cross-entropy at TP = 2 (2 gloo processes), with and without
+sequence parallelism, against the 1-process float64 reference of
+``tests/unit/test_chunked_loss.py``: each rank holds half the vocabulary rows of the weight
+(and, with sequence parallelism, half the positions of the hidden states)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.distributed.harness import run_distributed
+
+T, B, H, V, K = 8, 2, 6, 10, 3
+
+
+def _inputs():
+    g = torch.Generator().manual_seed(3)
+    hidden = torch.randn(T, B, H, generator=g, dtype=torch.float64)
+    weight = torch.randn(V, H, generator=g, dtype=torch.float64)
+    targets = torch.randint(0, V, (T, B, K), generator=g)
+    upstream = torch.rand(T, B, K, generator=g, dtype=torch.float64)
+    upstream[5, 0] = 0.0
+    return hidden, weight, targets, upstream
+
+
+def _child(rank, world, *, sequence_parallel, chunks):
+    import torch.distributed as dist
+
+    from tst_megatron.superposition.chunked_loss import chunked_output_cross_entropy
+
+    hidden, weight, targets, upstream = _inputs()
+    rows = V // world
+    local_weight = weight[rank * rows : (rank + 1) * rows].clone().requires_grad_()
+    if sequence_parallel:
+        part = T // world
+        local_hidden = hidden[rank * part : (rank + 1) * part].clone().requires_grad_()
+    else:
+        local_hidden = hidden.clone().requires_grad_()
+    loss = chunked_output_cross_entropy(
+        local_hidden, local_weight, targets, chunks=chunks, tp_group=dist.group.WORLD,
+        sequence_parallel=sequence_parallel,
+    )  # fmt: skip
+    loss.backward(upstream)
+    return loss.detach(), local_hidden.grad, local_weight.grad
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+@pytest.mark.parametrize("chunks", [1, 3])
+def test_tp2_equals_one_process(sequence_parallel, chunks):
+    hidden, weight, targets, upstream = _inputs()
+    hidden.requires_grad_()
+    weight.requires_grad_()
+    log_p = torch.log_softmax(hidden @ weight.t(), dim=-1)
+    ref = -torch.gather(log_p, -1, targets)
+    ref.backward(upstream)
+    results = run_distributed(
+        _child, world_size=2, sequence_parallel=sequence_parallel, chunks=chunks
+    )
+    for rank, (loss, grad_hidden, grad_weight) in enumerate(results):
+        torch.testing.assert_close(loss, ref.detach(), rtol=1e-12, atol=1e-12)
+        rows = V // 2
+        torch.testing.assert_close(
+            grad_weight, weight.grad[rank * rows : (rank + 1) * rows], rtol=1e-12, atol=1e-12
+        )
+        expected = hidden.grad
+        if sequence_parallel:
+            expected = expected[rank * (T // 2) : (rank + 1) * (T // 2)]
+        torch.testing.assert_close(grad_hidden, expected, rtol=1e-12, atol=1e-12)
