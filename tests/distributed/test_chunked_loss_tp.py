@@ -5,7 +5,6 @@ sequence parallelism, against the 1-process float64 reference of
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from tests.distributed.harness import run_distributed
@@ -23,46 +22,52 @@ def _inputs():
     return hidden, weight, targets, upstream
 
 
-def _child(rank, world, *, sequence_parallel, chunks):
+#: (sequence parallelism, chunks) of each case, all run in one pair of processes.
+CASES = [(False, 1), (False, 3), (True, 1), (True, 3)]
+
+
+def _child(rank, world):
     import torch.distributed as dist
 
     from tst_megatron.superposition.chunked_loss import chunked_output_cross_entropy
 
     hidden, weight, targets, upstream = _inputs()
     rows = V // world
-    local_weight = weight[rank * rows : (rank + 1) * rows].clone().requires_grad_()
-    if sequence_parallel:
-        part = T // world
-        local_hidden = hidden[rank * part : (rank + 1) * part].clone().requires_grad_()
-    else:
-        local_hidden = hidden.clone().requires_grad_()
-    loss = chunked_output_cross_entropy(
-        local_hidden, local_weight, targets, chunks=chunks, tp_group=dist.group.WORLD,
-        sequence_parallel=sequence_parallel,
-    )  # fmt: skip
-    loss.backward(upstream)
-    return loss.detach(), local_hidden.grad, local_weight.grad
+    results = []
+    for sequence_parallel, chunks in CASES:
+        local_weight = weight[rank * rows : (rank + 1) * rows].clone().requires_grad_()
+        if sequence_parallel:
+            part = T // world
+            local_hidden = hidden[rank * part : (rank + 1) * part].clone().requires_grad_()
+        else:
+            local_hidden = hidden.clone().requires_grad_()
+        loss = chunked_output_cross_entropy(
+            local_hidden, local_weight, targets, chunks=chunks, tp_group=dist.group.WORLD,
+            sequence_parallel=sequence_parallel,
+        )  # fmt: skip
+        loss.backward(upstream)
+        results.append((loss.detach(), local_hidden.grad, local_weight.grad))
+    return results
 
 
-@pytest.mark.parametrize("sequence_parallel", [False, True])
-@pytest.mark.parametrize("chunks", [1, 3])
-def test_tp2_equals_one_process(sequence_parallel, chunks):
+def test_tp2_with_and_without_sequence_parallelism_equals_one_process():
     hidden, weight, targets, upstream = _inputs()
     hidden.requires_grad_()
     weight.requires_grad_()
     log_p = torch.log_softmax(hidden @ weight.t(), dim=-1)
     ref = -torch.gather(log_p, -1, targets)
     ref.backward(upstream)
-    results = run_distributed(
-        _child, world_size=2, sequence_parallel=sequence_parallel, chunks=chunks
-    )
-    for rank, (loss, grad_hidden, grad_weight) in enumerate(results):
-        torch.testing.assert_close(loss, ref.detach(), rtol=1e-12, atol=1e-12)
-        rows = V // 2
-        torch.testing.assert_close(
-            grad_weight, weight.grad[rank * rows : (rank + 1) * rows], rtol=1e-12, atol=1e-12
-        )
-        expected = hidden.grad
-        if sequence_parallel:
-            expected = expected[rank * (T // 2) : (rank + 1) * (T // 2)]
-        torch.testing.assert_close(grad_hidden, expected, rtol=1e-12, atol=1e-12)
+    ranks = run_distributed(_child, world_size=2)
+    rows = V // 2
+    for rank, results in enumerate(ranks):
+        for (sequence_parallel, chunks), (loss, grad_hidden, grad_weight) in zip(CASES, results):
+            case = (rank, sequence_parallel, chunks)
+            torch.testing.assert_close(loss, ref.detach(), rtol=1e-12, atol=1e-12, msg=str(case))
+            torch.testing.assert_close(
+                grad_weight, weight.grad[rank * rows : (rank + 1) * rows], rtol=1e-12,
+                atol=1e-12, msg=str(case),
+            )  # fmt: skip
+            expected = hidden.grad
+            if sequence_parallel:
+                expected = expected[rank * (T // 2) : (rank + 1) * (T // 2)]
+            torch.testing.assert_close(grad_hidden, expected, rtol=1e-12, atol=1e-12)

@@ -184,8 +184,11 @@ def test_tst_run_through_the_switch(cluster, uninterrupted):
         f"iter_{N1:07d}",
         f"iter_{N:07d}",
         "latest_checkpointed_iteration.txt",
+        "tst_exit.json",
     ]
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == str(N)
+    assert '"status": "finished"' in (ckpt / "tst_exit.json").read_text()
+    assert "(finished); latest checkpoint" in text  # the script read the launcher's marker
     assert list((workdir / "runs" / "tst-a" / "tensorboard").glob("events.out.tfevents.*"))
     assert cluster.job_field(job_id, "JobState") == "COMPLETED"
     assert cluster.job_field(job_id, "Restarts") == "0"

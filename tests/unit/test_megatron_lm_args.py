@@ -59,6 +59,7 @@ def test_tst_flags_are_the_dataclass_fields():
         "--dry-run-gpu",
         "--help",
         "--no-tst-save-at-switch",
+        "--trust-checkpoint",
         "--tst-bag-size",
         "--tst-bag-weighting",
         "--tst-mode",
@@ -528,6 +529,12 @@ def test_a_tracker_file_without_an_iteration_is_one_line(tmp_path):
     (line,) = resume_checks(args, None)
     assert "latest_checkpointed_iteration.txt holds 'garbage', not an iteration" in line
     (tmp_path / "latest_checkpointed_iteration.txt").write_text("release")
+    # a release tracker without its folder: Megatron-LM's load would fail after set-up
+    (line,) = resume_checks(args, None)
+    assert "release (the tracker file's checkpoint) does not exist" in line, line
+    from tests.unit.test_checkpoint_input import write_torch_dist
+
+    write_torch_dist(tmp_path / "release")
     assert resume_checks(args, None) == []  # a release checkpoint: nothing to resume
 
 
