@@ -173,3 +173,35 @@ def test_at_8_chunks_the_bf16_peak_is_at_most_a_quarter_of_the_unchunked_path(k)
     assert unchunked >= 3 * LOGITS_BF16, unchunked  # bf16 logits + their fp32 softmax
     assert chunked <= 0.25 * unchunked, (chunked, unchunked)
     assert chunked < LOGITS_BF16, chunked  # not even one bf16 logits-sized tensor
+
+
+@pytest.mark.parametrize(
+    "flags, fragment",
+    [
+        (["--tst-loss-chunks", "0"], "--tst-loss-chunks must be an integer >= 1, got 0"),
+        (
+            ["--tst-loss-chunks", "4", "--mtp-num-layers", "1", "--position-embedding-type",
+             "rope"],
+            "--tst-loss-chunks 4 is not supported with --mtp-num-layers",
+        ),
+        (
+            ["--tst-loss-chunks", "4", "--cross-entropy-loss-fusion"],
+            "--tst-loss-chunks 4 is not supported with --cross-entropy-loss-fusion",
+        ),
+    ],
+)  # fmt: skip
+def test_what_the_chunked_head_cannot_run_with_is_one_line(flags, fragment):
+    """The dry run (the launch runs the same rules): settings that read the full logits
+    between the output layer and the loss, or another loss implementation."""
+    import io
+
+    pytest.importorskip("megatron.training")
+    from tests.unit.test_checkpoint_input import DRY
+    from tst_megatron.training.dry_run import dry_run
+
+    err = io.StringIO()
+    assert dry_run(DRY + flags, out=io.StringIO(), err=err) == 2
+    errors = [x for x in err.getvalue().splitlines() if x.startswith("error:")]
+    assert len(errors) == 1 and fragment in errors[0], err.getvalue()
+    ok = io.StringIO()
+    assert dry_run(DRY + ["--tst-loss-chunks", "4"], out=ok, err=io.StringIO()) == 0

@@ -62,6 +62,7 @@ def test_tst_flags_are_the_dataclass_fields():
         "--trust-checkpoint",
         "--tst-bag-size",
         "--tst-bag-weighting",
+        "--tst-loss-chunks",
         "--tst-mode",
         "--tst-phase1-fraction",
         "--tst-phase1-iters",

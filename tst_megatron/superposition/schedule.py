@@ -45,6 +45,11 @@ class TSTConfig:
     input (bag-averaged input, the first token of the next bag as the target) or output (ordinary
     input, the next S tokens as the target; reads as much text as a baseline). Default:
     full."""
+    loss_chunks: int = 1
+    """Compute the output layer and the loss over this many chunks of the positions, in both
+    phases, so that at most one chunk's logits (and their fp32 softmax) exist at a time; a
+    chunk's logits are computed again in backward (one more matmul of the output layer). 1:
+    megatron-core's output layer and cross-entropy. Default: 1."""
 
     def validate(self, train_iters: int) -> list[str]:
         """The problems of these settings, one line each naming the flag (empty: none).
@@ -65,6 +70,12 @@ class TSTConfig:
             )
         if self.phase1_fraction is not None and not 0.0 <= self.phase1_fraction <= 1.0:
             problems.append(f"--tst-phase1-fraction {self.phase1_fraction} must be in [0, 1]")
+        if (
+            isinstance(self.loss_chunks, bool)
+            or not isinstance(self.loss_chunks, int)
+            or self.loss_chunks < 1
+        ):
+            problems.append(f"--tst-loss-chunks must be an integer >= 1, got {self.loss_chunks!r}")
         if self.mode != "full" and self.bag_size == 1:
             problems.append(
                 f"--tst-mode {self.mode} needs --tst-bag-size > 1 (S = 1 has no phase 1)"

@@ -34,7 +34,12 @@ from tst_megatron.training.layers import (
     local_layer,
     model_arguments,
 )
-from tst_megatron.training.seams import PhaseOneMTPSkip, TSTLossSeam, idle_gradient
+from tst_megatron.training.seams import (
+    PhaseOneMTPSkip,
+    TSTLossSeam,
+    enable_loss_chunks,
+    idle_gradient,
+)
 
 
 class TSTGPTModel(TSTLossSeam, PhaseOneMTPSkip, GPTModel):
@@ -60,8 +65,16 @@ class TSTGPTModel(TSTLossSeam, PhaseOneMTPSkip, GPTModel):
         """``GPTModel._postprocess``, except with ``[b, T, S]`` labels on a model with MTP:
         the MTP block is skipped and MTP-only parameters get an exactly zero gradient
         (megatron-core DDP's ``--overlap-grad-reduce`` needs every grad hook to fire). Returns
-        ``[b, T, S]`` fp32 CE, or ``hidden_states`` ``[T, b, h]`` on a non-output stage.
+        ``[b, T, S]`` fp32 CE, or ``hidden_states`` ``[T, b, h]`` on a non-output stage. With
+        labels and ``--tst-loss-chunks`` > 1 the head runs in chunks (``chunked_head``; also
+        in the expert-parallel overlap's post-process node, which calls this method).
         """
+        with self.chunked_head(labels):  # --tst-loss-chunks (TSTLossSeam)
+            return self._postprocess_phases(
+                hidden_states, input_ids, position_ids, labels, *args, **kwargs
+            )
+
+    def _postprocess_phases(self, hidden_states, input_ids, position_ids, labels, *args, **kwargs):
         if labels is None or labels.dim() != 3 or not self.config.mtp_num_layers:
             return super()._postprocess(
                 hidden_states, input_ids, position_ids, labels, *args, **kwargs
@@ -190,4 +203,5 @@ def build_gpt_model_from_args(
             vp_stage=vp_stage,
         ),
     )
+    enable_loss_chunks(model, getattr(args, "tst_loss_chunks", None) or 1)
     return finish(model, cfg.transformer)

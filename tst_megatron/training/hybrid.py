@@ -41,7 +41,12 @@ from tst_megatron.training.layers import (
     local_layer_specs,
     model_arguments,
 )
-from tst_megatron.training.seams import PhaseOneMTPSkip, TSTLossSeam, idle_gradient
+from tst_megatron.training.seams import (
+    PhaseOneMTPSkip,
+    TSTLossSeam,
+    enable_loss_chunks,
+    idle_gradient,
+)
 
 #: What each family :func:`local_hybrid_stack_spec` does not build needs (the others: ``*``,
 #: ``-``, ``E``).
@@ -77,17 +82,19 @@ class TSTHybridModel(TSTLossSeam, PhaseOneMTPSkip, HybridModel):
     ):
         """``HybridModel.forward``, except with ``[b, T, S]`` labels on a stage that runs MTP:
         the MTP block is skipped (``HybridModel`` runs it on ``input_ids``, which phase 1's
-        bag inputs lack) and the MTP-only parameters get an exactly zero gradient."""
+        bag inputs lack) and the MTP-only parameters get an exactly zero gradient; with labels
+        and ``--tst-loss-chunks`` > 1 the head runs in chunks (``chunked_head``)."""
         args = (input_ids, position_ids, attention_mask, decoder_input, labels, *rest)
-        if labels is None or labels.dim() != 3 or not getattr(self, "mtp_process", False):
-            return super().forward(*args, **kwargs)
-        idle = self._idle_mtp()
-        self.mtp_process = False  # HybridModel.forward reads it for both MTP steps
-        try:
-            output = super().forward(*args, **kwargs)
-        finally:
-            self.mtp_process = True
-        return idle_gradient(output, idle)
+        with self.chunked_head(labels):  # --tst-loss-chunks (TSTLossSeam)
+            if labels is None or labels.dim() != 3 or not getattr(self, "mtp_process", False):
+                return super().forward(*args, **kwargs)
+            idle = self._idle_mtp()
+            self.mtp_process = False  # HybridModel.forward reads it for both MTP steps
+            try:
+                output = super().forward(*args, **kwargs)
+            finally:
+                self.mtp_process = True
+            return idle_gradient(output, idle)
 
 
 class LocalHybridStack(HybridStack):
@@ -216,4 +223,5 @@ def build_hybrid_model_from_args(
             vp_stage=vp_stage,
         ),
     )
+    enable_loss_chunks(model, getattr(args, "tst_loss_chunks", None) or 1)
     return finish(model, cfg.transformer)

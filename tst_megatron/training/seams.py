@@ -15,9 +15,14 @@ Phase 1's multi-hot cross-entropy is scored there on the sequence-first logits
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+
 import torch
+from megatron.core.tensor_parallel import ColumnParallelLinear
 
 from tst_megatron.superposition import vocab_parallel_multi_target_cross_entropy
+from tst_megatron.superposition.chunked_loss import chunked_output_cross_entropy
 from tst_megatron.superposition.embedding import run_forward_pre_hooks
 
 
@@ -26,6 +31,25 @@ class TSTLossSeam:
     before it: ``class M(TSTLossSeam, GPTModel)``. Adds no parameter, buffer or state-dict key.
     """
 
+    #: ``--tst-loss-chunks`` (:func:`enable_loss_chunks`); 1: megatron-core's head and loss.
+    tst_loss_chunks = 1
+
+    @contextlib.contextmanager
+    def chunked_head(self, labels):
+        """While the model computes a loss (``labels`` given) with ``tst_loss_chunks > 1``,
+        its output layer (:class:`ChunkedOutputLayer`) returns its input instead of the
+        logits, and :meth:`compute_language_model_loss` computes the output layer and the loss
+        together over chunks. Without labels (logits wanted) nothing changes."""
+        layer = getattr(self, "output_layer", None)
+        on = isinstance(layer, ChunkedOutputLayer) and labels is not None
+        if on:
+            layer.deferred = True
+        try:
+            yield
+        finally:
+            if on:
+                layer.deferred = False
+
     def compute_language_model_loss(self, labels: torch.Tensor, logits: torch.Tensor):
         """Per-token CE for ``[b, T]`` labels (megatron-core), per-slot CE for ``[b, T, S]``.
 
@@ -33,6 +57,10 @@ class TSTLossSeam:
             labels: ``[b, T]`` or ``[b, T, S]`` integer global token ids.
             logits: ``[T, b, V/tp]`` output-layer logits (vocab-parallel). With ``[b, T, S]``
                 labels they are overwritten by the softmax (they are not used afterwards).
+                Or, under :meth:`chunked_head`, the output layer's input ``[T, b, h]`` tagged
+                by :class:`ChunkedOutputLayer`: then the output layer and the loss run over
+                ``tst_loss_chunks`` chunks
+                (:func:`~tst_megatron.superposition.chunked_loss.chunked_output_cross_entropy`).
 
         Returns:
             ``[b, T]`` or ``[b, T, S]`` float32 cross-entropy (nats).
@@ -43,6 +71,9 @@ class TSTLossSeam:
                 (gathered logits).
         """
         tp = self.tp_group.size() if self.tp_group is not None else 1
+        deferred = getattr(logits, "tst_output", None)
+        if deferred is not None:
+            return self._chunked_loss(labels, logits, deferred)
         if logits.shape[-1] * tp != self.vocab_size:
             raise ValueError(
                 f"logits have {logits.shape[-1]} vocabulary entries per rank but the loss "
@@ -62,6 +93,75 @@ class TSTLossSeam:
             logits, targets, tp_group=self.tp_group, inplace=True
         )
         return per_slot.transpose(0, 1).contiguous()  # [T, b, S] -> [b, T, S]
+
+    def _chunked_loss(self, labels: torch.Tensor, hidden: torch.Tensor, deferred) -> torch.Tensor:
+        """:meth:`compute_language_model_loss` of the output layer's input ``hidden``
+        ``[T, b, h]`` (``[T/tp, b, h]`` under sequence parallelism) and weight: ``[b, T]`` or
+        ``[b, T, S]`` fp32 CE, as the unchunked path returns it."""
+        if labels.dim() not in (2, 3):
+            raise ValueError(f"labels must be [b, T] or [b, T, S], got {tuple(labels.shape)}")
+        slots = labels.unsqueeze(-1) if labels.dim() == 2 else labels
+        targets = slots.transpose(0, 1).contiguous()  # [b, T, k] -> [T, b, k] (small)
+        per_slot = chunked_output_cross_entropy(
+            hidden,
+            deferred.weight,
+            targets,
+            chunks=self.tst_loss_chunks,
+            tp_group=self.tp_group,
+            sequence_parallel=deferred.sequence_parallel,
+        ).transpose(0, 1)  # [T, b, k] -> [b, T, k]
+        return (per_slot[..., 0] if labels.dim() == 2 else per_slot).contiguous()
+
+
+class ChunkedOutputLayer(ColumnParallelLinear):
+    """megatron-core's output layer (``ColumnParallelLinear``, same parameters and state-dict
+    keys) that, while :attr:`deferred` (:meth:`TSTLossSeam.chunked_head`), returns its input
+    tagged with the weight it would use instead of the logits: the model's loss seam then runs
+    the output layer and the loss together in chunks. Everywhere else, its own forward."""
+
+    deferred = False
+
+    def forward(self, input_, weight=None, runtime_gather_output=None):
+        """``ColumnParallelLinear.forward``; while :attr:`deferred`: ``(input_ view with a
+        ``tst_output`` attribute (weight, sequence parallelism), None)``."""
+        if not self.deferred:
+            return super().forward(
+                input_, weight=weight, runtime_gather_output=runtime_gather_output
+            )
+        tagged = input_.view_as(input_)  # a new tensor object: the tag stays off the input
+        tagged.tst_output = DeferredOutput(
+            self.weight if weight is None else weight, self.sequence_parallel
+        )
+        return tagged, None
+
+
+@dataclasses.dataclass(frozen=True)
+class DeferredOutput:
+    """What :class:`ChunkedOutputLayer` hands the loss seam: the output weight ``[V/tp, h]``
+    (its own, or the shared embedding's) and whether its input is a sequence-parallel shard."""
+
+    weight: torch.Tensor
+    sequence_parallel: bool
+
+
+def enable_loss_chunks(model, chunks: int):
+    """Set ``--tst-loss-chunks`` on a TST model (a :class:`TSTLossSeam`) and, on its output
+    stage with ``chunks > 1``, make its output layer a :class:`ChunkedOutputLayer` (the same
+    module; only its forward changes). Returns ``model``.
+
+    Raises:
+        ValueError: the output layer is not megatron-core's ``ColumnParallelLinear`` (e.g.
+            Transformer Engine's MXFP8 LM head), which the launch rules refuse first.
+    """
+    model.tst_loss_chunks = chunks
+    layer = getattr(model, "output_layer", None)
+    if chunks > 1 and layer is not None:
+        if type(layer) is not ColumnParallelLinear:
+            raise ValueError(
+                f"--tst-loss-chunks needs a ColumnParallelLinear output layer, got {type(layer).__name__}"
+            )
+        layer.__class__ = ChunkedOutputLayer  # this module only: its forward, nothing else
+    return model
 
 
 # --- phase 2: no gradient from unscored positions ---------------------------------------

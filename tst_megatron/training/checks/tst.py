@@ -21,9 +21,41 @@ def tst_problems(args, plan, *, config=None) -> list[str]:
     )
 
 
+def loss_chunk_problems(args, chunks: int) -> list[str]:
+    """What ``--tst-loss-chunks`` > 1 cannot run with, one line each: it replaces the output
+    layer's forward and the loss (:class:`~tst_megatron.training.seams.ChunkedOutputLayer`),
+    so the settings that need the full logits or another head are refused."""
+    if chunks <= 1:
+        return []
+    why = {
+        "mtp_num_layers": "--mtp-num-layers: megatron-core's MTP reads each head's full logits "
+        "(its acceptance counts) between the output layer and the loss",
+        "cross_entropy_loss_fusion": "--cross-entropy-loss-fusion: the chunked head computes "
+        "the cross-entropy itself (the same math); drop one of the two",
+        "use_mup": "--use-mup: MuP scales the logits between the output layer and the loss",
+        "defer_embedding_wgrad_compute": "--defer-embedding-wgrad-compute: it defers the "
+        "output layer's own weight gradient, which the chunked head computes itself",
+    }
+    lines = [
+        f"--tst-loss-chunks {chunks} is not supported with {text}"
+        for name, text in why.items()
+        if getattr(args, name, None)
+    ]
+    mxfp8_head = getattr(args, "fp8_output_proj", False) and getattr(args, "fp8", None)
+    if mxfp8_head and getattr(args, "fp8_recipe", None) == "mxfp8":
+        lines.append(
+            f"--tst-loss-chunks {chunks} is not supported with --fp8-output-proj under "
+            "--fp8-recipe mxfp8: megatron-core then builds Transformer Engine's LM head "
+            "(TELMHeadColumnParallelLinear, megatron-core 0.19.2's is_mxfp8_output_proj_active)"
+        )
+    return lines
+
+
 def tst_setting_problems(args, plan) -> list[str]:
     """The settings TST cannot run, one line each naming the flag."""
     problems = plan.tst.validate(max(plan.n, 1))
+    if not problems:
+        problems = loss_chunk_problems(args, plan.tst.loss_chunks)
     if problems or plan.n1 == 0:
         return problems
     bags = "(--tst-bag-size > 1)"

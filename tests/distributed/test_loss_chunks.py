@@ -1,0 +1,94 @@
+"""``--tst-loss-chunks``: a CPU training through the switch with the output layer and the loss
+in chunks equals the same run without (losses, validation losses and grad norms to float32
+round-off), at TP = 1 with tied embeddings (1 process), TP = 2 + sequence parallelism, PP = 2
+and EP = 2 (2 gloo processes), and for a ``HybridModel``; and the chunked head is the path
+taken (``ChunkedOutputLayer`` deferred its logits, counted here)."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("megatron.training")
+
+from tests.distributed.harness import run_distributed  # noqa: E402
+from tests.launcher import (  # noqa: E402
+    BASE,
+    EP2,
+    NO_DROPOUT,
+    VALID,
+    log_lines,
+    pretrain_child,
+    without,
+)
+
+KEYS = ("lm loss", "mce loss", "grad norm")
+LINE = BASE + NO_DROPOUT
+
+
+def _counting_child(rank, world, *, runs, model="gpt"):
+    """:func:`tests.launcher.pretrain_child`, counting the chunked head's calls per run."""
+    from tst_megatron.training import seams
+
+    real, counts = seams.chunked_output_cross_entropy, []
+
+    def counted(*args, **kwargs):
+        counts[-1] += 1
+        return real(*args, **kwargs)
+
+    seams.chunked_output_cross_entropy = counted
+    printed = []
+    try:
+        for argv in runs:
+            counts.append(0)
+            printed += pretrain_child(rank, world, runs=[argv], model=model)
+    finally:
+        seams.chunked_output_cross_entropy = real
+    return printed, counts
+
+
+def _compare(plain: str, chunked: str, name: str):
+    a, b = log_lines(plain, KEYS), log_lines(chunked, KEYS)
+    assert sorted(a) == [1, 2, 3, 4, 5, 6] and sorted(b) == sorted(a), (name, chunked[-2000:])
+    for i in a:
+        for key, value in a[i].items():
+            assert b[i][key] == pytest.approx(value, rel=1e-5, abs=1e-6), (name, i, key)
+    va, vb = VALID.findall(plain), VALID.findall(chunked)
+    assert len(va) == 2 and [i for i, _ in vb] == [i for i, _ in va], (name, vb)
+    for (_, x), (_, y) in zip(va, vb):
+        assert float(y) == pytest.approx(float(x), rel=1e-5), (name, x, y)
+
+
+#: name -> flags added to LINE; each runs with --tst-loss-chunks 1 and 3.
+TWO_PROCESSES = {
+    "TP 2 + SP": ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
+    "PP 2": ["--pipeline-model-parallel-size", "2"],
+    "EP 2": EP2,
+}
+
+
+@pytest.mark.slow
+def test_chunked_head_equals_the_unchunked_run_on_two_processes():
+    runs = [
+        LINE + extra + ["--tst-loss-chunks", chunks]
+        for extra in TWO_PROCESSES.values()
+        for chunks in ("1", "3")
+    ]
+    results = run_distributed(_counting_child, world_size=2, runs=runs)
+    printed, counts = results[-1]  # the last rank prints the training log
+    for i, name in enumerate(TWO_PROCESSES):
+        _compare(printed[2 * i], printed[2 * i + 1], name)
+        assert counts[2 * i] == 0 and counts[2 * i + 1] > 0, (name, counts)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["gpt", "hybrid"])
+def test_chunked_head_equals_the_unchunked_run_with_tied_embeddings(model):
+    """One process, TP = 1, the output layer's weight the embedding's (Megatron-LM's
+    default): its gradient reaches the shared parameter."""
+    tied = [w for w in LINE if w != "--untie-embeddings-and-output-weights"]
+    if model == "hybrid":
+        tied = without(tied, "--num-layers") + ["--hybrid-layer-pattern", "*-*-"]
+    runs = [tied + ["--tst-loss-chunks", chunks] for chunks in ("1", "4")]
+    ((printed, counts),) = run_distributed(_counting_child, world_size=1, runs=runs, model=model)
+    _compare(printed[0], printed[1], model)
+    assert counts[0] == 0 and counts[1] > 0, counts
