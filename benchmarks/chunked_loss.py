@@ -30,6 +30,8 @@ SHAPES = {
     "quickstart (V 4,096, h 128)": ((128, 4), 128, 4096),
 }
 CHUNKS = (1, 2, 4, 8, 16)
+#: Chunk counts also measured with megatron-core's gradient-accumulation fusion (main_grad).
+MAIN_GRAD_CHUNKS = (8, 16)
 #: The H200 row of docs/gpu_check.md: 131,072 entries, seq 4096 x micro-batch 2 tokens,
 #: hidden 2048 (the real-size dense row).
 H200_TOKENS, H200_VOCAB, H200_HIDDEN = 8192, 131072, 2048
@@ -67,6 +69,20 @@ def rows(shape, dtype, k, repeats):
             return chunked_output_cross_entropy(h, w, t, chunks=n)
 
         found.append((f"{n} chunk(s)", *measure(_step(chunked, *inputs), repeats)))
+    # megatron-core DDP's fp32 main_grad and the placeholder gradient exist before the step
+    # (DDP's buffer; one reused placeholder, as TE's dummy wgrad): not counted
+    weight = inputs[1]
+    weight.main_grad = torch.zeros(weight.shape, dtype=torch.float32)
+    weight.grad_added_to_main_grad = False
+    for n in MAIN_GRAD_CHUNKS:
+
+        def fused(h, w, t, n=n):
+            w.grad_added_to_main_grad = False
+            return chunked_output_cross_entropy(h, w, t, chunks=n, into_main_grad=True)
+
+        _step(fused, *inputs)()  # makes the placeholder
+        found.append((f"{n} chunk(s), into main_grad", *measure(_step(fused, *inputs), repeats)))
+    del weight.main_grad
     return found
 
 
@@ -123,8 +139,9 @@ def main(argv=None) -> int:
     weight_grad, h200_grad = V * h * 2, H200_VOCAB * H200_HIDDEN * 2
     base = None
     for label, values in per_token.items():
-        rest = values[0] - (0 if label == "unchunked" else weight_grad / (T * b * V))
-        gib = rest * H200_TOKENS * H200_VOCAB + (0 if label == "unchunked" else h200_grad)
+        holds_grad = label != "unchunked" and "main_grad" not in label
+        rest = values[0] - (weight_grad / (T * b * V) if holds_grad else 0)
+        gib = rest * H200_TOKENS * H200_VOCAB + (h200_grad if holds_grad else 0)
         gib /= 2**30
         base = base or gib
         lines.append(f"| {label} | {rest:.3f} | {gib:,.2f} | {gib / base:.3f} |")

@@ -104,7 +104,10 @@ def _grads(chunks, names):
     }
 
 
-def _run(rank, *, overlap, phase, mtp, delay_wgrad=False, switch=False, resume=False, pp=1):
+def _run(
+    rank, *, overlap, phase, mtp, delay_wgrad=False, switch=False, resume=False, pp=1,
+    loss_chunks=1,
+):  # fmt: skip
     """Plain or overlapped steps of one TST phase (``switch``: a phase-1 step, an SGD update,
     then the ``phase`` step; ``resume``: the model is built again from its state dict before
     that step, as a restarted run loads it): the losses and the gradients by global name."""
@@ -133,6 +136,13 @@ def _run(rank, *, overlap, phase, mtp, delay_wgrad=False, switch=False, resume=F
         )
         config.bf16 = False
     chunks, names = _chunks(config, mtp=mtp)
+    if loss_chunks > 1:  # --tst-loss-chunks: the head in chunks, counted
+        from tst_megatron.training import seams
+
+        for model in chunks:
+            seams.enable_loss_chunks(model, loss_chunks)
+        calls, real = [], seams.chunked_output_cross_entropy
+        seams.chunked_output_cross_entropy = lambda *a, **k: calls.append(1) or real(*a, **k)
     # megatron-core refuses the flag for a float32 model (see the module docstring)
     config.overlap_moe_expert_parallel_comm = overlap
     micro_batches = MICRO_BATCHES * pp
@@ -180,7 +190,11 @@ def _run(rank, *, overlap, phase, mtp, delay_wgrad=False, switch=False, resume=F
         for model, state in zip(chunks, states):
             model.load_state_dict(state)
     losses += run(phase)
-    return {"losses": losses, "grads": _grads(chunks, names)}
+    result = {"losses": losses, "grads": _grads(chunks, names)}
+    if loss_chunks > 1:
+        seams.chunked_output_cross_entropy = real
+        result["chunked calls"] = len(calls)
+    return result
 
 
 @pytest.mark.slow
@@ -203,6 +217,26 @@ def test_the_all_to_all_overlap_equals_the_plain_schedule(phase, mtp):
             assert idle and all(not b["grads"][n].any() for n in idle)
         if mtp and phase == 2:  # and trained in phase 2
             assert any(b["grads"][n].any() for n in b["grads"] if n.startswith("mtp."))
+
+
+@pytest.mark.slow
+def test_the_overlap_with_the_chunked_head_equals_the_plain_schedule_and_the_unchunked_head():
+    """``--tst-loss-chunks 3``: the plan's post-process node (which calls the model's
+    ``_postprocess``) runs the chunked head; bitwise the plain schedule's, in both phases,
+    and the unchunked head's to float32 round-off."""
+    runs = [
+        dict(overlap=overlap, phase=phase, mtp=False, loss_chunks=chunks)
+        for phase in (1, 2)
+        for overlap, chunks in ((False, 1), (False, 3), (True, 3))
+    ]
+    for rank, results in enumerate(run_distributed(_children, 2, runs=runs)):
+        for phase, (unchunked, plain, overlapped) in zip((1, 2), zip(*[iter(results)] * 3)):
+            assert plain["chunked calls"] == overlapped["chunked calls"] == MICRO_BATCHES
+            assert all(torch.equal(x, y) for x, y in zip(plain["losses"], overlapped["losses"]))
+            for name, grad in plain["grads"].items():
+                assert torch.equal(grad, overlapped["grads"][name]), (rank, phase, name)
+                torch.testing.assert_close(grad, unchunked["grads"][name], rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(plain["losses"], unchunked["losses"], rtol=1e-6, atol=0)
 
 
 @pytest.mark.slow

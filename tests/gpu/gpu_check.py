@@ -18,6 +18,7 @@ the TST checks, as a CUDA run) on any machine, which the CPU suite does.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -553,6 +554,107 @@ def check_mce_vs_fused_ce(rows: list, device: str = "cuda") -> None:
         destroy()
 
 
+#: The chunked loss head's row (``--tst-loss-chunks``): the real-size dense head (seq 4096 x
+#: micro-batch 2, hidden 2048, vocabulary 131,072, bf16), 8 chunks into an fp32 main_grad.
+CHUNKED_SHAPE = {"T": 4096, "b": 2, "h": 2048, "V": 131072, "chunks": 8}
+
+
+def check_chunked_loss(rows: list, *, device: str = "cuda", shape: dict = CHUNKED_SHAPE) -> None:
+    """The chunked head against the unchunked one (the output layer's matmul, then
+    megatron-core's ``vocab_parallel_cross_entropy``; k = 1, and k = 4 for phase 1 against the
+    project's multi-target CE), forward + backward on the same bf16 hidden states and weight:
+    peak allocated bytes above the inputs (CUDA's allocator; on a CPU, the live-tensor
+    tracker of ``benchmarks/measure.py``), median time of 5, and the loss's largest
+    difference. Passes when the chunked peak is <= 0.25x and the losses agree to bf16
+    rounding (1e-2 nats). ``device``/``shape`` let the CPU suite run it small."""
+    import statistics
+
+    import torch
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    from measure import PeakTensorMemory
+
+    from tst_megatron.runtime import (
+        ParallelConfig,
+        destroy,
+        init_distributed,
+        initialize_model_parallel,
+    )
+    from tst_megatron.superposition import vocab_parallel_multi_target_cross_entropy
+    from tst_megatron.superposition.chunked_loss import chunked_output_cross_entropy
+
+    init_distributed(device=device)
+    initialize_model_parallel(ParallelConfig())
+    cuda = device == "cuda"
+    try:
+        from megatron.core import parallel_state as ps
+
+        group = ps.get_tensor_model_parallel_group()
+        T, b, h, V, n = (shape[k] for k in ("T", "b", "h", "V", "chunks"))
+        g = torch.Generator(device=device).manual_seed(0)
+        hidden = torch.randn(T, b, h, device=device, generator=g).bfloat16().requires_grad_()
+        weight = (torch.randn(V, h, device=device, generator=g) * 0.02).bfloat16()
+        weight.requires_grad_()
+        weight.main_grad = torch.zeros(V, h, device=device)
+        for k in (1, 4):
+            targets = torch.randint(0, V, (T, b, k), device=device, generator=g)
+            upstream = torch.rand(T, b, k, device=device, generator=g)
+
+            def unchunked():
+                logits = hidden @ weight.t()
+                if k == 1:
+                    return vocab_parallel_cross_entropy(logits, targets[..., 0], tp_group=group)[
+                        ..., None
+                    ]
+                return vocab_parallel_multi_target_cross_entropy(
+                    logits, targets, tp_group=group, inplace=True
+                )
+
+            def chunked():
+                weight.grad_added_to_main_grad = False
+                return chunked_output_cross_entropy(
+                    hidden, weight, targets, chunks=n, tp_group=group, into_main_grad=True
+                )
+
+            def measure(loss_fn):
+                times, loss = [], None
+                for _ in range(6):
+                    hidden.grad = weight.grad = None
+                    if cuda:
+                        torch.cuda.synchronize()
+                        torch.cuda.reset_peak_memory_stats()
+                        base = torch.cuda.memory_allocated()
+                    start = time.perf_counter()
+                    with contextlib.nullcontext() if cuda else PeakTensorMemory() as tracker:
+                        loss = loss_fn()
+                        loss.backward(upstream)
+                    if cuda:
+                        torch.cuda.synchronize()
+                        peak = torch.cuda.max_memory_allocated() - base
+                    else:
+                        peak = tracker.peak
+                    times.append(time.perf_counter() - start)
+                return statistics.median(times[1:]), peak, loss.detach().float()
+
+            t0, m0, l0 = measure(unchunked)
+            t1, m1, l1 = measure(chunked)
+            diff = (l1 - l0).abs().max().item()
+            ok = m1 <= 0.25 * m0 and diff <= 1e-2
+            rows.append(
+                (
+                    f"--tst-loss-chunks {n} vs the unchunked head, k={k} (bf16, T={T}, b={b}, "
+                    f"h={h}, V={V}, main_grad)",
+                    f"peak {m1 / 2**20:,.0f} vs {m0 / 2**20:,.0f} MiB ({m1 / m0:.3f}x), time "
+                    f"{t1 * 1e3:,.1f} vs {t0 * 1e3:,.1f} ms ({t1 / t0:.2f}x), max loss diff "
+                    f"{diff:.1e}",
+                    "pass" if ok else "FAIL",
+                )
+            )
+    finally:
+        destroy()
+
+
 #: The real-size step rows (issue 52): ``benchmarks/step_cost.py --size <size>`` on real text,
 #: S = 4, the TST run and the baseline twice each in alternating order (TST, baseline,
 #: baseline, TST), 4 timed iterations per arm and run; about 5 minutes of an H200 for both.
@@ -731,10 +833,11 @@ def main() -> int:
         ("distributed-optimizer resume", lambda: check_distopt_resume(rows, args.log)),
         ("FP8 resume", lambda: check_fp8_resume(rows, args.log, results)),
         ("memory history", lambda: check_memory_history(rows, args.log)),
+        ("chunked loss head", lambda: check_chunked_loss(rows)),
         ("real-size step", lambda: check_real_size(rows, sections, args.log)),
     ]
-    if args.real_size_only:
-        checks = checks[-1:]
+    if args.real_size_only:  # with the chunked head's row, also at the real-size shape
+        checks = checks[-2:]
     elif args.no_real_size:
         checks = checks[:-1]
     for name, run_check in checks:

@@ -285,6 +285,28 @@ def test_the_mce_row_passes_on_a_cpu():
     assert len(rows) == 1 and rows[0][2] == "pass", rows
 
 
+def test_the_chunked_loss_row_passes_on_a_cpu_at_a_small_shape():
+    """The GPU check's ``--tst-loss-chunks`` row, CPU-simulated (the live-tensor tracker for
+    CUDA's allocator): built and run here, not a GPU result."""
+    from tst_megatron.runtime.distributed import free_port
+
+    code = (
+        "import importlib.util, json, sys\n"
+        f"spec = importlib.util.spec_from_file_location('g', {os.path.join(ROOT, 'tests', 'gpu', 'gpu_check.py')!r})\n"
+        "m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m)\n"
+        "rows = []; m.check_chunked_loss(rows, device='cpu', "
+        "shape=dict(T=128, b=2, h=16, V=4096, chunks=8)); print(json.dumps(rows))\n"
+    )  # fmt: skip
+    env = dict(os.environ, PYTHONPATH=ROOT, MASTER_PORT=str(free_port()), RANK="0")
+    env.update(WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = json.loads(result.stdout.strip().splitlines()[-1])
+    assert len(rows) == 2 and all(row[2] == "pass" for row in rows), rows
+
+
 def test_the_report_is_a_table_of_every_row():
     module = _load()
     rows = [("a check", "loss it 1 6.9", "pass"), ("TE bf16", module.NO_TE, "-")]

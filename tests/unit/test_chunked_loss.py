@@ -81,6 +81,24 @@ def test_a_masked_position_with_non_finite_logits_gets_exactly_zero_gradient():
     assert torch.equal(dh[2, 1], torch.zeros_like(dh[2, 1])) and torch.isfinite(dh).all()
 
 
+def test_gradient_accumulation_fusion_adds_the_weight_gradient_to_main_grad():
+    """megatron-core DDP's protocol, as ``ColumnParallelLinear`` follows it with
+    ``gradient_accumulation_fusion``: the gradient is added to ``weight.main_grad`` (here
+    float64, as fp32 is on a GPU: wider than the activations, so the block-wise path runs),
+    ``grad_added_to_main_grad`` is set, and two micro-batches accumulate."""
+    hidden, weight, targets, upstream = _case(T=9, V=19, k=2, dtype=torch.float32)
+    reference_weight = weight.detach().double().requires_grad_()
+    ref = _reference(hidden.detach().double(), reference_weight, targets)
+    ref.backward(upstream)
+    weight.main_grad = torch.zeros(weight.shape, dtype=torch.float64)
+    weight.grad_added_to_main_grad = False
+    for _ in range(2):  # two micro-batches
+        loss = chunked_output_cross_entropy(hidden, weight, targets, chunks=4, into_main_grad=True)
+        loss.backward(upstream.float())
+    assert weight.grad_added_to_main_grad and weight.grad.shape == weight.shape
+    torch.testing.assert_close(weight.main_grad, 2 * reference_weight.grad, rtol=1e-5, atol=1e-6)
+
+
 def test_float32_equals_megatron_cores_path_to_round_off():
     """The same numbers as the output layer's matmul followed by megatron-core's
     ``vocab_parallel_cross_entropy`` (``k = 1``, TP = 1), in float32."""

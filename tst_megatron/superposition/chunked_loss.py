@@ -97,6 +97,37 @@ def _chunk_grad_logits(hidden, weight, targets, lse, grad_loss, vocab_start):
     return grad.to(hidden.dtype)
 
 
+#: Vocabulary rows of one weight-gradient product (bounds its temporary to 1/8 of the weight).
+WEIGHT_GRAD_BLOCKS = 8
+
+
+def _add_weight_grad(target: torch.Tensor, grad_logits: torch.Tensor, hidden: torch.Tensor):
+    """``target[V/tp, h] += grad_logits^T @ hidden`` over blocks of vocabulary rows: the product
+    of one block (at most 1/:data:`WEIGHT_GRAD_BLOCKS` of the weight, in the activations'
+    dtype) is the only temporary, so an fp32 ``main_grad`` target needs no weight-sized copy."""
+    vocab, h = grad_logits.shape[-1], hidden.shape[-1]
+    rows = grad_logits.reshape(-1, vocab)
+    flat = hidden.reshape(-1, h)
+    if target.dtype == grad_logits.dtype:
+        target.addmm_(rows.t(), flat)
+        return
+    for start, end in chunk_bounds(vocab, WEIGHT_GRAD_BLOCKS):
+        target[start:end].add_(rows[:, start:end].t() @ flat)
+
+
+_placeholders: dict = {}
+
+
+def _placeholder(weight: torch.Tensor) -> torch.Tensor:
+    """An uninitialised gradient of ``weight``'s shape and dtype, one per shape (megatron-core's
+    ``ColumnParallelLinear`` returns such a tensor when it wrote ``main_grad`` itself; DDP's
+    hook discards it)."""
+    key = (tuple(weight.shape), weight.dtype, weight.device)
+    if key not in _placeholders:
+        _placeholders[key] = torch.empty(key[0], dtype=key[1], device=key[2])
+    return _placeholders[key]
+
+
 class _ChunkedOutputCrossEntropy(torch.autograd.Function):
     """Output layer + per-slot vocab-parallel CE over chunks of positions.
 
@@ -108,11 +139,11 @@ class _ChunkedOutputCrossEntropy(torch.autograd.Function):
     ``ColumnParallelLinear``'s backward. Saved for backward: the (gathered) hidden states, the
     weight (a reference), the targets ``[T, b, k]`` and the log-sum-exp ``[T, b, 1]`` (fp32): no
     logits-sized tensor. The weight gradient is accumulated chunk by chunk in the weight's
-    dtype.
+    dtype, or into megatron-core's fp32 ``main_grad`` (``into_main_grad``).
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, chunks, tp_group, sequence_parallel):
+    def forward(ctx, hidden, weight, targets, chunks, tp_group, sequence_parallel, into_main_grad):
         tp_size, tp_rank = _group_size_rank(tp_group)
         if sequence_parallel and tp_size > 1:
             parts = [torch.empty_like(hidden) for _ in range(tp_size)]
@@ -129,15 +160,18 @@ class _ChunkedOutputCrossEntropy(torch.autograd.Function):
                 )
         ctx.save_for_backward(hidden, weight, targets, lse)
         ctx.chunks, ctx.tp_group, ctx.sequence_parallel = chunks, tp_group, sequence_parallel
-        ctx.vocab_start = vocab_start
+        ctx.vocab_start, ctx.into_main_grad = vocab_start, into_main_grad
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
         hidden, weight, targets, lse = ctx.saved_tensors
         grad_hidden = torch.empty_like(hidden)
-        grad_weight = torch.zeros_like(weight)
-        h, vocab = hidden.shape[-1], weight.shape[0]
+        if ctx.into_main_grad and hasattr(weight, "__fsdp_param__"):  # as ColumnParallelLinear
+            weight.main_grad = weight.get_main_grad()  # Megatron-FSDP makes it in place
+        into_main_grad = ctx.into_main_grad and getattr(weight, "main_grad", None) is not None
+        # megatron-core's gradient-accumulation fusion: straight into the fp32 main_grad
+        target = weight.main_grad if into_main_grad else torch.zeros_like(weight)
         for start, end in chunk_bounds(hidden.shape[0], ctx.chunks):
             part = hidden[start:end]
             grad_logits = _chunk_grad_logits(
@@ -145,7 +179,7 @@ class _ChunkedOutputCrossEntropy(torch.autograd.Function):
                 ctx.vocab_start,
             )  # fmt: skip
             torch.matmul(grad_logits, weight, out=grad_hidden[start:end])
-            grad_weight.addmm_(grad_logits.reshape(-1, vocab).t(), part.reshape(-1, h))
+            _add_weight_grad(target, grad_logits, part)
             del grad_logits
         tp_size, _ = _group_size_rank(ctx.tp_group)
         if tp_size > 1 and ctx.sequence_parallel:
@@ -158,7 +192,12 @@ class _ChunkedOutputCrossEntropy(torch.autograd.Function):
             grad_hidden = local
         elif tp_size > 1:
             dist.all_reduce(grad_hidden, group=ctx.tp_group)
-        return grad_hidden, grad_weight, None, None, None, None
+        if not into_main_grad:
+            return grad_hidden, target, None, None, None, None, None
+        # as megatron-core's ColumnParallelLinear: a placeholder gradient, so that DDP's hook
+        # runs (and skips it: grad_added_to_main_grad); one buffer reused, as TE's dummy wgrad
+        weight.grad_added_to_main_grad = True
+        return grad_hidden, _placeholder(weight), None, None, None, None, None
 
 
 def chunked_output_cross_entropy(
@@ -169,6 +208,7 @@ def chunked_output_cross_entropy(
     chunks: int,
     tp_group: Optional[dist.ProcessGroup] = None,
     sequence_parallel: bool = False,
+    into_main_grad: bool = False,
 ) -> torch.Tensor:
     """Per-slot cross-entropy of ``hidden @ weight^T`` against ``k`` targets per position,
     computed over ``chunks`` chunks of the positions so that at most one chunk's logits (and
@@ -190,6 +230,11 @@ def chunked_output_cross_entropy(
         tp_group: the tensor-parallel group the vocabulary is split over (None: no TP).
         sequence_parallel: ``hidden`` is this rank's sequence shard (Megatron's sequence
             parallelism): gathered in forward, its gradient reduce-scattered.
+        into_main_grad: megatron-core's gradient-accumulation fusion (the output layer's
+            ``gradient_accumulation_fusion``): when ``weight`` has a ``main_grad`` (megatron-core
+            DDP's fp32 buffer), its gradient is added there chunk by chunk, block by block,
+            ``weight.grad_added_to_main_grad`` is set and a placeholder gradient is returned,
+            as ``ColumnParallelLinear`` does; no weight-sized gradient is made.
 
     Returns:
         ``[T, b, k]`` per-slot CE (nats), float32 (float64 for float64 inputs).
@@ -211,5 +256,6 @@ def chunked_output_cross_entropy(
     if targets.dtype.is_floating_point or targets.dtype == torch.bool:
         raise ValueError(f"target ids must be an integer tensor, got dtype {targets.dtype}")
     return _ChunkedOutputCrossEntropy.apply(
-        hidden, weight, targets.to(torch.int64), chunks, tp_group, sequence_parallel
-    )
+        hidden, weight, targets.to(torch.int64), chunks, tp_group, sequence_parallel,
+        into_main_grad,
+    )  # fmt: skip

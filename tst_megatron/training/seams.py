@@ -109,6 +109,7 @@ class TSTLossSeam:
             chunks=self.tst_loss_chunks,
             tp_group=self.tp_group,
             sequence_parallel=deferred.sequence_parallel,
+            into_main_grad=deferred.gradient_accumulation_fusion,
         ).transpose(0, 1)  # [T, b, k] -> [b, T, k]
         return (per_slot[..., 0] if labels.dim() == 2 else per_slot).contiguous()
 
@@ -130,7 +131,9 @@ class ChunkedOutputLayer(ColumnParallelLinear):
             )
         tagged = input_.view_as(input_)  # a new tensor object: the tag stays off the input
         tagged.tst_output = DeferredOutput(
-            self.weight if weight is None else weight, self.sequence_parallel
+            self.weight if weight is None else weight,
+            self.sequence_parallel,
+            self.gradient_accumulation_fusion,
         )
         return tagged, None
 
@@ -138,10 +141,12 @@ class ChunkedOutputLayer(ColumnParallelLinear):
 @dataclasses.dataclass(frozen=True)
 class DeferredOutput:
     """What :class:`ChunkedOutputLayer` hands the loss seam: the output weight ``[V/tp, h]``
-    (its own, or the shared embedding's) and whether its input is a sequence-parallel shard."""
+    (its own, or the shared embedding's), whether its input is a sequence-parallel shard, and
+    whether the weight gradient goes straight into megatron-core's ``main_grad``."""
 
     weight: torch.Tensor
     sequence_parallel: bool
+    gradient_accumulation_fusion: bool
 
 
 def enable_loss_chunks(model, chunks: int):
