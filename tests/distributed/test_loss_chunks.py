@@ -81,6 +81,21 @@ def test_chunked_head_equals_the_unchunked_run_on_two_processes():
 
 
 @pytest.mark.slow
+def test_chunked_head_equals_the_unchunked_run_in_every_tst_mode():
+    """``--tst-mode input`` (one target per position in phase 1) with power weighting, and
+    ``output`` (ordinary input, S targets), one process."""
+    modes = {
+        "input, power": ["--tst-mode", "input", "--tst-bag-weighting", "power"],
+        "output": ["--tst-mode", "output"],
+    }
+    runs = [LINE + extra + ["--tst-loss-chunks", c] for extra in modes.values() for c in "13"]
+    ((printed, counts),) = run_distributed(_counting_child, world_size=1, runs=runs)
+    for i, name in enumerate(modes):
+        _compare(printed[2 * i], printed[2 * i + 1], name)
+        assert counts[2 * i] == 0 and counts[2 * i + 1] > 0, (name, counts)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("model", ["gpt", "hybrid"])
 def test_chunked_head_equals_the_unchunked_run_with_tied_embeddings(model):
     """One process, TP = 1, the output layer's weight the embedding's (Megatron-LM's

@@ -223,3 +223,26 @@ def test_what_the_chunked_head_cannot_run_with_is_one_line(flags, fragment):
     assert len(errors) == 1 and fragment in errors[0], err.getvalue()
     ok = io.StringIO()
     assert dry_run(DRY + ["--tst-loss-chunks", "4"], out=ok, err=io.StringIO()) == 0
+
+
+def test_every_setting_the_chunked_head_refuses_is_named():
+    """The rules without a launch (some need a GPU to pass ``validate_args``): each setting
+    alone gives its line; none with one chunk."""
+    import argparse
+
+    from tst_megatron.training.checks.tst import loss_chunk_problems
+
+    cases = {
+        "mtp_num_layers": (1, "--mtp-num-layers"),
+        "cross_entropy_loss_fusion": (True, "--cross-entropy-loss-fusion"),
+        "use_mup": (True, "--use-mup"),
+        "defer_embedding_wgrad_compute": (True, "--defer-embedding-wgrad-compute"),
+    }
+    for name, (value, flag) in cases.items():
+        (line,) = loss_chunk_problems(argparse.Namespace(**{name: value}), 2)
+        assert line.startswith(f"--tst-loss-chunks 2 is not supported with {flag}"), line
+        assert loss_chunk_problems(argparse.Namespace(**{name: value}), 1) == []
+    mxfp8 = argparse.Namespace(fp8="e4m3", fp8_recipe="mxfp8", fp8_output_proj=True)
+    (line,) = loss_chunk_problems(mxfp8, 8)
+    assert "TELMHeadColumnParallelLinear" in line, line
+    assert loss_chunk_problems(argparse.Namespace(fp8="e4m3", fp8_recipe="mxfp8"), 8) == []
