@@ -12,13 +12,15 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 
 class PeakTensorMemory(TorchDispatchMode):
-    """Track the peak of live bytes of tensors created while the mode is active."""
+    """Track the peak of live bytes of tensors created while the mode is active. ``ignore``:
+    tensors made before whose storage ops may return views of (e.g. DDP's ``main_grad``),
+    not counted as new."""
 
-    def __init__(self):
+    def __init__(self, ignore=()):
         super().__init__()
         self.live = 0
         self.peak = 0
-        self._seen = set()
+        self._seen = {t.untyped_storage().data_ptr() for t in ignore}
 
     def _track(self, tensor):
         storage = tensor.untyped_storage()
@@ -44,15 +46,16 @@ class PeakTensorMemory(TorchDispatchMode):
         return out
 
 
-def measure(fn, repeats):
-    """``(median seconds, peak bytes)`` of ``fn()`` (forward + backward)."""
+def measure(fn, repeats, ignore=()):
+    """``(median seconds, peak bytes)`` of ``fn()`` (forward + backward); ``ignore``: see
+    :class:`PeakTensorMemory`."""
     fn()  # warm-up
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
-    with PeakTensorMemory() as mem:
+    with PeakTensorMemory(ignore) as mem:
         fn()
     return statistics.median(times), mem.peak
 

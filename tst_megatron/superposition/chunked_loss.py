@@ -115,17 +115,11 @@ def _add_weight_grad(target: torch.Tensor, grad_logits: torch.Tensor, hidden: to
         target[start:end].add_(rows[:, start:end].t() @ flat)
 
 
-_placeholders: dict = {}
-
-
 def _placeholder(weight: torch.Tensor) -> torch.Tensor:
-    """An uninitialised gradient of ``weight``'s shape and dtype, one per shape (megatron-core's
-    ``ColumnParallelLinear`` returns such a tensor when it wrote ``main_grad`` itself; DDP's
-    hook discards it)."""
-    key = (tuple(weight.shape), weight.dtype, weight.device)
-    if key not in _placeholders:
-        _placeholders[key] = torch.empty(key[0], dtype=key[1], device=key[2])
-    return _placeholders[key]
+    """An uninitialised gradient of ``weight``'s shape and dtype, as megatron-core's
+    ``ColumnParallelLinear`` returns when it wrote ``main_grad`` itself (without TE): a fresh
+    tensor, which autograd takes as ``weight.grad`` without a copy and DDP's hook drops."""
+    return torch.empty_like(weight)
 
 
 class _ChunkedOutputCrossEntropy(torch.autograd.Function):
@@ -195,7 +189,7 @@ class _ChunkedOutputCrossEntropy(torch.autograd.Function):
         if not into_main_grad:
             return grad_hidden, target, None, None, None, None, None
         # as megatron-core's ColumnParallelLinear: a placeholder gradient, so that DDP's hook
-        # runs (and skips it: grad_added_to_main_grad); one buffer reused, as TE's dummy wgrad
+        # runs (and skips it: grad_added_to_main_grad)
         weight.grad_added_to_main_grad = True
         return grad_hidden, _placeholder(weight), None, None, None, None, None
 
