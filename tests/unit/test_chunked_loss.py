@@ -246,3 +246,18 @@ def test_every_setting_the_chunked_head_refuses_is_named():
     (line,) = loss_chunk_problems(mxfp8, 8)
     assert "TELMHeadColumnParallelLinear" in line, line
     assert loss_chunk_problems(argparse.Namespace(fp8="e4m3", fp8_recipe="mxfp8"), 8) == []
+
+
+def test_a_checkpoint_saved_before_the_flag_existed_still_plans():
+    """Saved ``args`` without ``tst_loss_chunks`` (a checkpoint of the previous release): the
+    resume rules plan its run with the default, 1 (an AttributeError before)."""
+    import argparse
+
+    pytest.importorskip("megatron.training")
+    from tst_megatron.training.flags import tst_config
+
+    saved = argparse.Namespace(
+        tst_bag_size=2, tst_phase1_iters=3, tst_phase1_fraction=None,
+        tst_bag_weighting="uniform", tst_save_at_switch=True, tst_mode="full",
+    )  # fmt: skip
+    assert tst_config(saved).loss_chunks == 1 and tst_config(saved).bag_size == 2

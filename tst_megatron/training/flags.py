@@ -116,7 +116,9 @@ def _fix_help(parser: argparse.ArgumentParser) -> None:
 
 
 def tst_config(args) -> TSTConfig:
-    """The :class:`TSTConfig` of parsed Megatron-LM arguments (fields ``tst_*``)."""
+    """The :class:`TSTConfig` of parsed Megatron-LM arguments (fields ``tst_*``). A field that
+    ``args`` lacks takes its default: the saved args of a checkpoint written before the field
+    existed (e.g. ``--tst-loss-chunks``, added 2026-12-06)."""
     return TSTConfig(
-        **{f.name: getattr(args, f"tst_{f.name}") for f in dataclasses.fields(TSTConfig)}
+        **{f.name: getattr(args, f"tst_{f.name}", f.default) for f in dataclasses.fields(TSTConfig)}
     )
