@@ -434,3 +434,88 @@ def test_an_empty_save_or_one_holding_the_current_folder_is_one_line(tmp_path, m
     monkeypatch.chdir(previous)
     with pytest.raises(RefusedOutput, match="holds the current folder"):
         check_output(".", reads={"--load": str(tmp_path / "ck")}, force=True, kind="export")
+
+
+def test_an_empty_metadata_pointing_torch_at_a_rank_metadata_file_is_refused(tmp_path):
+    """A ``.metadata`` that unpickles to a falsy object (an empty ``OrderedDict`` with the
+    attributes torch reads) makes torch's DCP reader fall back to ``__0.metadata``, read with
+    plain ``pickle`` (torch 2.13 ``state_dict_loader``): every ``__*.metadata`` is scanned and
+    ``.metadata`` must be DCP ``Metadata``. Found by a review of this change."""
+    from collections import OrderedDict
+
+    from tst_megatron.data.checkpoint import UnsafeCheckpoint, inspect
+
+    folder = tmp_path / "iter_0000001"
+    folder.mkdir()
+    empty = OrderedDict()
+    empty.state_dict_metadata, empty.storage_data = {}, {}
+    (folder / ".metadata").write_bytes(pickle.dumps(empty, protocol=2))
+    (folder / "metadata.json").write_text('{"sharded_backend": "torch_dist"}')
+    assert "not torch's DCP Metadata" in inspect(str(folder))
+    flag = tmp_path / "code_ran"
+    (folder / "__0.metadata").write_bytes(pickle.dumps(Plant(flag), protocol=2))
+    with pytest.raises(UnsafeCheckpoint, match="posix.system"):
+        inspect(str(folder))
+    assert not flag.exists()
+
+
+def test_a_pickle_before_a_zip_in_a_byte_object_is_scanned_as_torch_reads_it(tmp_path):
+    """``zipfile`` accepts data before a zip; ``torch.load`` takes such bytes for its pre-1.6
+    format and unpickles the leading pickle (``weights_only=False`` in DCP's ``load_bytes``).
+    Found by a review of this change."""
+    from tst_megatron.data.checkpoint import UnsafeCheckpoint, scan_torch_save
+
+    flag = tmp_path / "code_ran"
+    polyglot = pickle.dumps(Plant(flag), protocol=2) + _saved({"a": 1}).getvalue()
+    with pytest.raises(UnsafeCheckpoint, match="posix.system"):
+        scan_torch_save(io.BytesIO(polyglot), "entry")
+    assert not flag.exists()
+
+
+def test_the_folder_checked_is_the_one_megatron_lm_loads(tmp_path):
+    """Megatron-LM 0.19.2's ``_load_base_checkpoint``: a truthy ``--ckpt-step`` applies to
+    ``--pretrained-checkpoint`` too, ``--ckpt-step 0`` is ignored, and a newer global
+    non-persistent checkpoint wins. Found by a review of this change."""
+    from tst_megatron.errors import ConfigError
+    from tst_megatron.training.checks.resume import checkpoint_folder
+
+    root = root_with(tmp_path, write_torch_dist, iterations=(1, 2))
+    pretrained = argparse.Namespace(pretrained_checkpoint=str(root), ckpt_step=1)
+    assert checkpoint_folder(pretrained, "--pretrained-checkpoint") == (
+        1, str(root / "iter_0000001"),
+    )  # fmt: skip
+    assert checkpoint_folder(_step(root, 0)) == (2, str(root / "iter_0000002"))
+    newer = root / "non_persistent"
+    write_torch_dist(newer / "iter_0000003", iteration=3)
+    (newer / "latest_checkpointed_iteration.txt").write_text("3")
+    args = argparse.Namespace(load=str(root), ckpt_step=None, non_persistent_ckpt_type="global")
+    assert checkpoint_folder(args) == (3, str(newer / "iter_0000003"))
+    (newer / "iter_0000003" / ".metadata").unlink()
+    with pytest.raises(ConfigError, match="non-persistent tracker's checkpoint"):
+        checkpoint_folder(args)
+
+
+def test_a_checkpoint_saved_with_numpy_1_is_not_called_unsafe():
+    """numpy < 2 pickles arrays through ``numpy.core.multiarray._reconstruct`` (megatron-core's
+    RNG state). Found by a review of this change."""
+    from tst_megatron.data.checkpoint import scan_pickle
+
+    legacy = (
+        b"\x80\x02cnumpy.core.multiarray\n_reconstruct\nq\x00cnumpy\nndarray\nq\x01K\x00"
+        b"\x85q\x02C\x01bq\x03\x87q\x04Rq\x05."
+    )
+    scan_pickle(io.BytesIO(legacy), "rng_state")
+
+
+def test_the_converter_reads_a_checkpoint_without_its_common_state_in_one_line(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    from tst_megatron.conversion.megatron import read_args
+    from tst_megatron.data.checkpoint import inspect
+
+    folder = tmp_path / "iter_0000001"
+    dcp.save({"w": torch.ones(3)}, checkpoint_id=str(folder), no_dist=True)
+    (folder / "metadata.json").write_text('{"sharded_backend": "torch_dist"}')
+    assert inspect(str(folder)) is None
+    with pytest.raises(ValueError, match="common state could not be read .KeyError"):
+        read_args(str(folder))

@@ -191,7 +191,13 @@ def read_args(path: str, *, trust: bool = False):
             format (a dict as ``args``: no longer read; names :data:`LAST_OLD_FORMAT_COMMIT`),
             or has a setting the converter cannot hold (named).
     """
-    args = read_common_state(path, trust=trust).get("args")
+    try:
+        args = read_common_state(path, trust=trust).get("args")
+    except Exception as exc:  # one line, never a traceback (a missing entry, a refused global)
+        raise ValueError(
+            f"{path}: its common state could not be read ({type(exc).__name__}: "
+            f"{' '.join(str(exc).split())[:200]})"
+        ) from None
     if args is None:
         raise ValueError(
             f"{path} stores no model args (Megatron-LM's args left out); re-save it "

@@ -24,7 +24,6 @@ Files from a source the user trusts can skip this (``trust=True``: the launchers
 
 from __future__ import annotations
 
-import contextlib
 import glob
 import io
 import json
@@ -53,6 +52,11 @@ DCP_METADATA_GLOBALS = frozenset(
 )  # fmt: skip
 
 
+#: numpy 1.x's names of what megatron-core allows under numpy 2's (``numpy._core``): a
+#: checkpoint saved with numpy < 2 names them in its RNG state (the scan calls nothing).
+NUMPY_1_GLOBALS = frozenset(["numpy.core.multiarray._reconstruct", "numpy.core.multiarray.scalar"])
+
+
 def _megatron_globals() -> set:
     """megatron-core's allowed globals: those it registers with torch at import
     (``megatron/core/safe_globals.py``, ``SAFE_GLOBALS``) and its restricted unpickler's
@@ -77,7 +81,11 @@ def allowed_globals() -> frozenset:
         g = g[0] if isinstance(g, tuple) else g
         registered.add(f"{g.__module__}.{g.__qualname__}")
     return frozenset(
-        set(_get_allowed_globals()) | registered | _megatron_globals() | DCP_METADATA_GLOBALS
+        set(_get_allowed_globals())
+        | registered
+        | _megatron_globals()
+        | DCP_METADATA_GLOBALS
+        | NUMPY_1_GLOBALS
     )
 
 
@@ -195,7 +203,9 @@ def scan_torch_save(
         zipfile.BadZipFile, pickle.UnpicklingError, EOFError, ValueError: damage.
     """
     allowed = allowed or allowed_globals()
-    if zipfile.is_zipfile(data):
+    # torch.load takes a zip only when it starts with one (torch._is_zipfile); zipfile also
+    # accepts data before it, which torch would unpickle as its pre-1.6 format
+    if _starts_as_zip(data) and zipfile.is_zipfile(data):
         nested = False
         with zipfile.ZipFile(data) as archive:
             for name in archive.namelist():
@@ -207,12 +217,16 @@ def scan_torch_save(
                 data.seek(0)
             # every global in it was allowed above: weights_only gives the real bytes
             for inner in _byte_streams(torch.load(data, map_location="cpu", weights_only=True)):
-                if zipfile.is_zipfile(inner):
+                if _starts_as_zip(inner):
                     scan_torch_save(inner, where, allowed, depth=depth + 1)
                 else:
                     inner.seek(0)
-                    with contextlib.suppress(Exception):  # raw bytes, not a pickle: no code
+                    try:
                         scan_pickle(inner, where, allowed)
+                    except UnsafeCheckpoint:
+                        raise
+                    except Exception:  # raw bytes, not a pickle: nothing to run
+                        pass
         return
     stream = open(data, "rb") if isinstance(data, str) else data
     try:
@@ -222,6 +236,21 @@ def scan_torch_save(
     finally:
         if isinstance(data, str):
             stream.close()
+
+
+_ZIP_MAGIC = b"PK\x03\x04"
+
+
+def _starts_as_zip(data) -> bool:
+    """``data`` (a path or a seekable binary stream) begins with a zip local header, as
+    ``torch.load`` requires of its zip format (``torch.serialization._is_zipfile``)."""
+    if isinstance(data, str):
+        with open(data, "rb") as f:
+            return f.read(4) == _ZIP_MAGIC
+    data.seek(0)
+    head = data.read(4)
+    data.seek(0)
+    return head == _ZIP_MAGIC
 
 
 class _Slice(io.RawIOBase):
@@ -294,7 +323,9 @@ def read_dcp_bytes(path: str, metadata, fqn: str, *, trust: bool = False):
         KeyError: no such entry.
         pickle.UnpicklingError: a global outside megatron-core's and torch's safe globals.
     """
-    info = next(v for k, v in metadata.storage_data.items() if k.fqn == fqn)
+    info = next((v for k, v in metadata.storage_data.items() if k.fqn == fqn), None)
+    if info is None:
+        raise KeyError(f"the checkpoint has no entry {fqn}")
     with open(os.path.join(path, info.relative_path), "rb") as f:
         f.seek(info.offset)
         data = io.BytesIO(f.read(info.length))
@@ -356,7 +387,7 @@ def _torch_problem(path: str, trust: bool, crc: bool) -> Optional[str]:
         return f"{empty[0]}/ holds no .pt file"
     for file in files:
         name = os.path.relpath(file, path)
-        if zipfile.is_zipfile(file):
+        if _starts_as_zip(file):
             try:
                 _check_archive(file, crc)
             except zipfile.BadZipFile as exc:
@@ -373,7 +404,7 @@ def _torch_problem(path: str, trust: bool, crc: bool) -> Optional[str]:
 
 def _dcp_problem(path: str, fmt: str, trust: bool, crc: bool) -> Optional[str]:
     # torch's DCP metadata: imported when a DCP folder is read
-    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
     if fmt == "torch_dist":
         try:
@@ -384,12 +415,24 @@ def _dcp_problem(path: str, fmt: str, trust: bool, crc: bool) -> Optional[str]:
             return f"metadata.json is unreadable ({type(exc).__name__})"
     if not os.path.isfile(os.path.join(path, ".metadata")):
         return ".metadata is missing"
+    # torch falls back to __<rank>.metadata when .metadata reads as falsy: scan every one
+    for other in sorted(glob.glob(os.path.join(path, "__*.metadata"))):
+        if not trust:
+            try:
+                with open(other, "rb") as f:
+                    scan_pickle(f, other)
+            except UnsafeCheckpoint:
+                raise
+            except Exception as exc:
+                return f"{os.path.basename(other)} is unreadable ({type(exc).__name__})"
     try:
         metadata = read_dcp_metadata(path, trust=trust)
     except UnsafeCheckpoint:
         raise
     except Exception as exc:
         return f".metadata is unreadable ({type(exc).__name__})"
+    if not isinstance(metadata, Metadata):
+        return f".metadata holds a {type(metadata).__name__}, not torch's DCP Metadata"
     stored = metadata.state_dict_metadata
     if fmt == "torch_dcp" and any(k.startswith("common_state/") for k in stored):
         return "metadata.json is missing (its entries are a torch_dist checkpoint's)"
@@ -410,6 +453,8 @@ def _dcp_problem(path: str, fmt: str, trust: bool, crc: bool) -> Optional[str]:
                     return f"{relative}: {fqn} is stored transformed, which is not checked here"
                 item = _Slice(f, info.offset, info.length)
                 try:
+                    if not _starts_as_zip(item):  # torch.save output begins with a zip header
+                        raise zipfile.BadZipFile("it does not begin with a zip local header")
                     _check_archive(item, crc)
                     if kinds.get(fqn) and not trust:
                         scan_torch_save(io.BufferedReader(item), os.path.join(path, relative))

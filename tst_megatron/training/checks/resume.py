@@ -88,14 +88,23 @@ def _checked_folder(args, root, flag, trust, crc) -> Optional[tuple[int, str]]:
     # Megatron-LM's training package: heavy, imported where it runs
     from megatron.training.checkpointing import get_checkpoint_name
 
-    step = getattr(args, "ckpt_step", None) if flag == "--load" else None
-    if step is not None:
+    # as Megatron-LM 0.19.2's _load_base_checkpoint, for --load and --pretrained-checkpoint
+    # alike: a (truthy) --ckpt-step overrides the tracker; a newer global non-persistent
+    # checkpoint is preferred
+    step = getattr(args, "ckpt_step", None)
+    found = _tracker_iteration(root, flag, trust) if not step else None
+    if step:
         iteration, release, source = step, None, f"--ckpt-step {step}"
-    else:
-        found = _tracker_iteration(root, flag, trust)
-        if found is None:
-            return None
+    elif found is not None:
         (iteration, release), source = found, "the tracker file's"
+    else:
+        iteration, release, source = -1, None, None
+    newer = _non_persistent(args, root, flag, trust)
+    if newer is not None and newer[0] >= iteration:
+        iteration, root, source = newer[0], newer[1], "the non-persistent tracker's"
+        release = None
+    if source is None:
+        return None
     path = get_checkpoint_name(root, iteration, release=bool(release), return_base_dir=True)
     name = os.path.basename(path)
     problem = _inspected(path, trust, crc, _stamp(path))
@@ -106,6 +115,19 @@ def _checked_folder(args, root, flag, trust, crc) -> Optional[tuple[int, str]]:
             + _fallback(root, flag, (iteration,), trust, crc)
         )
     return iteration, path
+
+
+def _non_persistent(args, root: str, flag: str, trust: bool) -> Optional[tuple[int, str]]:
+    """``(iteration, folder root)`` of the global non-persistent checkpoint Megatron-LM 0.19.2
+    would consider (``--non-persistent-ckpt-type global``: ``--non-persistent-global-ckpt-dir``
+    or ``<load>/non_persistent``), or None."""
+    if getattr(args, "non_persistent_ckpt_type", None) != "global":
+        return None
+    folder = getattr(args, "non_persistent_global_ckpt_dir", None) or os.path.join(
+        root, "non_persistent"
+    )
+    found = _tracker_iteration(folder, flag, trust)
+    return None if found is None or found[1] else (found[0], folder)
 
 
 def _stamp(path: str) -> tuple:
