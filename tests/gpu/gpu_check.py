@@ -478,6 +478,24 @@ def check_memory_history(rows: list, log: str) -> None:
     )
 
 
+@contextlib.contextmanager
+def one_process_group(device: str):
+    """This process as a world of one with megatron-core's parallel state, torn down after."""
+    from tst_megatron.runtime import (
+        ParallelConfig,
+        destroy,
+        init_distributed,
+        initialize_model_parallel,
+    )
+
+    init_distributed(device=device)
+    initialize_model_parallel(ParallelConfig())
+    try:
+        yield
+    finally:
+        destroy()
+
+
 def check_mce_vs_fused_ce(rows: list, device: str = "cuda") -> None:
     """Phase-1 MCE kernel at k=1 (fp32, T=256, b=4, V=32000, random upstream gradient) against
     a float64 cross-entropy (``torch.nn.functional.cross_entropy``; loss and gradient, tight)
@@ -488,17 +506,9 @@ def check_mce_vs_fused_ce(rows: list, device: str = "cuda") -> None:
     from megatron.core import parallel_state as ps
     from megatron.core.fusions.fused_cross_entropy import fused_vocab_parallel_cross_entropy
 
-    from tst_megatron.runtime import (
-        ParallelConfig,
-        destroy,
-        init_distributed,
-        initialize_model_parallel,
-    )
     from tst_megatron.superposition import vocab_parallel_multi_target_cross_entropy
 
-    init_distributed(device=device)
-    initialize_model_parallel(ParallelConfig())
-    try:
+    with one_process_group(device):
         torch.manual_seed(0)
         T, b, V = 256, 4, 32000
         base = 4 * torch.randn(T, b, V, device=device)
@@ -550,8 +560,6 @@ def check_mce_vs_fused_ce(rows: list, device: str = "cuda") -> None:
                 "pass" if ok else "FAIL",
             )
         )
-    finally:
-        destroy()
 
 
 #: The chunked loss head's row (``--tst-loss-chunks``): the real-size dense head (seq 4096 x
@@ -575,19 +583,11 @@ def check_chunked_loss(rows: list, *, device: str = "cuda", shape: dict = CHUNKE
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     from measure import PeakTensorMemory
 
-    from tst_megatron.runtime import (
-        ParallelConfig,
-        destroy,
-        init_distributed,
-        initialize_model_parallel,
-    )
     from tst_megatron.superposition import vocab_parallel_multi_target_cross_entropy
     from tst_megatron.superposition.chunked_loss import chunked_output_cross_entropy
 
-    init_distributed(device=device)
-    initialize_model_parallel(ParallelConfig())
     cuda = device == "cuda"
-    try:
+    with one_process_group(device):
         from megatron.core import parallel_state as ps
 
         group = ps.get_tensor_model_parallel_group()
@@ -654,8 +654,6 @@ def check_chunked_loss(rows: list, *, device: str = "cuda", shape: dict = CHUNKE
                     "pass" if ok else "FAIL",
                 )
             )
-    finally:
-        destroy()
 
 
 #: The real-size step rows (issue 52): ``benchmarks/step_cost.py --size <size>`` on real text,

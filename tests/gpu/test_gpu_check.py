@@ -262,18 +262,17 @@ def test_a_resume_is_compared_without_megatron_lms_halved_line():
     )
 
 
-def test_the_mce_row_passes_on_a_cpu():
-    # the row's references: a float64 CE (tight) and megatron-core's fused CE, whose gradient
-    # is cast to bf16 (the H200's first run failed a 1e-6 bound against it: 3.9e-3)
-    # in a child process: the check's process group must not outlive it in pytest's (its
-    # rendezvous port stays bound; a later Slurm test's job would meet it)
+def _check_rows_on_a_cpu(call: str) -> list:
+    """The rows of ``gpu_check.<call>`` (e.g. ``check_mce_vs_fused_ce(rows, device='cpu')``),
+    run in a child process: the check's process group must not outlive it in pytest's (its
+    rendezvous port stays bound; a later Slurm test's job would meet it)."""
     from tst_megatron.runtime.distributed import free_port
 
     code = (
         "import importlib.util, json, sys\n"
         f"spec = importlib.util.spec_from_file_location('g', {os.path.join(ROOT, 'tests', 'gpu', 'gpu_check.py')!r})\n"
         "m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m)\n"
-        "rows = []; m.check_mce_vs_fused_ce(rows, device='cpu'); print(json.dumps(rows))\n"
+        f"rows = []; m.{call}; print(json.dumps(rows))\n"
     )
     env = dict(os.environ, PYTHONPATH=ROOT, MASTER_PORT=str(free_port()), RANK="0")
     env.update(WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
@@ -281,29 +280,22 @@ def test_the_mce_row_passes_on_a_cpu():
         [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    rows = json.loads(result.stdout.strip().splitlines()[-1])
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def test_the_mce_row_passes_on_a_cpu():
+    # the row's references: a float64 CE (tight) and megatron-core's fused CE, whose gradient
+    # is cast to bf16 (the H200's first run failed a 1e-6 bound against it: 3.9e-3)
+    rows = _check_rows_on_a_cpu("check_mce_vs_fused_ce(rows, device='cpu')")
     assert len(rows) == 1 and rows[0][2] == "pass", rows
 
 
 def test_the_chunked_loss_row_passes_on_a_cpu_at_a_small_shape():
     """The GPU check's ``--tst-loss-chunks`` row, CPU-simulated (the live-tensor tracker for
     CUDA's allocator): built and run here, not a GPU result."""
-    from tst_megatron.runtime.distributed import free_port
-
-    code = (
-        "import importlib.util, json, sys\n"
-        f"spec = importlib.util.spec_from_file_location('g', {os.path.join(ROOT, 'tests', 'gpu', 'gpu_check.py')!r})\n"
-        "m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m)\n"
-        "rows = []; m.check_chunked_loss(rows, device='cpu', "
-        "shape=dict(T=128, b=2, h=16, V=4096, chunks=8)); print(json.dumps(rows))\n"
-    )  # fmt: skip
-    env = dict(os.environ, PYTHONPATH=ROOT, MASTER_PORT=str(free_port()), RANK="0")
-    env.update(WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
-    result = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300
+    rows = _check_rows_on_a_cpu(
+        "check_chunked_loss(rows, device='cpu', shape=dict(T=128, b=2, h=16, V=4096, chunks=8))"
     )
-    assert result.returncode == 0, result.stderr[-3000:]
-    rows = json.loads(result.stdout.strip().splitlines()[-1])
     assert len(rows) == 2 and all(row[2] == "pass" for row in rows), rows
 
 

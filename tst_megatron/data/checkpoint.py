@@ -9,7 +9,7 @@ torch 2.13 ``torch/distributed/checkpoint/filesystem.py``) and each stored byte 
 So a crafted ``iter_N/.metadata`` runs its code in any tool that reads it. Here:
 
 - :func:`scan_pickle` parses a pickle with every global replaced by an inert stand-in, so
-  nothing from the file is ever called; a global outside :data:`ALLOWED_GLOBALS` raises
+  nothing from the file is ever called; a global outside :func:`allowed_globals` raises
   :class:`UnsafeCheckpoint` naming it;
 - :func:`inspect` does that for every pickled part of one ``iter_N`` folder in each format
   Megatron-LM 0.19 tells apart (``torch_dist``, ``torch``, ``torch_dcp``/``fsdp_dtensor``), and
@@ -152,8 +152,8 @@ class _Scanner(pickle.Unpickler):
 
 
 class _Restricted(pickle.Unpickler):
-    """An unpickler that resolves only :data:`DCP_METADATA_GLOBALS` and torch's own
-    ``weights_only`` globals (``torch.Size``, dtypes)."""
+    """An unpickler that resolves only the globals it is given (:func:`read_dcp_metadata`:
+    :func:`allowed_globals`)."""
 
     def __init__(self, file, allowed: frozenset, where: str):
         super().__init__(file)
@@ -300,8 +300,8 @@ def _check_archive(stream, crc: bool = False) -> None:
 
 def read_dcp_metadata(path: str, *, trust: bool = False):
     """The ``Metadata`` of the DCP folder ``path`` (its ``.metadata``), unpickled resolving only
-    :data:`DCP_METADATA_GLOBALS` and torch's own ``weights_only`` globals (``trust``: plain
-    ``pickle``, as torch's ``FileSystemReader.read_metadata``).
+    :func:`allowed_globals` (``trust``: plain ``pickle``, as torch's
+    ``FileSystemReader.read_metadata``).
 
     Raises:
         UnsafeCheckpoint: any other global.
@@ -311,6 +311,7 @@ def read_dcp_metadata(path: str, *, trust: bool = False):
     with open(where, "rb") as f:
         if trust:
             return pickle.load(f)
+        # :func:`allowed_globals`: a torch_dcp checkpoint_id is a pathlib path (megatron-core's)
         return _Restricted(f, allowed_globals(), where).load()
 
 
@@ -369,17 +370,19 @@ def inspect(path: str, *, trust: bool = False, crc: bool = False) -> Optional[st
         return (
             "no checkpoint Megatron-LM reads is in it (no metadata.json, mp_rank_*/ or .metadata)"
         )
+    allowed = None if trust else allowed_globals()  # once per folder: every entry is scanned
     try:
         if fmt == "torch":
-            return _torch_problem(path, trust, crc)
-        return _dcp_problem(path, fmt, trust, crc)
+            return _torch_problem(path, allowed, crc)
+        return _dcp_problem(path, fmt, allowed, crc)
     except UnsafeCheckpoint:
         raise
     except Exception as exc:  # any failure to read is damage, in one line
         return f"unreadable ({type(exc).__name__}: {' '.join(str(exc).split())[:200]})"
 
 
-def _torch_problem(path: str, trust: bool, crc: bool) -> Optional[str]:
+def _torch_problem(path: str, allowed: Optional[frozenset], crc: bool) -> Optional[str]:
+    """:func:`inspect` of a legacy ``torch`` folder; ``allowed`` None: trusted, not scanned."""
     files = sorted(glob.glob(os.path.join(path, "mp_rank_*", "*.pt")))
     folders = sorted(glob.glob(os.path.join(path, "mp_rank_*")))
     empty = [os.path.basename(d) for d in folders if not glob.glob(os.path.join(d, "*.pt"))]
@@ -392,9 +395,9 @@ def _torch_problem(path: str, trust: bool, crc: bool) -> Optional[str]:
                 _check_archive(file, crc)
             except zipfile.BadZipFile as exc:
                 return f"{name} is damaged ({exc})"
-        if not trust:
+        if allowed is not None:
             try:
-                scan_torch_save(file, file)
+                scan_torch_save(file, file, allowed)
             except UnsafeCheckpoint:
                 raise
             except Exception as exc:
@@ -402,7 +405,8 @@ def _torch_problem(path: str, trust: bool, crc: bool) -> Optional[str]:
     return None
 
 
-def _dcp_problem(path: str, fmt: str, trust: bool, crc: bool) -> Optional[str]:
+def _dcp_problem(path: str, fmt: str, allowed: Optional[frozenset], crc: bool) -> Optional[str]:
+    """:func:`inspect` of a DCP folder; ``allowed`` None: trusted, not scanned."""
     # torch's DCP metadata: imported when a DCP folder is read
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
@@ -415,16 +419,22 @@ def _dcp_problem(path: str, fmt: str, trust: bool, crc: bool) -> Optional[str]:
             return f"metadata.json is unreadable ({type(exc).__name__})"
     if not os.path.isfile(os.path.join(path, ".metadata")):
         return ".metadata is missing"
-    # torch falls back to __<rank>.metadata when .metadata reads as falsy: scan every one
-    for other in sorted(glob.glob(os.path.join(path, "__*.metadata"))):
-        if not trust:
-            try:
+    trust = allowed is None
+    # torch falls back to __<rank>.metadata when .metadata reads as falsy: scan every one;
+    # megatron-core's legacy common state sits in common.pt
+    others = sorted(glob.glob(os.path.join(path, "__*.metadata")))
+    legacy = os.path.join(path, "common.pt")
+    for other in [] if trust else others + ([legacy] if os.path.isfile(legacy) else []):
+        try:
+            if other == legacy:
+                scan_torch_save(other, other, allowed)
+            else:
                 with open(other, "rb") as f:
-                    scan_pickle(f, other)
-            except UnsafeCheckpoint:
-                raise
-            except Exception as exc:
-                return f"{os.path.basename(other)} is unreadable ({type(exc).__name__})"
+                    scan_pickle(f, other, allowed)
+        except UnsafeCheckpoint:
+            raise
+        except Exception as exc:
+            return f"{os.path.basename(other)} is unreadable ({type(exc).__name__})"
     try:
         metadata = read_dcp_metadata(path, trust=trust)
     except UnsafeCheckpoint:
@@ -457,7 +467,8 @@ def _dcp_problem(path: str, fmt: str, trust: bool, crc: bool) -> Optional[str]:
                         raise zipfile.BadZipFile("it does not begin with a zip local header")
                     _check_archive(item, crc)
                     if kinds.get(fqn) and not trust:
-                        scan_torch_save(io.BufferedReader(item), os.path.join(path, relative))
+                        where = os.path.join(path, relative)
+                        scan_torch_save(io.BufferedReader(item), where, allowed)
                 except UnsafeCheckpoint:
                     raise
                 except Exception as exc:

@@ -68,8 +68,11 @@ def main(argv: Optional[Sequence[str]] = None, *, family: ModelFamily = GPT) -> 
     from megatron.training.training import pretrain
 
     plan = checked.plan
-    if _nothing_left_to_train(checked.args, plan.n):
-        return
+    try:
+        if _nothing_left_to_train(checked.args, plan.n):
+            return
+    except ConfigError as exc:  # the checkpoint read again: one line, as in the checks
+        _exit_on(exc)
     os.environ.update(alone)
     use_prebuilt_dataset_helpers()
     if checked.device == "cpu":

@@ -90,13 +90,16 @@ def checkpoint_bytes(args) -> Optional[float]:
     (``compute_weight_and_optimizer_memory`` of the whole model as one shard, 18 bytes per
     parameter without the distributed optimizer): the weights in their dtype (2 bytes in
     bf16/fp16, else 4) plus the fp32 main weights (mixed precision only) and Adam's two fp32
-    moments; gradients are not saved (embeddings counted as :func:`parameter_lines` does).
-    None when Megatron-LM's arithmetic cannot count the
+    moments; gradients are not saved (embeddings counted as :func:`parameter_lines` does; a
+    GPT-shaped ``HybridModel`` as its ``GPTModel``). None when Megatron-LM's arithmetic cannot count the
     model (a hybrid's non-GPT layers, MLA + GQA, ...)."""
     # megatron.training (Megatron-LM) is heavy: imported once the line is known good
     from megatron.training.theoretical_memory_usage import compute_weight_and_optimizer_memory
 
-    whole = _countable(args)
+    pattern = pattern_of(args)
+    if pattern is not None and not pattern.gpt_shaped:  # Mamba, gated delta net layers
+        return None
+    whole = _countable(gpt_equivalent(args))
     whole.tensor_model_parallel_size = whole.pipeline_model_parallel_size = 1
     whole.expert_model_parallel_size = whole.data_parallel_size = 1
     whole.use_distributed_optimizer = False
@@ -282,8 +285,7 @@ def dry_run(argv: Sequence[str], *, out=None, err=None, family: ModelFamily = GP
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if not problems:
         lines = describe(checked.args, checked.plan)
-        family_args = checked.args if family is GPT else gpt_equivalent(checked.args)
-        notes = notes + outputs.space_notes(checked.args, checkpoint_bytes(family_args))
+        notes = notes + outputs.space_notes(checked.args, checkpoint_bytes(checked.args))
     if not rank0:
         return 2 if problems else 0
     if problems:
