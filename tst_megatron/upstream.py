@@ -124,6 +124,16 @@ WORKAROUNDS = (
         ),
     ),
     Workaround(
+        "tst_megatron.upstream.mtp_acceptance_from_predictions",
+        "process_mtp_loss takes the argmax of each MTP head's full logits for its acceptance "
+        "counts, which the chunked loss head (--tst-loss-chunks) never makes",
+        "tests/distributed/test_loss_chunks.py",
+        (
+            "megatron.core.transformer.multi_token_prediction.process_mtp_loss",
+            "correct, total = _compute_mtp_acceptance_counts(\n                mtp_logits,",
+        ),
+    ),
+    Workaround(
         "tst_megatron.training.flags._fix_help",
         "--help raises ValueError on an unescaped % in one Megatron-LM help text",
         "tests/unit/test_megatron_lm_args.py",
@@ -236,3 +246,37 @@ def distributed_optimizer_resume() -> Iterator[None]:
         yield
     finally:
         cls.sharded_state_dict, cls.load_state_dict = original_sharded, original_load
+
+
+@contextlib.contextmanager
+def mtp_acceptance_from_predictions() -> Iterator[None]:
+    """While active, megatron-core's MTP acceptance counts (``process_mtp_loss`` calls
+    ``multi_token_prediction._compute_mtp_acceptance_counts(mtp_logits, mtp_labels, loss_mask,
+    ...)``) read the predicted tokens that the chunked loss head attached to its deferred
+    logits (``mtp_logits.tst_predictions``, ``[T, b]`` int64: the first global argmax of each
+    position's logits, :func:`~tst_megatron.superposition.chunked_loss.chunked_output_cross_entropy`)
+    instead of taking the argmax of logits it never made. Any other ``mtp_logits`` goes to
+    the original function. The counts are upstream's formula: ``correct = sum((pred ==
+    label) & mask)``, ``total = sum(mask)``, both float32 scalars.
+
+    The module attribute is replaced for the context (:meth:`TSTLossSeam.chunked_head`, one
+    model forward) and restored after.
+    """
+    from megatron.core.transformer import multi_token_prediction as mtp
+
+    original = mtp._compute_mtp_acceptance_counts
+
+    def counts(mtp_logits, mtp_labels, loss_mask, *args, **kwargs):
+        preds = getattr(mtp_logits, "tst_predictions", None)
+        if preds is None:
+            return original(mtp_logits, mtp_labels, loss_mask, *args, **kwargs)
+        with torch.no_grad():
+            labels = mtp_labels.transpose(0, 1)  # [b, s] -> [s, b], as upstream
+            valid = loss_mask.transpose(0, 1).bool()
+            return ((preds == labels) & valid).sum().float(), valid.sum().float()
+
+    mtp._compute_mtp_acceptance_counts = counts
+    try:
+        yield
+    finally:
+        mtp._compute_mtp_acceptance_counts = original

@@ -1,7 +1,8 @@
 """The chunked output layer + cross-entropy at TP = 2 (2 gloo processes), with and without
 sequence parallelism, against the 1-process float64 reference of
 ``tests/unit/test_chunked_loss.py``: each rank holds half the vocabulary rows of the weight
-(and, with sequence parallelism, half the positions of the hidden states)."""
+(and, with sequence parallelism, half the positions of the hidden states). The predictions
+(MTP's acceptance counts) are the gathered logits' first argmax, ties across ranks included."""
 
 from __future__ import annotations
 
@@ -14,11 +15,13 @@ T, B, H, V, K = 8, 2, 6, 10, 3
 
 def _inputs():
     g = torch.Generator().manual_seed(3)
-    hidden = torch.randn(T, B, H, generator=g, dtype=torch.float64)
-    weight = torch.randn(V, H, generator=g, dtype=torch.float64)
+    # multiples of 1/4: every logit is exact in float64, so equal rows tie exactly
+    hidden = torch.round(torch.randn(T, B, H, generator=g, dtype=torch.float64) * 4) / 4
+    weight = torch.round(torch.randn(V, H, generator=g, dtype=torch.float64) * 4) / 4
     targets = torch.randint(0, V, (T, B, K), generator=g)
     upstream = torch.rand(T, B, K, generator=g, dtype=torch.float64)
     upstream[5, 0] = 0.0
+    weight[2] = weight[8] = 4 * weight[2]  # equal rows on both ranks: argmax ties across them
     return hidden, weight, targets, upstream
 
 
@@ -41,12 +44,13 @@ def _child(rank, world):
             local_hidden = hidden[rank * part : (rank + 1) * part].clone().requires_grad_()
         else:
             local_hidden = hidden.clone().requires_grad_()
+        predictions = torch.full((T, B), -1, dtype=torch.int64)
         loss = chunked_output_cross_entropy(
             local_hidden, local_weight, targets, chunks=chunks, tp_group=dist.group.WORLD,
-            sequence_parallel=sequence_parallel,
+            sequence_parallel=sequence_parallel, predictions=predictions,
         )  # fmt: skip
         loss.backward(upstream)
-        results.append((loss.detach(), local_hidden.grad, local_weight.grad))
+        results.append((loss.detach(), local_hidden.grad, local_weight.grad, predictions))
     return results
 
 
@@ -57,11 +61,15 @@ def test_tp2_with_and_without_sequence_parallelism_equals_one_process():
     log_p = torch.log_softmax(hidden @ weight.t(), dim=-1)
     ref = -torch.gather(log_p, -1, targets)
     ref.backward(upstream)
+    argmax = torch.argmax(hidden @ weight.t(), dim=-1)  # the first of equal maxima
+    assert (argmax == 2).sum() >= 2  # the tie across the ranks is taken
     ranks = run_distributed(_child, world_size=2)
     rows = V // 2
     for rank, results in enumerate(ranks):
-        for (sequence_parallel, chunks), (loss, grad_hidden, grad_weight) in zip(CASES, results):
+        for (sequence_parallel, chunks), result in zip(CASES, results):
+            loss, grad_hidden, grad_weight, predictions = result
             case = (rank, sequence_parallel, chunks)
+            assert torch.equal(predictions, argmax), case
             torch.testing.assert_close(loss, ref.detach(), rtol=1e-12, atol=1e-12, msg=str(case))
             torch.testing.assert_close(
                 grad_weight, weight.grad[rank * rows : (rank + 1) * rows], rtol=1e-12,

@@ -66,6 +66,38 @@ def test_loss_and_every_gradient_equal_the_float64_reference(chunks, k):
     assert torch.equal(got[1][2, 1], torch.zeros_like(got[1][2, 1]))  # masked: exactly 0
 
 
+@pytest.mark.parametrize("chunks", [1, 3])
+def test_predictions_are_the_first_argmax_of_the_logits(chunks):
+    """What megatron-core's MTP acceptance counts take (``torch.argmax`` of the logits, the
+    first of equal maxima): two vocabulary rows made equal and large tie at most positions."""
+    hidden, weight, targets, _ = _case(k=1)
+    with torch.no_grad():  # multiples of 1/4: exact logits, so equal rows tie exactly
+        hidden.copy_(torch.round(hidden * 4) / 4)
+        weight.copy_(torch.round(weight * 4) / 4)
+        weight[9] = weight[4] = 4 * weight[4]
+    logits = (hidden @ weight.t()).detach()
+    expected = torch.argmax(logits, dim=-1)
+    assert (expected == 4).sum() >= 3  # the tie is taken (4 before 9), not avoided
+    predictions = torch.full(targets.shape[:2], -1, dtype=torch.int64)
+    chunked_output_cross_entropy(hidden, weight, targets, chunks=chunks, predictions=predictions)
+    assert torch.equal(predictions, expected), (predictions, expected)
+
+
+def test_a_detached_weight_gets_no_gradient_and_the_hidden_gradient_is_unchanged():
+    """MTP's ``mtp_detach_heads`` passes the output weight detached: no weight-sized gradient
+    is computed, and ``dL/dh`` is as with the weight attached."""
+    hidden, weight, targets, upstream = _case(k=1)
+    attached = _grads(
+        lambda h, w, t: chunked_output_cross_entropy(h, w, t, chunks=3),
+        hidden, weight, targets, upstream,
+    )  # fmt: skip
+    hidden.grad = weight.grad = None
+    loss = chunked_output_cross_entropy(hidden, weight.detach(), targets, chunks=3)
+    loss.backward(upstream)
+    assert weight.grad is None
+    torch.testing.assert_close(hidden.grad, attached[1], rtol=0, atol=0)
+
+
 def test_a_masked_position_with_non_finite_logits_gets_exactly_zero_gradient():
     """megatron-core's CE backward is ``(softmax - onehot) * g``: ``nan * 0`` at a masked
     position whose logits are not finite."""
@@ -198,11 +230,6 @@ def test_at_8_chunks_the_bf16_peak_is_at_most_a_quarter_of_the_unchunked_path(k)
     [
         (["--tst-loss-chunks", "0"], "--tst-loss-chunks must be an integer >= 1, got 0"),
         (
-            ["--tst-loss-chunks", "4", "--mtp-num-layers", "1", "--position-embedding-type",
-             "rope"],
-            "--tst-loss-chunks 4 is not supported with --mtp-num-layers",
-        ),
-        (
             ["--tst-loss-chunks", "4", "--cross-entropy-loss-fusion"],
             "--tst-loss-chunks 4 is not supported with --cross-entropy-loss-fusion",
         ),
@@ -233,7 +260,6 @@ def test_every_setting_the_chunked_head_refuses_is_named():
     from tst_megatron.training.checks.tst import loss_chunk_problems
 
     cases = {
-        "mtp_num_layers": (1, "--mtp-num-layers"),
         "cross_entropy_loss_fusion": (True, "--cross-entropy-loss-fusion"),
         "use_mup": (True, "--use-mup"),
         "defer_embedding_wgrad_compute": (True, "--defer-embedding-wgrad-compute"),

@@ -61,14 +61,21 @@ def _widened(logits: torch.Tensor) -> torch.Tensor:
     return logits if logits.dtype == wide else logits.to(wide)
 
 
-def _chunk_forward(hidden, weight, targets, tp_group, vocab_start):
+def _chunk_forward(hidden, weight, targets, tp_group, vocab_start, predictions=None):
     """One chunk's per-slot CE ``[t, b, k]`` and log-sum-exp ``[t, b, 1]`` (fp32): the
     logits ``[t, b, V/tp]`` and their fp32 shifted copy live only inside this call.
-    Collectives: all-reduce MAX of ``[t, b]``, all-reduce SUM of ``[t, b, k+1]``."""
+    Collectives: all-reduce MAX of ``[t, b]``, all-reduce SUM of ``[t, b, k+1]``; with
+    ``predictions`` (``[t, b]`` int64, written) one all-reduce MIN of ``[t, b]`` more."""
     logits = hidden @ weight.t()  # [t, b, V/tp] in the activations' dtype, as the output layer
-    global_max = logits.amax(dim=-1).to(_accumulation(logits.dtype))
+    if predictions is None:
+        global_max = logits.amax(dim=-1).to(_accumulation(logits.dtype))
+    else:
+        local_max, local_argmax = logits.max(dim=-1)
+        global_max = local_max.to(_accumulation(logits.dtype), copy=True)  # local_max stays
     if tp_group is not None and tp_group.size() > 1:
         dist.all_reduce(global_max, op=dist.ReduceOp.MAX, group=tp_group)
+    if predictions is not None:
+        _global_argmax(predictions, local_max, local_argmax, global_max, tp_group, vocab_start)
     shifted = _widened(logits).sub_(global_max.unsqueeze(-1))
     del logits
     target_logits, _, _ = _local_target_logits(
@@ -80,6 +87,19 @@ def _chunk_forward(hidden, weight, targets, tp_group, vocab_start):
         dist.all_reduce(reduced, op=dist.ReduceOp.SUM, group=tp_group)
     log_sum_exp = torch.log(reduced[..., -1:])
     return log_sum_exp - reduced[..., :-1], log_sum_exp + global_max.unsqueeze(-1)
+
+
+def _global_argmax(out, local_max, local_argmax, global_max, tp_group, vocab_start):
+    """Write into ``out`` ``[t, b]`` the first global vocabulary id of each position's largest
+    logit (``torch.argmax`` of the gathered logits; megatron-core's ``_vocab_parallel_argmax``
+    picks the same id): the smallest ``vocab_start + local argmax`` over the ranks whose
+    shard holds the maximum (all-reduce MIN)."""
+    none = torch.iinfo(torch.int64).max
+    holds_max = local_max.to(global_max.dtype) == global_max
+    ids = torch.where(holds_max, local_argmax + vocab_start, none)
+    if tp_group is not None and tp_group.size() > 1:
+        dist.all_reduce(ids, op=dist.ReduceOp.MIN, group=tp_group)
+    out.copy_(ids)
 
 
 def _chunk_grad_logits(hidden, weight, targets, lse, grad_loss, vocab_start):
@@ -137,7 +157,10 @@ class _ChunkedOutputCrossEntropy(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, chunks, tp_group, sequence_parallel, into_main_grad):
+    def forward(
+        ctx, hidden, weight, targets, chunks, tp_group, sequence_parallel, into_main_grad,
+        predictions,
+    ):  # fmt: skip
         tp_size, tp_rank = _group_size_rank(tp_group)
         if sequence_parallel and tp_size > 1:
             parts = [torch.empty_like(hidden) for _ in range(tp_size)]
@@ -150,8 +173,9 @@ class _ChunkedOutputCrossEntropy(torch.autograd.Function):
         with torch.no_grad():
             for start, end in chunk_bounds(hidden.shape[0], chunks):
                 loss[start:end], lse[start:end] = _chunk_forward(
-                    hidden[start:end], weight, targets[start:end], tp_group, vocab_start
-                )
+                    hidden[start:end], weight, targets[start:end], tp_group, vocab_start,
+                    None if predictions is None else predictions[start:end],
+                )  # fmt: skip
         ctx.save_for_backward(hidden, weight, targets, lse)
         ctx.chunks, ctx.tp_group, ctx.sequence_parallel = chunks, tp_group, sequence_parallel
         ctx.vocab_start, ctx.into_main_grad = vocab_start, into_main_grad
@@ -164,8 +188,13 @@ class _ChunkedOutputCrossEntropy(torch.autograd.Function):
         if ctx.into_main_grad and hasattr(weight, "__fsdp_param__"):  # as ColumnParallelLinear
             weight.main_grad = weight.get_main_grad()  # Megatron-FSDP makes it in place
         into_main_grad = ctx.into_main_grad and getattr(weight, "main_grad", None) is not None
+        wants_weight = ctx.needs_input_grad[1]  # False for a detached weight (MTP's detached heads)
+        into_main_grad = into_main_grad and wants_weight
         # megatron-core's gradient-accumulation fusion: straight into the fp32 main_grad
-        target = weight.main_grad if into_main_grad else torch.zeros_like(weight)
+        if into_main_grad:
+            target = weight.main_grad
+        else:
+            target = torch.zeros_like(weight) if wants_weight else None
         for start, end in chunk_bounds(hidden.shape[0], ctx.chunks):
             part = hidden[start:end]
             grad_logits = _chunk_grad_logits(
@@ -173,7 +202,8 @@ class _ChunkedOutputCrossEntropy(torch.autograd.Function):
                 ctx.vocab_start,
             )  # fmt: skip
             torch.matmul(grad_logits, weight, out=grad_hidden[start:end])
-            _add_weight_grad(target, grad_logits, part)
+            if target is not None:
+                _add_weight_grad(target, grad_logits, part)
             del grad_logits
         tp_size, _ = _group_size_rank(ctx.tp_group)
         if tp_size > 1 and ctx.sequence_parallel:
@@ -187,11 +217,11 @@ class _ChunkedOutputCrossEntropy(torch.autograd.Function):
         elif tp_size > 1:
             dist.all_reduce(grad_hidden, group=ctx.tp_group)
         if not into_main_grad:
-            return grad_hidden, target, None, None, None, None, None
+            return grad_hidden, target, None, None, None, None, None, None
         # as megatron-core's ColumnParallelLinear: a placeholder gradient, so that DDP's hook
         # runs (and skips it: grad_added_to_main_grad)
         weight.grad_added_to_main_grad = True
-        return grad_hidden, _placeholder(weight), None, None, None, None, None
+        return grad_hidden, _placeholder(weight), None, None, None, None, None, None
 
 
 def chunked_output_cross_entropy(
@@ -203,6 +233,7 @@ def chunked_output_cross_entropy(
     tp_group: Optional[dist.ProcessGroup] = None,
     sequence_parallel: bool = False,
     into_main_grad: bool = False,
+    predictions: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Per-slot cross-entropy of ``hidden @ weight^T`` against ``k`` targets per position,
     computed over ``chunks`` chunks of the positions so that at most one chunk's logits (and
@@ -229,6 +260,10 @@ def chunked_output_cross_entropy(
             DDP's fp32 buffer), its gradient is added there chunk by chunk, block by block,
             ``weight.grad_added_to_main_grad`` is set and a placeholder gradient is returned,
             as ``ColumnParallelLinear`` does; no weight-sized gradient is made.
+        predictions: a ``[T, b]`` int64 tensor to write each position's predicted token into
+            (the first global id of its largest logit, as ``torch.argmax`` of the gathered
+            logits), for megatron-core's MTP acceptance counts; one all-reduce MIN of
+            ``[t, b]`` per chunk more at TP > 1. None: not computed.
 
     Returns:
         ``[T, b, k]`` per-slot CE (nats), float32 (float64 for float64 inputs).
@@ -249,7 +284,14 @@ def chunked_output_cross_entropy(
         raise ValueError(f"weight must be [V/tp, {hidden.shape[-1]}], got {tuple(weight.shape)}")
     if targets.dtype.is_floating_point or targets.dtype == torch.bool:
         raise ValueError(f"target ids must be an integer tensor, got dtype {targets.dtype}")
+    if predictions is not None and (
+        predictions.shape != targets.shape[:2] or predictions.dtype != torch.int64
+    ):
+        raise ValueError(
+            f"predictions must be an int64 [T, b] = {tuple(targets.shape[:2])} tensor, got "
+            f"{predictions.dtype} {tuple(predictions.shape)}"
+        )
     return _ChunkedOutputCrossEntropy.apply(
         hidden, weight, targets.to(torch.int64), chunks, tp_group, sequence_parallel,
-        into_main_grad,
+        into_main_grad, predictions,
     )  # fmt: skip

@@ -21,6 +21,7 @@ import dataclasses
 import torch
 from megatron.core.tensor_parallel import ColumnParallelLinear
 
+from tst_megatron import upstream
 from tst_megatron.superposition import vocab_parallel_multi_target_cross_entropy
 from tst_megatron.superposition.chunked_loss import chunked_output_cross_entropy
 from tst_megatron.superposition.embedding import run_forward_pre_hooks
@@ -39,16 +40,27 @@ class TSTLossSeam:
         """While the model computes a loss (``labels`` given) with ``tst_loss_chunks > 1``,
         its output layer (:class:`ChunkedOutputLayer`) returns its input instead of the
         logits, and :meth:`compute_language_model_loss` computes the output layer and the loss
-        together over chunks. Without labels (logits wanted) nothing changes."""
+        together over chunks. Without labels (logits wanted) nothing changes. With MTP heads,
+        megatron-core's acceptance counts read the predictions the chunked loss makes
+        (:func:`tst_megatron.upstream.mtp_acceptance_from_predictions`)."""
         layer = getattr(self, "output_layer", None)
         on = isinstance(layer, ChunkedOutputLayer) and labels is not None
-        if on:
-            layer.deferred = True
-        try:
+        if not on:
             yield
-        finally:
-            if on:
+            return
+        with contextlib.ExitStack() as stack:
+            if self._scores_mtp_heads():
+                stack.enter_context(upstream.mtp_acceptance_from_predictions())
+            layer.deferred = True
+            try:
+                yield
+            finally:
                 layer.deferred = False
+
+    def _scores_mtp_heads(self) -> bool:
+        """Whether this stage scores multi-token-prediction heads (megatron-core's
+        ``mtp_process``; the GPT and hybrid models both set it)."""
+        return bool(getattr(self, "mtp_process", False) and self.config.mtp_num_layers)
 
     def compute_language_model_loss(self, labels: torch.Tensor, logits: torch.Tensor):
         """Per-token CE for ``[b, T]`` labels (megatron-core), per-slot CE for ``[b, T, S]``.
@@ -102,6 +114,12 @@ class TSTLossSeam:
             raise ValueError(f"labels must be [b, T] or [b, T, S], got {tuple(labels.shape)}")
         slots = labels.unsqueeze(-1) if labels.dim() == 2 else labels
         targets = slots.transpose(0, 1).contiguous()  # [b, T, k] -> [T, b, k] (small)
+        predictions = None
+        if labels.dim() == 2 and self.training and self._scores_mtp_heads():
+            # megatron-core's MTP acceptance counts read them (training only, as upstream);
+            # the main head cannot be told apart from an MTP head here, so it makes them too
+            predictions = torch.empty(targets.shape[:2], dtype=torch.int64, device=targets.device)
+            hidden.tst_predictions = predictions
         per_slot = chunked_output_cross_entropy(
             hidden,
             deferred.weight,
@@ -110,6 +128,7 @@ class TSTLossSeam:
             tp_group=self.tp_group,
             sequence_parallel=deferred.sequence_parallel,
             into_main_grad=deferred.gradient_accumulation_fusion,
+            predictions=predictions,
         ).transpose(0, 1)  # [T, b, k] -> [b, T, k]
         return (per_slot[..., 0] if labels.dim() == 2 else per_slot).contiguous()
 

@@ -28,8 +28,6 @@ def loss_chunk_problems(args, chunks: int) -> list[str]:
     if chunks <= 1:
         return []
     why = {
-        "mtp_num_layers": "--mtp-num-layers: megatron-core's MTP reads each head's full logits "
-        "(its acceptance counts) between the output layer and the loss",
         "cross_entropy_loss_fusion": "--cross-entropy-loss-fusion: the chunked head computes "
         "the cross-entropy itself (the same math); drop one of the two",
         "use_mup": "--use-mup: MuP scales the logits between the output layer and the loss",
