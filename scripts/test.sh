@@ -4,4 +4,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+# the Slurm tests (tests/slurm) start a one-node Slurm here; as root they apt-get what is missing
+if [ "$(id -u)" = 0 ] && [ "${TST_NO_APT:-0}" != 1 ] && command -v apt-get >/dev/null \
+    && ! { command -v slurmctld && command -v munged; } >/dev/null; then
+    echo "test.sh: the Slurm tests will apt-get install slurm-wlm and munge system-wide (a one-node Slurm for tests/slurm); TST_NO_APT=1 skips those tests instead" >&2
+fi
 exec "${VENV:-.venv}/bin/python" -m pytest "$@"

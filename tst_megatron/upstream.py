@@ -262,6 +262,7 @@ def mtp_acceptance_from_predictions() -> Iterator[None]:
     The module attribute is replaced for the context (:meth:`TSTLossSeam.chunked_head`, one
     model forward) and restored after.
     """
+    # megatron-core: heavy, imported when used
     from megatron.core.transformer import multi_token_prediction as mtp
 
     original = mtp._compute_mtp_acceptance_counts

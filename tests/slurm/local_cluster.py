@@ -36,14 +36,18 @@ def _tail(path: Path, lines: int = 3) -> str:
 
 
 def ensure_installed() -> None:
-    """Install ``slurm-wlm`` and ``munge`` with apt if a binary is missing.
+    """Install ``slurm-wlm`` and ``munge`` with apt if a binary is missing (announced by
+    ``scripts/test.sh``; ``TST_NO_APT=1`` refuses it).
 
     Raises:
-        Unavailable: not root, no apt-get, or the install failed (with apt's last line).
+        Unavailable: ``TST_NO_APT=1``, not root, no apt-get, or the install failed (with apt's
+            last line).
     """
     missing = [b for b in BINARIES if shutil.which(b) is None]
     if not missing:
         return
+    if os.environ.get("TST_NO_APT") == "1":
+        raise Unavailable(f"{', '.join(missing)} not installed and TST_NO_APT=1 (no apt-get)")
     if os.geteuid() != 0:
         raise Unavailable(
             f"{', '.join(missing)} not installed and not root (cannot apt-get install slurm-wlm munge)"
@@ -150,7 +154,9 @@ class LocalSlurm:
             Unavailable: not root, unresolvable host name, a daemon that exits at start, or a
                 node that does not become idle within ``timeout`` seconds.
         """
-        if os.geteuid() != 0:
+        if os.environ.get("TST_NO_APT") == "1":
+        raise Unavailable(f"{', '.join(missing)} not installed and TST_NO_APT=1 (no apt-get)")
+    if os.geteuid() != 0:
             raise Unavailable("slurmd must run as root to start jobs, and this test is not root")
         try:
             socket.gethostbyname(self.node)

@@ -818,3 +818,40 @@ def test_flags_megatron_lm_replaces_by_the_hybrid_pattern_are_noted():
     # the family counts are the main layers'; the MTP part is listed apart
     assert "'*E*E/*E': 2 attention (*), 2 MoE (E); MTP 1 x '*E';" in out
     assert notes(["--mtp-num-layers", "1"], "*E*E/*E")[0] == []
+
+
+def _hf_tokenizer(folder) -> str:
+    """A tiny Hugging Face tokenizer (word level, 4 tokens) saved in ``folder``."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"[UNK]": 0, "a": 1, "b": 2, "</s>": 3}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", eos_token="</s>")
+    fast.save_pretrained(str(folder))
+    return str(folder)
+
+
+def test_a_hugging_face_tokenizer_is_loaded_when_here_and_named_when_not(tmp_path):
+    """Here: loaded as megatron-core would (local files, no remote code): a folder that does not
+    load is one error line. Not here: a hub name is an ``assumed:`` line, a path is among the
+    files not checked."""
+    pytest.importorskip("transformers")
+    hf = _without(SMALL, "--tokenizer-type") + ["--tokenizer-type", "HuggingFaceTokenizer"]
+    good = dry(hf + ["--tokenizer-model", _hf_tokenizer(tmp_path / "tok"), "--device", "cpu"])
+    assert good.returncode == 0, good.stderr
+    (tmp_path / "empty").mkdir()
+    bad = dry(hf + ["--tokenizer-model", str(tmp_path / "empty"), "--device", "cpu"])
+    errors = _errors(bad.stderr)
+    assert bad.returncode == 2 and len(errors) == 1, bad.stderr
+    assert f"--tokenizer-model {tmp_path / 'empty'}: Hugging Face's AutoTokenizer cannot" in errors[0]
+    hub = dry(hf + ["--tokenizer-model", "some-org/some-tokenizer", "--device", "cpu"])
+    assert hub.returncode == 0, hub.stderr
+    assert (
+        "assumed: --tokenizer-model some-org/some-tokenizer is not here: taken as a Hugging Face "
+        "hub name" in hub.stdout
+    ), hub.stdout
+    away = dry(hf + ["--tokenizer-model", str(tmp_path / "cluster" / "tok"), "--device", "cpu"])
+    assert away.returncode == 0, away.stderr
+    assert f"not here, so not checked: {tmp_path / 'cluster' / 'tok'}" in away.stdout

@@ -28,6 +28,7 @@ from tst_megatron.training.checks import (
     layout,
     model,
     outputs,
+    reads,
     resume,
     tst,
     unsupported,
@@ -86,7 +87,7 @@ LAST_RULES = (data.file_problems, outputs.problems, resume.problems)
 
 #: What the user should know before the run starts (``note:`` lines, printed by the launch on
 #: rank 0 and by the dry run).
-NOTES = (tst.notes, model.notes, unsupported.notes, deprecated.notes, hardware.notes, resume.notes)
+NOTES = (tst.notes, reads.notes, model.notes, unsupported.notes, deprecated.notes, hardware.notes, resume.notes)
 
 
 def argv_problems(argv: Sequence[str], family) -> list[str]:
@@ -125,6 +126,11 @@ def dry_run_assumptions(launch: Launch) -> list[str]:
     if missing := data.files_not_here(launch.args):
         shown = ", ".join(missing[:3]) + (", ..." if len(missing) > 3 else "")
         lines.append(f"not here, so not checked: {shown} ({assumed.DRY_RUN_SKIPS['files']})")
+    if hub := data.hub_tokenizer(launch.args):
+        lines.append(
+            f"--tokenizer-model {hub} is not here: taken as a Hugging Face hub name, which the "
+            "cluster must download or find in its Hugging Face cache (HF_HOME)"
+        )
     if away := outputs.not_here(launch.args):
         lines.append(f"not here, so not probed for writing: {', '.join(away)}")
     if launch.device == "cuda":

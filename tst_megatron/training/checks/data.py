@@ -4,6 +4,7 @@ on after set-up, and (in a launch) the ``.bin``/``.idx`` files themselves."""
 from __future__ import annotations
 
 import os
+from typing import Optional
 
 from tst_megatron.data.files import open_data_file
 from tst_megatron.data.gpt_datasets import data_prefixes, data_settings
@@ -73,14 +74,63 @@ def tokenizer_problems(args, *, launch: bool) -> list[str]:
         return [
             "--tokenizer-type HuggingFaceTokenizer needs --tokenizer-model (a directory or hub name)"
         ]
-    if not launch:
-        return []
     problems = []
+    hf = hf_tokenizer_model(args)
+    if hf and os.path.exists(hf):  # here: the dry run checks it as the launch does
+        problems += hf_tokenizer_problems(
+            hf, trust_remote_code=getattr(args, "trust_remote_code", False)
+        )
+    if not launch:
+        return problems
+    if hf and not os.path.exists(hf) and looks_like_a_path(hf):
+        problems.append(
+            f"--tokenizer-model {hf} is not a folder or file here (a Hugging Face hub name is "
+            "'org/name')"
+        )
     for flag in _TOKENIZER_FILES.get(tokenizer_type, ()):
         path = getattr(args, flag[2:].replace("-", "_"), None)
         if not path or not os.path.isfile(path):
             problems.append(f"--tokenizer-type {tokenizer_type}: {flag} {path} is not a file")
     return problems
+
+
+def hf_tokenizer_model(args) -> Optional[str]:
+    """``--tokenizer-model`` of a ``HuggingFaceTokenizer`` (a folder, a file or a hub name),
+    else None."""
+    if args.tokenizer_type != "HuggingFaceTokenizer":
+        return None
+    return args.tokenizer_model or None
+
+
+def looks_like_a_path(name: str) -> bool:
+    """``name`` is meant as a path, not a hub name (``org/name`` or ``name``): it starts with
+    ``/``, ``.`` or ``~``, or has more than one ``/``."""
+    return name.startswith(("/", ".", "~")) or name.count("/") > 1
+
+
+def hf_tokenizer_problems(path: str, *, trust_remote_code: bool = False) -> list[str]:
+    """A Hugging Face tokenizer folder or file on this machine that ``transformers``'
+    ``AutoTokenizer`` cannot load from local files, as megatron-core's
+    ``HuggingFaceTokenizer`` would at set-up (one line). Loaded with
+    ``trust_remote_code=False``: a tokenizer that needs its own code is not run here (with
+    ``--trust-remote-code`` the load is left to the launch). Nothing when ``transformers`` is
+    not installed (megatron-core then names it)."""
+    if trust_remote_code:
+        return []
+    try:
+        # transformers: heavy, imported when used
+        from transformers import AutoTokenizer
+    except ImportError:
+        return []
+    try:
+        AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=False)
+    except Exception as exc:  # any failure to load is the user's one line
+        why = " ".join(str(exc).split())[:200] or type(exc).__name__
+        return [
+            f"--tokenizer-model {path}: Hugging Face's AutoTokenizer cannot load it here "
+            f"({type(exc).__name__}: {why})"
+        ]
+    return []
 
 
 def problems(launch) -> list[str]:
@@ -111,4 +161,16 @@ def files_not_here(args) -> list[str]:
         path = getattr(args, flag[2:].replace("-", "_"), None)
         if path and not os.path.isfile(path):
             missing.append(path)
+    hf = hf_tokenizer_model(args)
+    if hf and not os.path.exists(hf) and looks_like_a_path(hf):
+        missing.append(hf)
     return missing
+
+
+def hub_tokenizer(args) -> Optional[str]:
+    """A Hugging Face ``--tokenizer-model`` that is not on this machine and reads as a hub
+    name: what a dry run cannot check (its ``assumed:`` line names it)."""
+    hf = hf_tokenizer_model(args)
+    if hf and not os.path.exists(hf) and not looks_like_a_path(hf):
+        return hf
+    return None
