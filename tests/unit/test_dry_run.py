@@ -845,7 +845,9 @@ def test_a_hugging_face_tokenizer_is_loaded_when_here_and_named_when_not(tmp_pat
     bad = dry(hf + ["--tokenizer-model", str(tmp_path / "empty"), "--device", "cpu"])
     errors = _errors(bad.stderr)
     assert bad.returncode == 2 and len(errors) == 1, bad.stderr
-    assert f"--tokenizer-model {tmp_path / 'empty'}: Hugging Face's AutoTokenizer cannot" in errors[0]
+    assert (
+        f"--tokenizer-model {tmp_path / 'empty'}: Hugging Face's AutoTokenizer cannot" in errors[0]
+    )
     hub = dry(hf + ["--tokenizer-model", "some-org/some-tokenizer", "--device", "cpu"])
     assert hub.returncode == 0, hub.stderr
     assert (

@@ -87,7 +87,15 @@ LAST_RULES = (data.file_problems, outputs.problems, resume.problems)
 
 #: What the user should know before the run starts (``note:`` lines, printed by the launch on
 #: rank 0 and by the dry run).
-NOTES = (tst.notes, reads.notes, model.notes, unsupported.notes, deprecated.notes, hardware.notes, resume.notes)
+NOTES = (
+    tst.notes,
+    reads.notes,
+    model.notes,
+    unsupported.notes,
+    deprecated.notes,
+    hardware.notes,
+    resume.notes,
+)
 
 
 def argv_problems(argv: Sequence[str], family) -> list[str]:
