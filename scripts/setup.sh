@@ -13,8 +13,15 @@
 #   TORCH_SPEC   torch requirement installed first (default torch==2.13.0; where no CPU wheel
 #                is configured, PyPI's build is the CUDA one, ~5 GB, which also runs on a CPU)
 #   MEGATRON_CORE_SPEC  a narrower megatron-core requirement, e.g. 'megatron-core==0.19.2'
+#
+# scripts/setup.sh --container: no venv; install into the Python environment as it is (NVIDIA's
+# PyTorch container), keeping its torch, Transformer Engine and Apex (scripts/setup_container.py;
+# PYTHON: that environment's interpreter, default python3).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+if [ "${1:-}" = --container ]; then
+    exec "${PYTHON:-python3}" scripts/setup_container.py
+fi
 VENV="${VENV:-.venv}"
 TORCH_SPEC="${TORCH_SPEC:-torch==2.13.0}"
 

@@ -7,7 +7,10 @@ command line) trains a tiny MoE GPT with EP=2 on 2 srun tasks through the TST sw
   - preempted (``scancel --batch --signal=USR1``, what ``--signal=B:USR1@N`` delivers) in
     phase 1, it saves at the end of the current step, requeues itself, resumes in phase 1 at
     the right data position, crosses the switch and ends with the uninterrupted run's losses.
-The tasks run Megatron-LM's own loop (``examples/pretrain_gpt_tst.py``). The reference is
+The tasks run Megatron-LM's own loop (``examples/pretrain_gpt_tst.py``). The ``line`` variant
+submits a user's own launch line as the template's arguments (the public Llama 3 8B line of
+``tests/e2e/mlm_launch_scripts.py``, shrunk to a CPU, 40 iterations, the switch at 20): the
+template adds only --exit-signal-handler and reads the line's own --save. The reference is
 the uninterrupted run's own log, printed by Megatron-LM's ``training_log`` to 7 digits; a
 resumed run that replays or skips data, or restores a wrong phase or optimizer state, prints
 different numbers (resume is exact on CPU, see tests/distributed/test_megatron_lm.py).
@@ -102,15 +105,33 @@ VARIANTS = {
 }
 
 
+def users_line(workdir: Path) -> list:
+    """The ``line`` variant's arguments: the launcher and a public Megatron-LM line (Llama 3 8B,
+    shrunk: :func:`tests.e2e.mlm_launch_scripts.shrunk`) at this test's length, its --save and
+    --load in ``workdir/mine/ckpt``."""
+    from tests.e2e.mlm_launch_scripts import shrink, shrunk
+
+    argv = shrunk("llama3_8b_fp8", {}, str(workdir / "mine"))
+    length = {"--train-samples": str(4 * N), "--lr-decay-samples": str(4 * N)}
+    length |= {"--tst-phase1-iters": str(N1), "--eval-interval": str(N1), "--save-interval": "1000"}
+    return [str(REPO / "examples" / "pretrain_gpt_tst.py"), *shrink(argv, length)]
+
+
 def submit(
     cluster: LocalSlurm, workdir: Path, name: str, variant: str = "plain"
 ) -> tuple[subprocess.Popen, str]:
     """``sbatch --wait`` the template as job ``name`` from ``workdir`` with the settings of
-    ``variant`` (:data:`VARIANTS`); returns (sbatch, job id)."""
+    ``variant`` (:data:`VARIANTS`; ``line``: :func:`users_line` as its arguments and none of
+    its variables); returns (sbatch, job id)."""
     (workdir / "logs").mkdir(parents=True, exist_ok=True)
-    env = cluster.env(**{**TINY, **VARIANTS[variant]}, RUNS_DIR=str(workdir / "runs"))
+    line = users_line(workdir) if variant == "line" else []
+    variables = (
+        {k: TINY[k] for k in ("PYTHON", "TST_ROOT")} if line else {**TINY, **VARIANTS[variant]}
+    )
+    env = cluster.env(**variables, RUNS_DIR=str(workdir / "runs"))
     proc = subprocess.Popen(
-        ["sbatch", "--parsable", "--wait", f"--job-name={name}", *CPU_RESOURCES, str(TEMPLATE)],
+        ["sbatch", "--parsable", "--wait", f"--job-name={name}", *CPU_RESOURCES, str(TEMPLATE)]
+        + line,
         cwd=workdir,
         env=env,
         stdout=subprocess.PIPE,
@@ -157,7 +178,7 @@ def iterations(log: str) -> dict:
     return seen
 
 
-@pytest.fixture(scope="module", params=sorted(VARIANTS))
+@pytest.fixture(scope="module", params=sorted(VARIANTS) + ["line"])
 def uninterrupted(cluster, tmp_path_factory, request):
     workdir = tmp_path_factory.mktemp("uninterrupted")
     start = time.monotonic()
@@ -179,7 +200,9 @@ def test_tst_run_through_the_switch(cluster, uninterrupted):
     assert steps[N][0] == N * 4  # global batch 4
     assert f"TST: phase 1 (bags) from iteration 0, until {N1}" in text and SWITCH in text
     assert float(steps[N][1]) < float(steps[N1 + 1][1])  # it learns in phase 2
-    ckpt = workdir / "runs" / "tst-a" / "checkpoints"
+    mine = variant == "line"  # the line's own --save and --tensorboard-dir
+    ckpt = workdir / "mine" / "ckpt" if mine else workdir / "runs" / "tst-a" / "checkpoints"
+    assert (workdir / "runs").exists() != mine  # nothing of the job's folder for the line
     assert sorted(p.name for p in ckpt.iterdir()) == [
         f"iter_{N1:07d}",
         f"iter_{N:07d}",
@@ -189,7 +212,8 @@ def test_tst_run_through_the_switch(cluster, uninterrupted):
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == str(N)
     assert '"status": "finished"' in (ckpt / "tst_exit.json").read_text()
     assert "(finished); latest checkpoint" in text  # the script read the launcher's marker
-    assert list((workdir / "runs" / "tst-a" / "tensorboard").glob("events.out.tfevents.*"))
+    tensorboard = workdir / "mine" / "tb" if mine else workdir / "runs" / "tst-a" / "tensorboard"
+    assert list(tensorboard.glob("events.out.tfevents.*"))
     assert cluster.job_field(job_id, "JobState") == "COMPLETED"
     assert cluster.job_field(job_id, "Restarts") == "0"
 

@@ -59,9 +59,12 @@ CASES["hybrid_cpu_variant"] = (
 )
 
 
-def run_template(tmp_path, variables: dict, check: bool = False) -> subprocess.CompletedProcess:
+def run_template(
+    tmp_path, variables: dict, check: bool = False, line=()
+) -> subprocess.CompletedProcess:
     """The template run by bash with ``TST_DRY_RUN=1`` and ``variables`` in a bare environment
-    (job ``tst-job``, runs under ``tmp_path/runs``): it prints its launcher command line."""
+    (job ``tst-job``, runs under ``tmp_path/runs``), from the repository, with ``line`` (a
+    launcher and its flags) as its arguments: it prints its launcher command line."""
     env = {
         "PATH": "/usr/bin:/bin",
         "SLURM_JOB_NAME": "tst-job",
@@ -70,8 +73,8 @@ def run_template(tmp_path, variables: dict, check: bool = False) -> subprocess.C
         "TST_DRY_RUN": "1",
         **variables,
     }
-    command = ["bash", str(TEMPLATE)]
-    return subprocess.run(command, env=env, capture_output=True, text=True, check=check)
+    command = ["bash", str(TEMPLATE), *line]
+    return subprocess.run(command, env=env, capture_output=True, text=True, check=check, cwd=REPO)
 
 
 def dry_run(tmp_path, variables: dict) -> list:
@@ -117,7 +120,7 @@ def test_template_command_line_is_valid(case, tmp_path, monkeypatch):
     }
     assert bool(gpu_flags & set(argv)) == (device == "cuda")
     assert ("--num-experts" in argv) == (variables.get("NUM_EXPERTS") != "0")
-    assert (tmp_path / "runs" / "tst-job" / "tensorboard").is_dir()
+    assert not (tmp_path / "runs").exists()  # a dry run creates nothing
     pattern = variables.get("HYBRID_LAYER_PATTERN")
     assert ("--num-layers" in argv) == (pattern is None)
     if pattern:  # the pattern sets the layer count: one per symbol
@@ -145,3 +148,57 @@ def test_missing_data_settings_stop_before_srun(variables, message, tmp_path):
     out = run_template(tmp_path, variables)
     assert out.returncode == 2 and out.stdout == ""
     assert out.stderr.strip().startswith(message)
+
+
+#: A public Megatron-LM line (Llama 3 8B FP8, shrunk to a CPU: tests/e2e/mlm_launch_scripts.py)
+#: without --save/--load, as a user would submit it after the template.
+def _users_line(tmp_path, *extra) -> list:
+    from tests.e2e.mlm_launch_scripts import shrunk
+
+    argv = shrunk("llama3_8b_fp8", {}, str(tmp_path / "mine"))
+    for flag in ("--save", "--load"):
+        i = argv.index(flag)
+        argv = argv[:i] + argv[i + 2 :]
+    return ["examples/pretrain_gpt_tst.py", *argv, *extra]
+
+
+def test_your_own_line_runs_as_it_is_plus_what_preemption_needs(tmp_path, monkeypatch):
+    """The arguments after the template: the launcher and its flags, unchanged and in order;
+    then --save/--load under the job's folder, --exit-signal-handler (the line has its own
+    --save-interval). The template's variables play no part; a dry run creates nothing."""
+    line = _users_line(tmp_path)
+    out = run_template(tmp_path, {}, check=True, line=line)
+    argv = shlex.split(out.stdout)
+    assert argv[1] == "examples/pretrain_gpt_tst.py"
+    ckpt = str(tmp_path / "runs" / "tst-job" / "checkpoints")
+    added = ["--save", ckpt, "--load", ckpt, "--exit-signal-handler"]
+    assert argv[2:] == line[1:] + added, argv[2:]
+    args = checked(argv[2:], 2, monkeypatch)
+    assert args.save == args.load == ckpt and args.exit_signal_handler
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "mine").exists()
+
+
+def test_your_own_save_is_kept_and_read(tmp_path):
+    """A line with ``--save=DIR`` (and its own --exit-signal-handler and --save-interval) gets
+    only --load DIR; without --save-interval it gets the template's."""
+    mine = str(tmp_path / "ckpt")
+    line = _users_line(tmp_path, f"--save={mine}", "--exit-signal-handler")
+    argv = shlex.split(run_template(tmp_path, {}, check=True, line=line).stdout)
+    assert argv[2:] == line[1:] + ["--load", mine]
+    i = line.index("--save-interval")
+    bare = line[:i] + line[i + 2 :]
+    argv = shlex.split(run_template(tmp_path, {}, check=True, line=bare).stdout)
+    assert argv[-2:] == ["--save-interval", "1000"]
+
+
+@pytest.mark.parametrize(
+    "line, message",
+    [
+        (["--num-layers", "2"], "error: the first argument after the template is the launcher"),
+        (["examples/no_such.py", "--num-layers", "2"], "error: launcher examples/no_such.py is"),
+    ],
+)
+def test_a_line_without_its_launcher_stops_before_srun(line, message, tmp_path):
+    out = run_template(tmp_path, {}, line=line)
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr.strip().startswith(message), out.stderr

@@ -808,7 +808,9 @@ def test_flags_megatron_lm_replaces_by_the_hybrid_pattern_are_noted():
         argv = HYBRID + ["--position-embedding-type", "rope", "--hybrid-layer-pattern", pattern]
         result = dry(argv + extra, model="hybrid")
         assert result.returncode == 0, result.stderr
-        return [x for x in result.stdout.splitlines() if x.startswith(" note: ")], result.stdout
+        lines = result.stdout.splitlines()
+        noted = [x for x in lines if x.startswith(" note: ") and not x.startswith(" note: text:")]
+        return noted, result.stdout
 
     assert notes(["--num-layers", "4"])[0] == []  # the pattern's count: nothing to say
     (line,), _ = notes(["--num-layers=2"])

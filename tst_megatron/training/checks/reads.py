@@ -108,7 +108,10 @@ def epoch_lines(args, plan) -> list[str]:
     windows) each phase reads, for the most-read dataset, and a note when the run reads a
     dataset more than once where a baseline of the line reads it at most once. Nothing for mock
     data, per-split paths, missing or damaged files (the data rules report those)."""
-    data = data_settings(args)
+    try:
+        data = data_settings(args)
+    except OSError:  # an unreadable --data-args-path: the data rules report it
+        return []
     if data.mock_data or getattr(args, "train_data_path", None) or not data.data_path:
         return []
     # megatron-core: heavy, imported when used
@@ -156,4 +159,8 @@ def notes(launch) -> list[str]:
     if launch.plan is None:
         return []
     line = text_line(launch.args, launch.plan)
-    return ([line] if line else []) + epoch_lines(launch.args, launch.plan)
+    try:
+        epochs = epoch_lines(launch.args, launch.plan)
+    except Exception:  # a malformed blend, an unreadable file: the data rules say so, in one line
+        epochs = []
+    return ([line] if line else []) + epochs
