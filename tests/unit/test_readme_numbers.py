@@ -49,3 +49,20 @@ def test_every_measured_ratio_is_in_a_results_file_the_row_links():
             assert found, f"{value}x is in no number of {files}: {claim[:80]}"
             checked += 1
     assert checked >= 6, checked
+
+
+def test_every_number_of_the_results_section_is_in_a_results_file():
+    """The README's "Results" prose and table (losses, gaps, intervals, speedups) round from
+    numbers in ``docs/results/*.md``."""
+    import glob
+
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+        section = f.read().split("\n## Results", 1)[1].split("\n## ", 1)[0]
+    numbers = {
+        n for path in glob.glob(os.path.join(ROOT, "docs", "results", "*.md")) for n in _numbers(path)
+    }
+    values = re.findall(r"(?<![\w.])[+-]?(\d+\.(\d+))(?!\.\d)", section)
+    assert len(values) >= 15, values
+    for value, decimals in values:
+        found = any(f"{float(n):.{len(decimals)}f}" == value for n in numbers)
+        assert found, f"{value} of the README's Results is in no docs/results file"
