@@ -35,12 +35,14 @@ section "TST sample orders at scale" of ``--output`` is replaced (or added)::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
 import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -132,6 +134,34 @@ def stream_child(directory: str, cache: str, bag_size: int, phase1_samples: int)
     )
 
 
+@contextlib.contextmanager
+def work_dir(path):
+    """A folder for this benchmark's files, deleted at the end: a fresh temporary one when
+    ``path`` is None; else ``path``, which must not exist or be empty (the benchmark deletes
+    only what it created there: the folder itself when it made it, else its own files).
+
+    Raises:
+        SystemExit: ``path`` holds files (one line; nothing is deleted).
+    """
+    if path is None:
+        path = tempfile.mkdtemp(prefix="tst_data_startup_")
+        made = True
+    else:
+        if os.path.exists(path) and (not os.path.isdir(path) or os.listdir(path)):
+            sys.exit(f"data_startup.py: --dir {path} is not an empty folder; give a new one")
+        made = not os.path.exists(path)
+        os.makedirs(path, exist_ok=True)
+    try:
+        yield path
+    finally:
+        if made:
+            shutil.rmtree(path, ignore_errors=True)
+        else:  # an empty folder given: empty again, the folder kept
+            for name in os.listdir(path):
+                full = os.path.join(path, name)
+                shutil.rmtree(full) if os.path.isdir(full) else os.remove(full)
+
+
 def directory_gb(path: str) -> float:
     return sum(os.path.getsize(os.path.join(path, n)) for n in os.listdir(path)) / 1e9
 
@@ -155,10 +185,8 @@ def stream_benchmark(args) -> None:
     windows, bag, r = args.stream_windows, args.bag_size, args.phase1_fraction
     samples = int(windows / (1 + r * (bag - 1)))
     phase1 = int(r * samples)
-    directory = args.dir
-    os.makedirs(directory, exist_ok=True)
     rows = []
-    try:
+    with work_dir(args.dir) as directory:
         start = time.perf_counter()
         perm = np.arange(windows, dtype=np.uint32 if windows < 2**32 - 1 else np.int64)
         np.random.default_rng(0).shuffle(perm)
@@ -177,8 +205,6 @@ def stream_benchmark(args) -> None:
             rows.append((name, json.loads(out.strip().splitlines()[-1])))
         cache_gb = directory_gb(node0)
         index_gb = os.path.getsize(os.path.join(directory, "shuffle.npy")) / 1e9
-    finally:
-        shutil.rmtree(directory, ignore_errors=True)
     assert all(m["samples"] == rows[0][1]["samples"] for _, m in rows)
     lines = [
         STREAM_TITLE,
@@ -226,7 +252,11 @@ def main() -> None:
     )
     p.add_argument("--gigabytes", type=float, default=3.0)
     p.add_argument("--dtype", choices=("uint16", "int32"), default="uint16")
-    p.add_argument("--dir", default="/tmp/tst_data_startup")
+    p.add_argument(
+        "--dir",
+        help="an empty or new folder for the benchmark's files (default: a fresh temporary one); "
+        "a folder holding files is refused",
+    )
     p.add_argument("--output")
     p.add_argument("--smoke", action="store_true", help="0.02 GB, for the tests")
     args = p.parse_args()
@@ -236,17 +266,14 @@ def main() -> None:
 
     gigabytes = 0.02 if args.smoke else args.gigabytes
     vocab = 32000
-    os.makedirs(args.dir, exist_ok=True)
-    prefix = os.path.join(args.dir, "synthetic_text_document")
-    cache = os.path.join(args.dir, "cache")
-    try:
+    with work_dir(args.dir) as directory:
+        prefix = os.path.join(directory, "synthetic_text_document")
+        cache = os.path.join(directory, "cache")
         write_s = timed(lambda: write_corpus(prefix, gigabytes, np.dtype(args.dtype).type, vocab))
         size = os.path.getsize(prefix + ".bin")
         full = timed(lambda: int(np.memmap(prefix + ".bin", dtype=args.dtype, mode="r").max()))
         first = timed(lambda: check_data_files(prefix, vocab, cache_path=cache))
         second = timed(lambda: check_data_files(prefix, vocab, cache_path=cache))
-    finally:
-        shutil.rmtree(args.dir, ignore_errors=True)
     rows = [
         ("full read (the check before)", full),
         ("first start (read once, write the stamp)", first),

@@ -202,3 +202,25 @@ def test_a_line_without_its_launcher_stops_before_srun(line, message, tmp_path):
     out = run_template(tmp_path, {}, line=line)
     assert out.returncode == 2 and out.stdout == ""
     assert out.stderr.strip().startswith(message), out.stderr
+
+
+def test_a_setting_is_data_not_shell_code(tmp_path):
+    """A setting that would run a command through bash arithmetic is one line naming it, and
+    runs nothing; list settings are split at white space without glob expansion."""
+    planted = tmp_path / "planted"
+    out = run_template(tmp_path, DATA | {"TRAIN_ITERS": f"SEED[$(touch {planted})]"})
+    assert out.returncode == 2 and out.stdout == "", out.stderr
+    assert out.stderr.startswith("error: TRAIN_ITERS='SEED[$(touch "), out.stderr
+    assert "is not a whole number" in out.stderr and not planted.exists()
+    for name in ("TP", "LR_WSD_DECAY_ITERS", "SAVE_INTERVAL"):
+        bad = run_template(tmp_path, DATA | {name: "1+1"})
+        assert bad.returncode == 2 and bad.stderr.startswith(f"error: {name}='1+1' is not"), name
+    # a glob in EXTRA_ARGS, DATA_PATH or CONTAINER_ARGS stays itself even where files match
+    # (the template runs from the repository, where examples/* matches files)
+    words = {"EXTRA_ARGS": "--hybrid-layer-pattern M*M* --tokenizer-model examples/*"}
+    argv = shlex.split(run_template(tmp_path, DATA | words, check=True).stdout)
+    assert argv[-4:] == ["--hybrid-layer-pattern", "M*M*", "--tokenizer-model", "examples/*"]
+    blend = {"DATA_PATH": "0.5 /data/a* 0.5 examples/*"}
+    argv = shlex.split(run_template(tmp_path, DATA | blend, check=True).stdout)
+    i = argv.index("--data-path")
+    assert argv[i + 1 : i + 5] == ["0.5", "/data/a*", "0.5", "examples/*"]

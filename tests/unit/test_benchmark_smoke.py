@@ -134,3 +134,26 @@ def test_data_startup_stream_section_smoke(tmp_path):
     rows = [line for line in report.splitlines() if line.startswith("| ") and "start" in line]
     assert len(rows) == 4 and all(row.endswith("| yes |") for row in rows[1:])
     assert not os.path.exists(tmp_path / "w")
+
+
+def test_data_startup_leaves_a_folder_it_did_not_create(tmp_path):
+    """``--dir`` on a folder holding a file is refused in one line and the file stays; an
+    empty folder given is emptied again but kept."""
+    import subprocess
+    import sys
+
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep me")
+    command = [sys.executable, "benchmarks/data_startup.py", "--smoke", "--dir", str(mine)]
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 1, result.stderr[-2000:]
+    assert result.stderr.strip().endswith(f"--dir {mine} is not an empty folder; give a new one")
+    assert (mine / "notes.txt").read_text() == "keep me"
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    command = [sys.executable, "benchmarks/data_startup.py", "--stream-windows", "20000"]
+    command += ["--no-second-node", "--dir", str(empty)]
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert empty.is_dir() and not list(empty.iterdir())
