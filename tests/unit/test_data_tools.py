@@ -55,6 +55,35 @@ def test_corpus_from_directory_and_jsonl(tmp_path):
     assert (tmp_path / "copy.jsonl").read_text() == (tmp_path / "dir.jsonl").read_text()
 
 
+def test_corpus_reads_regular_files_inside_its_folder_only(tmp_path):
+    """A symlink to a private file outside the folder, a link to /dev/zero and a file over
+    the size limit are skipped and named (``tools/build_corpus.py``: one note each); a link
+    that stays inside the folder is read; a CRLF file reads as text mode reads it."""
+    src = tmp_path / "texts"
+    src.mkdir()
+    private = tmp_path / "secret.txt"
+    private.write_text("PRIVATE KEY")
+    private.chmod(0o600)
+    (src / "a.txt").write_text("first\r\nline")
+    (src / "leak.txt").symlink_to(private)
+    (src / "zero.txt").symlink_to("/dev/zero")
+    (src / "big.txt").write_text("x" * 2000)
+    (src / "same.txt").symlink_to(src / "a.txt")
+    stats = build_corpus(str(src), str(tmp_path / "out.jsonl"), max_file_bytes=1000)
+    texts = [json.loads(l)["text"] for l in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert texts == ["first\nline", "first\nline"]  # a.txt, and same.txt (inside the folder)
+    reasons = {os.path.basename(path): reason for path, reason in stats["skipped"]}
+    assert sorted(reasons) == ["big.txt", "leak.txt", "zero.txt"], reasons
+    assert reasons["leak.txt"].startswith("a link leaving") and "2,000 bytes" in reasons["big.txt"]
+    assert "PRIVATE" not in (tmp_path / "out.jsonl").read_text()
+    command = [sys.executable, "tools/build_corpus.py", "--source", str(src), "--output"]
+    command += [str(tmp_path / "cli.jsonl"), "--max-file-bytes", "1000"]
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    notes = [line for line in result.stderr.splitlines() if line.startswith("note: skipped ")]
+    assert len(notes) == 3 and any(f"{src / 'leak.txt'}: a link leaving" in n for n in notes)
+
+
 def test_corpus_errors_write_nothing(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError, match="has no non-empty document"):

@@ -19,6 +19,12 @@ Sources:
 - a directory: every ``*.txt``, ``*.md``, ``*.rst`` and ``*.py`` file under it, sorted.
 - a ``.jsonl`` file: passed through (documents with a non-empty ``text``).
 
+What a source reads is input: under a directory (named or given) only regular files whose
+real path stays inside that directory, each of at most ``max_file_bytes`` (default
+:data:`MAX_FILE_BYTES`; a gzip file's text too). A symlink that leaves the folder (say, to a
+private file), a device or FIFO (``/dev/zero``) and a larger file are skipped and reported
+(:class:`Skipped`), never read.
+
 Several sources are concatenated in the order given (:func:`build_corpus` takes a list), so
 longer training horizons get more real text offline, e.g. ``python-stdlib`` then
 ``python-site-packages``, capped with ``max_bytes``.
@@ -30,6 +36,7 @@ import gzip
 import hashlib
 import json
 import os
+import stat
 import sysconfig
 from typing import Iterator, Optional, Sequence, Union
 
@@ -42,20 +49,69 @@ TEXT_SUFFIXES = (".txt", ".md", ".rst", ".py")
 _SKIPPED_DIRS = frozenset({"site-packages", "__pycache__", "test", "tests", "idle_test"})
 
 
-def _read(path: str) -> str:
-    with open(path, encoding="utf-8", errors="replace") as f:
-        return f.read()
+#: The largest file a source reads (bytes of text, after gzip); a larger one is skipped.
+MAX_FILE_BYTES = 64 * 2**20
 
 
-def python_stdlib_documents() -> Iterator[str]:
+class Skipped:
+    """The files a source did not read, ``(path, reason)`` each, in the order met."""
+
+    def __init__(self, max_file_bytes: int = MAX_FILE_BYTES):
+        self.max_file_bytes = max_file_bytes
+        self.files: list[tuple[str, str]] = []
+
+    def readable(self, path: str, root_real: str) -> bool:
+        """Whether ``path`` is a regular file whose real path is inside ``root_real`` (the
+        source folder's real path) and no larger than the limit; else record why not."""
+        real = os.path.realpath(path)
+        if not (real == root_real or real.startswith(root_real + os.sep)):
+            self.files.append((path, f"a link leaving {root_real}"))
+            return False
+        try:
+            info = os.stat(real)
+        except OSError as exc:
+            self.files.append((path, f"unreadable: {exc.strerror}"))
+            return False
+        if not stat.S_ISREG(info.st_mode):
+            self.files.append((path, "not a regular file"))
+            return False
+        if info.st_size > self.max_file_bytes:
+            self.files.append((path, f"{info.st_size:,} bytes, over {self.max_file_bytes:,}"))
+            return False
+        return True
+
+    def read(self, path: str) -> Optional[str]:
+        """The text of ``path`` (checked by :meth:`readable`), at most the limit in bytes
+        (a gzip file decompressed; None, recorded, when its text is larger)."""
+        opener = gzip.open if path.endswith(".gz") else open
+        with opener(path, "rb") as f:
+            data = f.read(self.max_file_bytes + 1)
+        if len(data) > self.max_file_bytes:
+            self.files.append((path, f"its text is over {self.max_file_bytes:,} bytes"))
+            return None
+        # as text mode reads it (universal newlines), so a corpus is what it was before
+        return data.decode("utf-8", errors="replace").replace("\r\n", "\n").replace("\r", "\n")
+
+
+def _texts(paths: Sequence[str], root: str, skipped: "Skipped") -> Iterator[str]:
+    """The text of each of ``paths`` (under ``root``) that :meth:`Skipped.readable` allows."""
+    root_real = os.path.realpath(root)
+    for path in paths:
+        if skipped.readable(path, root_real):
+            text = skipped.read(path)
+            if text is not None:
+                yield text
+
+
+def python_stdlib_documents(skipped: Optional["Skipped"] = None) -> Iterator[str]:
     """The standard library's ``.py`` files, then the pydoc topics, in a fixed order."""
+    skipped = skipped if skipped is not None else Skipped()
     root = sysconfig.get_paths()["stdlib"]
     paths = []
     for directory, subdirs, files in os.walk(root):
         subdirs[:] = sorted(d for d in subdirs if d not in _SKIPPED_DIRS)
         paths += [os.path.join(directory, f) for f in files if f.endswith(".py")]
-    for path in sorted(paths):
-        yield _read(path)
+    yield from _texts(sorted(paths), root, skipped)
     # the stdlib's documentation text: only for that corpus source
     from pydoc_data.topics import topics
 
@@ -72,17 +128,17 @@ def _sorted_files(root: str, keep) -> list[str]:
     return sorted(paths)
 
 
-def python_site_packages_documents() -> Iterator[str]:
+def python_site_packages_documents(skipped: Optional["Skipped"] = None) -> Iterator[str]:
     """The installed third-party packages' ``.py`` files (purelib, then platlib), sorted,
     without pip's editable finders (:func:`_is_package_source`)."""
+    skipped = skipped if skipped is not None else Skipped()
     roots = []
     for key in ("purelib", "platlib"):
         root = os.path.realpath(sysconfig.get_paths()[key])
         if root not in roots and os.path.isdir(root):
             roots.append(root)
     for root in roots:
-        for path in _sorted_files(root, _is_package_source):
-            yield _read(path)
+        yield from _texts(_sorted_files(root, _is_package_source), root, skipped)
 
 
 def _is_package_source(name: str) -> bool:
@@ -97,12 +153,16 @@ def _is_package_source(name: str) -> bool:
 _DOC_NAMES = ("README", "NEWS", "copyright", "AUTHORS", "THANKS", "TODO")
 
 
-def system_docs_documents(root: str = "/usr/share/doc") -> Iterator[str]:
+def system_docs_documents(
+    root: str = "/usr/share/doc", skipped: Optional["Skipped"] = None
+) -> Iterator[str]:
     """Plain-text files under ``root`` (default ``/usr/share/doc``), gzip ones decompressed.
 
     Raises:
         ValueError: ``root`` is not a directory.
     """
+    skipped = skipped if skipped is not None else Skipped()
+    root_real = os.path.realpath(root)
     if not os.path.isdir(root):
         raise ValueError(f"corpus source system-docs needs {root}, which is not a directory")
 
@@ -115,26 +175,26 @@ def system_docs_documents(root: str = "/usr/share/doc") -> Iterator[str]:
         )
 
     for path in _sorted_files(root, keep):
-        if path.endswith(".gz"):
-            try:
-                with gzip.open(path, "rt", encoding="utf-8", errors="replace") as f:
-                    yield f.read()
-            except (OSError, EOFError):  # a corrupt or non-gzip file: not text, skip it
-                continue
-        elif os.path.isfile(path):
-            yield _read(path)
+        if not skipped.readable(path, root_real):
+            continue
+        try:
+            text = skipped.read(path)
+        except (OSError, EOFError):  # a corrupt or non-gzip file: not text, skip it
+            continue
+        if text is not None:
+            yield text
 
 
-def directory_documents(root: str) -> Iterator[str]:
-    """Each text file under ``root`` (sorted by path)."""
+def directory_documents(root: str, skipped: Optional["Skipped"] = None) -> Iterator[str]:
+    """Each text file under ``root`` (sorted by path) that :meth:`Skipped.readable` allows."""
+    skipped = skipped if skipped is not None else Skipped()
     paths = [
         os.path.join(d, f)
         for d, _, files in os.walk(root)
         for f in files
         if f.endswith(TEXT_SUFFIXES)
     ]
-    for path in sorted(paths):
-        yield _read(path)
+    yield from _texts(sorted(paths), root, skipped)
 
 
 def jsonl_documents(path: str, key: str = "text") -> Iterator[str]:
@@ -154,20 +214,21 @@ SOURCES = ("python-stdlib", "python-site-packages", "system-docs")
 """The named sources (besides a directory or a ``.jsonl`` file)."""
 
 
-def documents(source: str) -> Iterator[str]:
-    """Documents of ``source`` (one of :data:`SOURCES`, a directory or a ``.jsonl`` file).
+def documents(source: str, skipped: Optional[Skipped] = None) -> Iterator[str]:
+    """Documents of ``source`` (one of :data:`SOURCES`, a directory or a ``.jsonl`` file);
+    the files it does not read go to ``skipped``.
 
     Raises:
         ValueError: the source does not exist or is of an unknown kind.
     """
     if source == "python-stdlib":
-        return python_stdlib_documents()
+        return python_stdlib_documents(skipped)
     if source == "python-site-packages":
-        return python_site_packages_documents()
+        return python_site_packages_documents(skipped)
     if source == "system-docs":
-        return system_docs_documents()
+        return system_docs_documents(skipped=skipped)
     if os.path.isdir(source):
-        return directory_documents(source)
+        return directory_documents(source, skipped)
     if os.path.isfile(source) and source.endswith(".jsonl"):
         return jsonl_documents(source)
     raise ValueError(
@@ -175,9 +236,9 @@ def documents(source: str) -> Iterator[str]:
     )
 
 
-def _all_documents(sources: Sequence[str]) -> Iterator[str]:
+def _all_documents(sources: Sequence[str], skipped: Skipped) -> Iterator[str]:
     for source in sources:
-        yield from documents(source)
+        yield from documents(source, skipped)
 
 
 def build_corpus(
@@ -187,6 +248,7 @@ def build_corpus(
     max_documents: Optional[int] = None,
     max_bytes: Optional[int] = None,
     unique: bool = False,
+    max_file_bytes: int = MAX_FILE_BYTES,
 ) -> dict:
     """Write the non-empty documents of ``source`` to the JSONL file ``output``.
 
@@ -199,9 +261,10 @@ def build_corpus(
         unique: keep only the first of documents with the same text (SHA-256 of the UTF-8
             bytes), e.g. the licence texts that many Debian packages ship as ``copyright``:
             a repeated document would put training text into the validation split.
+        max_file_bytes: the largest file read from a folder (:class:`Skipped`).
 
     Returns ``{"documents": n, "bytes": total UTF-8 bytes of text, "duplicates": documents
-    dropped as repeats}``.
+    dropped as repeats, "skipped": [(path, reason), ...] files not read}``.
 
     Raises:
         ValueError: unknown source, or no non-empty document (nothing is written).
@@ -212,9 +275,11 @@ def build_corpus(
             documents(name)
     count = size = repeats = 0
     seen: set = set()
+    skipped = Skipped(max_file_bytes)
     with atomic_path(output) as tmp, open(tmp, "w", encoding="utf-8") as out:
         label = "+".join(os.path.basename(s.rstrip("/")) or s for s in sources)
-        for text in progress(_all_documents(sources), desc=f"corpus {label}", unit=" docs"):
+        texts = _all_documents(sources, skipped)
+        for text in progress(texts, desc=f"corpus {label}", unit=" docs"):
             if not text.strip():
                 continue
             if unique:
@@ -233,4 +298,4 @@ def build_corpus(
         out.flush()
         if count == 0:
             raise ValueError(f"corpus source {source!r} has no non-empty document")
-    return {"documents": count, "bytes": size, "duplicates": repeats}
+    return {"documents": count, "bytes": size, "duplicates": repeats, "skipped": skipped.files}
