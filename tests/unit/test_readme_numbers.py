@@ -59,7 +59,9 @@ def test_every_number_of_the_results_section_is_in_a_results_file():
     with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
         section = f.read().split("\n## Results", 1)[1].split("\n## ", 1)[0]
     numbers = {
-        n for path in glob.glob(os.path.join(ROOT, "docs", "results", "*.md")) for n in _numbers(path)
+        n
+        for path in glob.glob(os.path.join(ROOT, "docs", "results", "*.md"))
+        for n in _numbers(path)
     }
     values = re.findall(r"(?<![\w.])[+-]?(\d+\.(\d+))(?!\.\d)", section)
     assert len(values) >= 15, values
