@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 from typing import Optional
 
 from tst_megatron.conversion import hf, mlm, rules
@@ -166,16 +165,20 @@ def import_checkpoint(
         FileExistsError: ``save`` is a previous import and ``force`` is False.
         RefusedOutput: ``save`` is, holds or lies inside ``hf_dir``, or holds a checkpoint
             or files an import does not write (:func:`.output.check_output`; before any work).
-        FileNotFoundError / ValueError: see :func:`.hf.read_hf_dir`, :func:`.hf.flags_from_hf`,
-            :func:`.rules.hf_to_megatron` (missing, extra or misshapen tensors are listed).
+        FileNotFoundError / ValueError: see :func:`.hf.read_hf_dir` (every file read is a file
+            of ``hf_dir``; the config's sizes against the weights' headers),
+            :func:`.hf.flags_from_hf`, :func:`.rules.hf_to_megatron` (missing, extra or
+            misshapen tensors are listed); a ``tokenizer.model`` that leaves ``hf_dir`` or is
+            not a SentencePiece model (:func:`.hf.read_sentencepiece`). Nothing is written.
     """
     check_output(save, reads={"--load": hf_dir}, force=force, kind="import")
     config, hf_state = hf.read_hf_dir(hf_dir)
     flags, arch, hf_dtype = hf.flags_from_hf(
         config, make_vocab_size_divisible_by=make_vocab_size_divisible_by
     )
-    tokenizer = None
-    if os.path.isfile(os.path.join(hf_dir, "tokenizer.model")):  # SentencePiece: keep it
+    tokenizer = tokenizer_bytes = None
+    if os.path.lexists(os.path.join(hf_dir, "tokenizer.model")):  # SentencePiece: keep it
+        tokenizer_bytes = hf.read_sentencepiece(hf.inside(hf_dir, "tokenizer.model"))
         tokenizer = os.path.join(os.path.abspath(save), "tokenizer.model")
         i = flags.index("--tokenizer-type")
         flags[i : i + 2] = ["--tokenizer-type", "SentencePieceTokenizer"]
@@ -191,10 +194,9 @@ def import_checkpoint(
         expected = tensor_names(build_model(ns))
     state = rules.hf_to_megatron(hf_state, expected, arch, hf.shapes_of(ns))
     with building(save) as tmp:
-        if tokenizer:
-            shutil.copyfile(
-                os.path.join(hf_dir, "tokenizer.model"), os.path.join(tmp, "tokenizer.model")
-            )
+        if tokenizer:  # the checked bytes, as a new file with the output's usual mode
+            with open(os.path.join(tmp, "tokenizer.model"), "wb") as f:
+                f.write(tokenizer_bytes)
         write_release(tmp, ns, state)
         with open(os.path.join(tmp, IMPORT_MARKER), "w") as f:  # lets --force replace it later
             f.write(f"imported from {os.path.abspath(hf_dir)}\n")

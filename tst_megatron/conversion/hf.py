@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from typing import Dict, List, Optional, Tuple
 
@@ -264,14 +265,7 @@ def flags_from_hf(
             step = _get(config, "decoder_sparse_step", default=1)
             dense = set(_get(config, "mlp_only_layers", default=[]) or [])
             sparse = [i for i in range(layers) if i not in dense and (i + 1) % step == 0]
-            freq = next(
-                (
-                    f
-                    for f in range(1, layers + 1)
-                    if sparse == [i for i in range(layers) if i % f == 0]
-                ),
-                None,
-            )
+            freq = moe_layer_freq(sparse, layers)
             if freq is None:
                 raise ValueError(
                     f"MoE layers {sparse} are not every n-th layer from layer 0 "
@@ -304,6 +298,18 @@ def flags_from_hf(
     return flags, arch, dtype if dtype in DTYPES else "float32"
 
 
+def moe_layer_freq(sparse: List[int], layers: int) -> Optional[int]:
+    """The smallest ``n`` with MoE layers ``sparse`` = every ``n``-th of ``layers`` from layer 0
+    (Megatron-LM's ``--moe-layer-freq n``), or None; O(layers) (a crafted config's layer count
+    cannot make it slow)."""
+    if not sparse or sparse[0] != 0:
+        return None
+    if len(sparse) == 1:  # only layer 0: every n-th for any n >= layers; the smallest
+        return max(layers, 1)
+    step = sparse[1]
+    return step if sparse == list(range(0, layers, step)) else None
+
+
 def run_flags_from_hf(config) -> List[str]:
     """The flags a weights-only namespace needs beyond :func:`flags_from_hf`: the sequence
     length (the positions, at most 4096) and ``--init-method-std`` (``initializer_range``)."""
@@ -317,16 +323,109 @@ def run_flags_from_hf(config) -> List[str]:
 # --- files --------------------------------------------------------------------------------
 
 
+def inside(folder: str, name: str) -> str:
+    """The path of ``name`` in ``folder``, checked to be a file of that folder: ``name`` is a
+    relative path without ``..``, and its real path (symlinks resolved) is a regular file
+    inside ``folder``'s real path.
+
+    Raises:
+        ValueError: an absolute path, a ``..`` or a symlink that leaves ``folder``, or not a
+            regular file (one line naming it).
+    """
+    if not isinstance(name, str) or os.path.isabs(name) or ".." in name.split("/"):
+        raise ValueError(f"{folder}: {name!r} is not a file name inside the folder")
+    path = os.path.join(folder, name)
+    real, root = os.path.realpath(path), os.path.realpath(folder)
+    if not real.startswith(root + os.sep):
+        raise ValueError(f"{path} leads outside {folder} (to {real}); it is not read")
+    if not os.path.isfile(real):
+        raise ValueError(f"{path} is not a regular file")
+    return path
+
+
+def read_sentencepiece(path: str) -> bytes:
+    """The bytes of a SentencePiece model file, checked to load as one (at most 64 MiB).
+
+    Raises:
+        ValueError: larger, or not a SentencePiece model (one line naming it).
+    """
+    # SentencePiece: heavy, only for a tokenizer file
+    import sentencepiece
+
+    if os.path.getsize(path) > 64 * 2**20:
+        raise ValueError(f"{path} is over 64 MiB: not a SentencePiece model")
+    with open(path, "rb") as f:
+        data = f.read()
+    try:
+        sentencepiece.SentencePieceProcessor(model_proto=data)
+    except (RuntimeError, TypeError, OSError) as exc:
+        why = " ".join(str(exc).split())[:120]
+        raise ValueError(f"{path} is not a SentencePiece model ({why})") from None
+    return data
+
+
+def safetensors_header(path: str) -> Dict[str, dict]:
+    """The header of a safetensors file, ``{tensor name: {"dtype", "shape", ...}}`` (its first
+    8 + n bytes; no tensor is read).
+
+    Raises:
+        ValueError: not a safetensors file (a header that does not fit the file or is not JSON).
+    """
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        head = f.read(8)
+        length = int.from_bytes(head, "little") if len(head) == 8 else -1
+        if not 0 < length <= min(size - 8, 100 * 2**20):
+            raise ValueError(f"{path} is not a safetensors file (header size {length})")
+        try:
+            header = json.loads(f.read(length))
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise ValueError(f"{path} is not a safetensors file (its header is not JSON)") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"{path} is not a safetensors file")
+    header.pop("__metadata__", None)
+    return header
+
+
+def check_config_against_weights(config, headers: Dict[str, dict]) -> None:
+    """The config's sizes against the weights' safetensors headers, before any model is built
+    (a config of 10^6 layers or a 10^7 vocabulary over small weights is refused here, not
+    allocated): the embedding is ``[vocab_size, hidden_size]`` and the layers stored are
+    ``0 .. num_hidden_layers - 1``.
+
+    Raises:
+        ValueError: one line naming the first size that does not match.
+    """
+    embedding = headers.get("model.embed_tokens.weight", {}).get("shape")
+    want = [config.vocab_size, config.hidden_size]
+    if embedding != want:
+        raise ValueError(
+            f"config.json says vocab_size {config.vocab_size} x hidden_size "
+            f"{config.hidden_size}, but model.embed_tokens.weight is {embedding}"
+        )
+    stored = {int(n.split(".")[2]) for n in headers if re.match(r"model\.layers\.\d+\.", n)}
+    if stored != set(range(config.num_hidden_layers)):
+        raise ValueError(
+            f"config.json says num_hidden_layers {config.num_hidden_layers}, but the weights "
+            f"hold {len(stored)} layers ({min(stored, default=None)} to {max(stored, default=None)})"
+        )
+
+
 def read_hf_dir(path: str) -> Tuple[object, Dict[str, torch.Tensor]]:
     """``(config, {name: tensor})`` of a Hugging Face model directory (one
     ``model.safetensors`` or shards with ``model.safetensors.index.json``).
 
-    A tied model's ``lm_head.weight``, if stored anyway, is dropped when it equals
-    ``model.embed_tokens.weight``.
+    Every file read is a file of the directory (:func:`inside`: no absolute path, no ``..``,
+    no symlink leaving it), the config's sizes are checked against the safetensors headers
+    (:func:`check_config_against_weights`) before any tensor is read, and the config is read
+    without remote code. A tied model's ``lm_head.weight``, if stored anyway, is dropped when
+    it equals ``model.embed_tokens.weight``.
 
     Raises:
         FileNotFoundError: no ``config.json`` or no safetensors weights.
-        ValueError: a tied model stores an ``lm_head.weight`` different from the embedding.
+        ValueError: a path that leaves the directory, a file that is not safetensors, sizes
+            that do not match, or a tied model storing an ``lm_head.weight`` different from
+            the embedding.
     """
     transformers = require_transformers()
     # Hugging Face packages: optional (the hf extra), only for conversion
@@ -334,20 +433,29 @@ def read_hf_dir(path: str) -> Tuple[object, Dict[str, torch.Tensor]]:
 
     if not os.path.isdir(path):
         raise FileNotFoundError(f"{path} does not exist")
-    if not os.path.isfile(os.path.join(path, "config.json")):
+    if not os.path.lexists(os.path.join(path, "config.json")):
         raise FileNotFoundError(f"{path} has no config.json (not a Hugging Face model directory)")
-    config = transformers.AutoConfig.from_pretrained(path)
+    inside(path, "config.json")
+    config = transformers.AutoConfig.from_pretrained(path, trust_remote_code=False)
     index = os.path.join(path, "model.safetensors.index.json")
-    if os.path.isfile(index):
-        with open(index) as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
-    elif os.path.isfile(os.path.join(path, "model.safetensors")):
+    if os.path.lexists(index):
+        with open(inside(path, "model.safetensors.index.json")) as f:
+            weight_map = json.load(f).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ValueError(f"{index} has no weight_map")
+        files = sorted({str(name) for name in weight_map.values()})
+    elif os.path.lexists(os.path.join(path, "model.safetensors")):
         files = ["model.safetensors"]
     else:
         raise FileNotFoundError(f"{path} has no model.safetensors or model.safetensors.index.json")
+    paths = [inside(path, name) for name in files]  # every one checked before any is read
+    headers: Dict[str, dict] = {}
+    for file in paths:
+        headers.update(safetensors_header(file))
+    check_config_against_weights(config, headers)
     state: Dict[str, torch.Tensor] = {}
-    for name in files:
-        state.update(load_file(os.path.join(path, name)))
+    for file in paths:
+        state.update(load_file(file))
     if getattr(config, "tie_word_embeddings", False) and "lm_head.weight" in state:
         if not torch.equal(state["lm_head.weight"], state["model.embed_tokens.weight"]):
             raise ValueError(
