@@ -7,13 +7,16 @@ token ids are checked once where data enters (:func:`check_data_files`,
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
+import os
 from typing import Optional
 
 from megatron.core.datasets.gpt_dataset import GPTDataset, MockGPTDataset, MockGPTLowLevelDataset
 from megatron.core.datasets.utils import get_blend_from_list
 
-from tst_megatron.data.files import open_data_file, token_ranges
-from tst_megatron.data.index_cache import CachedGPTDatasetConfig, build_splits
+from tst_megatron.data.files import atomic_path, data_identity, open_data_file, token_ranges
+from tst_megatron.data.index_cache import CachedGPTDatasetConfig, build_splits, cache_dir_of
 from tst_megatron.errors import ConfigError
 from tst_megatron.runtime import resolve_process
 
@@ -144,8 +147,18 @@ def check_mock_data(tokenizer, vocab_size: int) -> None:
         )
 
 
+def blend_identity(prefixes) -> str:
+    """The data identity of a blend's files (:func:`~tst_megatron.data.files.data_identity`
+    of each prefix, in order), one hex digest; ``""`` for none (mock data)."""
+    if not prefixes:
+        return ""
+    parts = [data_identity(p) for p in dict.fromkeys(prefixes)]
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:32]
+
+
 def _dataset_config(data, tokenizer, seq_length, seed, blend) -> CachedGPTDatasetConfig:
     return CachedGPTDatasetConfig(
+        data_identity=blend_identity(blend[0] if blend else None),
         random_seed=seed,
         sequence_length=seq_length,
         tokenizer=tokenizer,
@@ -218,7 +231,47 @@ def build_datasets(data, tokenizer, *, seq_length: int, samples: tuple[int, int,
     config = _dataset_config(data, tokenizer, seq_length, seed, blend)
     check_split(config, documents, samples)
     local_rank = resolve_process(device="cpu").local_rank
+    if prefixes and resolve_process(device="cpu").rank == 0:
+        note_data_change(
+            cache_dir_of(config.path_to_cache, prefixes), prefixes, config.data_identity
+        )
     return build_splits(cls, list(samples), config, local_rank=local_rank, prefixes=prefixes)
+
+
+#: The record, in a cache directory, of the data identity its caches were last built for.
+IDENTITY_RECORD = "tst_data_identity.json"
+
+
+def note_data_change(directory: str, prefixes, identity: str) -> Optional[str]:
+    """Compare ``identity`` (:func:`blend_identity` of ``prefixes``) with the one recorded in
+    the cache ``directory`` for the same prefixes; when it differs, print a ``note:`` (the
+    caches are keyed by it, so they are built again) and return it. Then record ``identity``
+    (atomically). Call on one rank."""
+    record = os.path.join(directory, IDENTITY_RECORD)
+    key = " ".join(prefixes)
+    try:
+        with open(record) as f:
+            seen = json.load(f)
+        seen = seen if isinstance(seen, dict) else {}
+    except (OSError, ValueError):
+        seen = {}
+    note = None
+    if seen.get(key) not in (None, identity):
+        note = (
+            f"the data of --data-path changed since the caches in {directory} were built "
+            "(re-preprocessed or replaced under the same prefix): its index caches and TST "
+            "sample orders are built again for the new data"
+        )
+        print(f"note: {note}", flush=True)
+    if seen.get(key) != identity:
+        seen[key] = identity
+        try:
+            os.makedirs(directory, exist_ok=True)
+            with atomic_path(record) as tmp, open(tmp, "w") as f:
+                json.dump(seen, f, sort_keys=True)
+        except OSError:  # a read-only cache directory: the caches' own checks report it
+            pass
+    return note
 
 
 def training_windows(data, *, phase1_samples: int, phase2_samples: int, per_sample: int) -> int:

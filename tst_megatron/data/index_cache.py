@@ -69,6 +69,11 @@ class CachedGPTDatasetConfig(GPTDatasetConfig):
     """True: compute and write a missing or damaged cache. False: only read; a missing file
     is an error."""
 
+    data_identity: str = ""
+    """What the data files are (:func:`~tst_megatron.data.files.data_identity` of each prefix,
+    combined): part of every real dataset's cache key (:meth:`GPTDataset._key_config_attributes`),
+    so data re-preprocessed under the same prefix gets new index caches and sample orders."""
+
 
 class _AtomicIndexCache:
     """Mixin over a megatron-core dataset with cache files ``<hash>-<class>-<split>-<affix>``;
@@ -154,6 +159,13 @@ class GPTDataset(_AtomicIndexCache, _MaskCacheFilled, gpt_dataset.GPTDataset):
     cache."""
 
     _affixes = ("document_index.npy", "sample_index.npy", "shuffle_index.npy")
+
+    @staticmethod
+    def _key_config_attributes() -> list[str]:
+        """megatron-core's key attributes plus the data's identity: megatron-core keys its
+        caches by the data's path, so a corpus re-preprocessed in place reused the old
+        orders (and a different one crashed in ``__getitem__``)."""
+        return gpt_dataset.GPTDataset._key_config_attributes() + ["data_identity"]
 
     def _split_name(self) -> str:
         return self.index_split.name

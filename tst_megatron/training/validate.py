@@ -26,7 +26,11 @@ from tst_megatron.training.checks import (
     launch_problems,
     validation_error,
 )
-from tst_megatron.training.checks.resume import checkpoint_folder, checkpoint_to_resume
+from tst_megatron.training.checks.resume import (
+    checkpoint_folder,
+    checkpoint_to_resume,
+    current_data_identity,
+)
 from tst_megatron.training.family import GPT, ModelFamily
 from tst_megatron.training.flags import add_tst_args
 from tst_megatron.training.plan import run_plan
@@ -209,6 +213,8 @@ def parse(argv: Sequence[str], family: ModelFamily = GPT) -> Launch:
             print(f"note: {line}", flush=True)
     # saved in every checkpoint's args: a later resume plans the steps already taken with them
     launch.args.tst_global_batches = launch.plan.global_batches
+    # and the identity of its data: a resume on re-preprocessed files is refused (resume rules)
+    launch.args.tst_data_identity = current_data_identity(launch.args)
     set_global_variables(launch.args)
     return launch
 

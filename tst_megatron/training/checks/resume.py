@@ -256,6 +256,41 @@ def _changed(args, saved, names) -> list[tuple[str, object, object]]:
     ]
 
 
+def current_data_identity(args) -> Optional[str]:
+    """:func:`~tst_megatron.data.gpt_datasets.blend_identity` of the line's data files, or
+    None (mock data, an unreadable ``--data-args-path``, or files missing: the data rules say
+    so)."""
+    # the data modules read megatron-core: imported when used
+    from megatron.core.datasets.utils import get_blend_from_list
+
+    from tst_megatron.data.gpt_datasets import blend_identity
+
+    words = _data_words(args)
+    if not words:
+        return None
+    try:
+        return blend_identity(get_blend_from_list(words)[0])
+    except (OSError, ValueError, AssertionError):
+        return None
+
+
+def data_change_problem(args, saved, where: str) -> Optional[str]:
+    """One line when the checkpoint's run recorded the identity of its data
+    (``tst_data_identity``, :func:`~tst_megatron.data.files.data_identity`) and the files of
+    this line's ``--data-path`` are other data (re-preprocessed or replaced under the same
+    prefixes): phase 1's blocks and phase 2's order would be drawn from it again."""
+    was = getattr(saved, "tst_data_identity", None)
+    now = current_data_identity(args) if was else None
+    if not was or not now or now == was:
+        return None
+    return (
+        f"{where} was trained on other data than the files of --data-path now hold (they were "
+        "re-preprocessed or replaced since: another size or content): phase 1's blocks and "
+        "phase 2's order would be drawn again from the new data, so phase 2 would not read the "
+        "text phase 1 left; resume with the data it was trained on, or start a new run"
+    )
+
+
 def _tst_resumed(saved, iteration: int, plan) -> bool:
     """The checkpoint is of a TST run with a phase 1 (old or new), past iteration 0."""
     return iteration > 0 and hasattr(saved, "tst_bag_size") and (run_plan(saved).n1 or plan.n1)
@@ -289,6 +324,8 @@ def resume_problems(args, plan, saved, iteration: int) -> list[str]:
             "blocks would be drawn again and phase 2 would read text phase 1 already trained "
             "on; resume with the checkpoint's length"
         )
+    if (line := data_change_problem(args, saved, where)) is not None:
+        problems.append(line)
     if old.n1 != new.n1:
         problems.append(
             f"{where} was written by a run switching at N1 = {old.n1}; this run switches at "

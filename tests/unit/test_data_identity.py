@@ -1,0 +1,75 @@
+"""Caches keyed by what the data is, not where it lives: a corpus re-preprocessed in place
+under the same prefix (the same documents plus new ones) with the same ``--data-cache-path``
+trains on the new data, with a ``note:``; a resume on such files is one line; a copy of the
+files keeps their identity."""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+
+import pytest
+
+pytest.importorskip("megatron.core")
+
+from tests.unit.test_data_boundary import null_tokenizer, write_dataset  # noqa: E402
+from tst_megatron.data.files import data_identity  # noqa: E402
+from tst_megatron.data.gpt_datasets import DataSettings, build_datasets  # noqa: E402
+from tst_megatron.data.stream import TrainStream  # noqa: E402
+
+OLD = [[(7 * d + i) % 50 for i in range(30)] + [63] for d in range(200)]  # ids < 50, EOD 63
+NEW_ONLY = 55  # a token the added documents hold and the old ones do not
+
+
+def _stream(prefix, cache, capsys=None):
+    data = DataSettings(data_path=prefix, split="100,0,0", data_cache_path=cache)
+    train, _, _ = build_datasets(data, null_tokenizer(), seq_length=16, samples=(200, 0, 0), seed=1)
+    stream = TrainStream(train, windows_per_sample=2, phase1_samples=20, seed=3, cache_dir=cache)
+    tokens = set()
+    for i in range(20):
+        tokens |= set(stream.phase1_sample(i)["tokens"].tolist())
+    for i in range(len(stream.phase2)):
+        tokens |= set(stream.phase2_sample(i)["tokens"].tolist())
+    return stream, tokens
+
+
+def test_data_re_preprocessed_in_place_is_trained_on_with_a_note(tmp_path, capsys):
+    prefix = str(tmp_path / "corpus_text_document")
+    cache = str(tmp_path / "cache")
+    write_dataset(prefix, OLD)
+    _, before = _stream(prefix, cache)
+    assert NEW_ONLY not in before
+    capsys.readouterr()
+    # the same documents, then 400 new ones, preprocessed again under the same prefix
+    write_dataset(prefix, OLD + [[NEW_ONLY] * 30 + [63] for _ in range(400)])
+    _, after = _stream(prefix, cache)
+    assert NEW_ONLY in after  # the new documents are read: the orders were built again
+    out = capsys.readouterr().out
+    assert out.count("note: the data of --data-path changed since the caches in") == 1, out
+    _, again = _stream(prefix, cache)  # unchanged since: the caches are used, no note
+    assert again == after and "changed since" not in capsys.readouterr().out
+
+
+def test_a_copy_keeps_the_identity_and_a_rewrite_changes_it(tmp_path):
+    a = write_dataset(tmp_path / "a", OLD)
+    for suffix in (".bin", ".idx"):
+        shutil.copy(a + suffix, str(tmp_path / "b") + suffix)  # a new mtime, the same bytes
+    assert data_identity(a) == data_identity(str(tmp_path / "b"))
+    changed = OLD[:-1] + [[(x + 1) % 50 for x in OLD[-1][:-1]] + [63]]  # the same sizes
+    write_dataset(tmp_path / "b", changed)
+    assert data_identity(a) != data_identity(str(tmp_path / "b"))
+
+
+def test_a_resume_on_re_preprocessed_data_is_one_line(tmp_path):
+    from tst_megatron.training.checks.resume import current_data_identity, data_change_problem
+
+    prefix = write_dataset(tmp_path / "c", OLD)
+    args = argparse.Namespace(mock_data=False, data_path=[prefix], data_args_path=None)
+    saved = argparse.Namespace(tst_data_identity=current_data_identity(args))
+    assert data_change_problem(args, saved, "the checkpoint of iteration 4") is None
+    write_dataset(prefix, OLD + OLD[:10])
+    line = data_change_problem(args, saved, "the checkpoint of iteration 4")
+    assert line.startswith("the checkpoint of iteration 4 was trained on other data than the")
+    assert "\n" not in line
+    older = argparse.Namespace()  # a checkpoint written before the identity was recorded
+    assert data_change_problem(args, older, "the checkpoint of iteration 4") is None
