@@ -153,7 +153,7 @@ def test_index_caches_shared_and_node_local(tmp_path):
         d: sorted(n for n in os.listdir(tmp_path / d) if "-TrainStream-" in n)
         for d in ("shared", "node0", "node1")
     }
-    assert len(stream_files["shared"]) == 4  # order0, blocks, phase2, description
+    assert len(stream_files["shared"]) == 5  # order0, blocks, phase2, checks, description
     assert stream_files["shared"] == stream_files["node0"] == stream_files["node1"]
     # every cache file complete, no temporary or probe file left
     assert r0["node_local"]["files"] == r1["node_local"]["files"] == r0["shared"]["files"]

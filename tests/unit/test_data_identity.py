@@ -6,6 +6,7 @@ files keeps their identity."""
 from __future__ import annotations
 
 import argparse
+import re
 import shutil
 
 import pytest
@@ -73,3 +74,57 @@ def test_a_resume_on_re_preprocessed_data_is_one_line(tmp_path):
     assert "\n" not in line
     older = argparse.Namespace()  # a checkpoint written before the identity was recorded
     assert data_change_problem(args, older, "the checkpoint of iteration 4") is None
+
+
+def _plant_zeros(path):
+    """Replace the .npy at ``path`` by zeros of its shape and dtype (the same size and header)."""
+    import numpy as np
+
+    array = np.load(path, mmap_mode="r")
+    zeros = np.zeros(array.shape, dtype=array.dtype)
+    del array
+    np.save(path, zeros)
+
+
+def test_planted_zeros_in_the_sample_orders_are_never_trained_on(tmp_path, capsys):
+    """``blocks``/``phase2`` replaced by zeros of the same shape (every sample window 0): a
+    rank that builds rebuilds them (a warning naming the file), one that only reads stops in
+    one line; the samples are the true ones."""
+    from tst_megatron.errors import ConfigError
+
+    prefix = write_dataset(tmp_path / "d", OLD)
+    cache = str(tmp_path / "cache")
+    stream, _ = _stream(prefix, cache)
+    truth = [stream.phase1_sample(i)["tokens"] for i in range(20)]
+    for name in ("blocks", "phase2"):
+        (path,) = [p for p in (tmp_path / "cache").glob(f"*-TrainStream-{name}.npy")]
+        _plant_zeros(path)
+        data = DataSettings(data_path=prefix, split="100,0,0", data_cache_path=cache)
+        train, _, _ = build_datasets(
+            data, null_tokenizer(), seq_length=16, samples=(200, 0, 0), seed=1
+        )
+        settings = dict(windows_per_sample=2, phase1_samples=20, seed=3, cache_dir=cache)
+        planted = f"{path} holds (other values than|values outside)"
+        with pytest.raises(ConfigError, match=planted):
+            TrainStream(train, build=False, **settings)
+        capsys.readouterr()
+        rebuilt = TrainStream(train, **settings)
+        assert re.search(f"TST sample-order cache {planted}", capsys.readouterr().out)
+        assert all((rebuilt.phase1_sample(i)["tokens"] == truth[i]).all() for i in range(20))
+
+
+def test_planted_zeros_in_megatron_core_s_index_cache_are_rebuilt(tmp_path, capsys):
+    """megatron-core trusts its own index caches by name: a shuffle index replaced by zeros of
+    the same shape (every sample the first) is rebuilt here, with the samples as before."""
+    prefix = write_dataset(tmp_path / "e", OLD)
+    cache = tmp_path / "cache"
+    data = DataSettings(data_path=prefix, split="100,0,0", data_cache_path=str(cache))
+    train, _, _ = build_datasets(data, null_tokenizer(), seq_length=16, samples=(200, 0, 0), seed=1)
+    truth = [train[i]["tokens"] for i in range(len(train))]
+    (path,) = cache.glob("*-GPTDataset-train-shuffle_index.npy")
+    _plant_zeros(path)
+    capsys.readouterr()
+    train, _, _ = build_datasets(data, null_tokenizer(), seq_length=16, samples=(200, 0, 0), seed=1)
+    out = capsys.readouterr().out
+    assert re.search(f"dataset index cache {path} holds (other values|values outside)", out), out
+    assert all((train[i]["tokens"] == t).all() for i, t in enumerate(truth))

@@ -230,23 +230,24 @@ def build_datasets(data, tokenizer, *, seq_length: int, samples: tuple[int, int,
         documents = {p: open_data_file(p).sequences for p in dict.fromkeys(prefixes)}
     config = _dataset_config(data, tokenizer, seq_length, seed, blend)
     check_split(config, documents, samples)
-    local_rank = resolve_process(device="cpu").local_rank
-    if prefixes and resolve_process(device="cpu").rank == 0:
-        note_data_change(
-            cache_dir_of(config.path_to_cache, prefixes), prefixes, config.data_identity
-        )
-    return build_splits(cls, list(samples), config, local_rank=local_rank, prefixes=prefixes)
+    process = resolve_process(device="cpu")
+    if prefixes and process.local_rank == 0:  # one per node: node-local cache directories too
+        directory = cache_dir_of(config.path_to_cache, prefixes)
+        note_data_change(directory, prefixes, config.data_identity, quiet=process.rank != 0)
+    return build_splits(
+        cls, list(samples), config, local_rank=process.local_rank, prefixes=prefixes
+    )
 
 
 #: The record, in a cache directory, of the data identity its caches were last built for.
 IDENTITY_RECORD = "tst_data_identity.json"
 
 
-def note_data_change(directory: str, prefixes, identity: str) -> Optional[str]:
+def note_data_change(directory: str, prefixes, identity: str, quiet: bool = False):
     """Compare ``identity`` (:func:`blend_identity` of ``prefixes``) with the one recorded in
-    the cache ``directory`` for the same prefixes; when it differs, print a ``note:`` (the
-    caches are keyed by it, so they are built again) and return it. Then record ``identity``
-    (atomically). Call on one rank."""
+    the cache ``directory`` for the same prefixes; when it differs, print a ``note:`` (unless
+    ``quiet``; the caches are keyed by it, so they are built again) and return it. Then record
+    ``identity`` (atomically). Call on one rank per node."""
     record = os.path.join(directory, IDENTITY_RECORD)
     key = " ".join(prefixes)
     try:
@@ -262,7 +263,8 @@ def note_data_change(directory: str, prefixes, identity: str) -> Optional[str]:
             "(re-preprocessed or replaced under the same prefix): its index caches and TST "
             "sample orders are built again for the new data"
         )
-        print(f"note: {note}", flush=True)
+        if not quiet:
+            print(f"note: {note}", flush=True)
     if seen.get(key) != identity:
         seen[key] = identity
         try:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 import logging
 import os
 import uuid
@@ -23,6 +24,7 @@ from megatron.core.datasets import blended_dataset, gpt_dataset
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.gpt_dataset import GPTDatasetConfig
 
+from tst_megatron.data import array_check
 from tst_megatron.data.files import atomic_path
 from tst_megatron.errors import ConfigError
 
@@ -59,6 +61,25 @@ def npy_problem(path: str) -> Optional[str]:
     if size != expected:
         return f"has {size} bytes but its header describes {expected} (truncated or corrupt)"
     return None
+
+
+def _content_problems(arrays: list[str], checks: str) -> list[tuple[str, str]]:
+    """``[(path, why)]`` for the first cached array whose content is not the one recorded in
+    ``checks`` when it was built (:func:`~tst_megatron.data.array_check.problem`; a missing
+    record counts: megatron-core itself, or an older version, built it)."""
+    try:
+        with open(checks) as f:
+            records = json.load(f)
+    except (OSError, ValueError):
+        records = {}
+    for path in arrays:
+        try:
+            array = np.load(path, mmap_mode="r", allow_pickle=False)
+        except ValueError as exc:  # an object array: not one megatron-core writes here
+            return [(path, f"is not a numeric array ({exc})")]
+        if (why := array_check.problem(array, records.get(os.path.basename(path)))) is not None:
+            return [(path, why)]
+    return []
 
 
 @dataclasses.dataclass
@@ -98,8 +119,10 @@ class _AtomicIndexCache:
         if not directory:
             return build()
         description, *arrays = self._cache_paths(directory)
+        checks = description.replace("-description.txt", "-tst_checks.json")
         if all(map(os.path.isfile, [description, *arrays])):
             damaged = [(p, why) for p in arrays if (why := npy_problem(p)) is not None]
+            damaged = damaged or _content_problems(arrays, checks)
             if not damaged:
                 return build()  # megatron-core maps the files
             path, why = damaged[0]
@@ -120,9 +143,13 @@ class _AtomicIndexCache:
         finally:
             self.config = original
         os.makedirs(directory, exist_ok=True)
+        records = {}
         for path, array in zip(arrays, result):
+            records[os.path.basename(path)] = array_check.summary(np.asarray(array))
             with atomic_path(path) as tmp, open(tmp, "wb") as f:
                 np.save(f, array, allow_pickle=True)
+        with atomic_path(checks) as tmp, open(tmp, "w") as f:
+            json.dump(records, f, sort_keys=True)
         with atomic_path(description) as tmp, open(tmp, "w") as f:
             f.write(self.unique_description)  # last: megatron-core needs all files for a hit
         return result

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from tst_megatron.data import array_check
 from tst_megatron.data.files import atomic_path
 from tst_megatron.data.index_cache import is_cache_builder, npy_problem
 from tst_megatron.errors import ConfigError
@@ -133,33 +134,51 @@ def cache_files(directory: str, description: dict, parts: int) -> dict:
     key = hashlib.sha256(json.dumps(description, sort_keys=True).encode()).hexdigest()[:24]
     names = [f"order{p}" for p in range(parts)] + list(_ARRAYS)
     files = {n: os.path.join(directory, f"{key}-TrainStream-{n}.npy") for n in names}
+    files["checks"] = os.path.join(directory, f"{key}-TrainStream-checks.json")
     files["description"] = os.path.join(directory, f"{key}-TrainStream-description.json")
     return files
 
 
+def _array_names(files: dict) -> list[str]:
+    return [n for n in files if n not in ("description", "checks")]
+
+
 def cache_problem(files: dict, description: dict) -> Optional[str]:
     """Why the cache ``files`` cannot be used (missing, truncated or corrupt file, other
-    description), or None. Reads headers only."""
+    description, an array whose content is not the one recorded when it was built:
+    :func:`~tst_megatron.data.array_check.problem`), or None. Reads the headers and a bounded
+    sample of each array."""
     for name, path in files.items():
         if not os.path.isfile(path):
             return f"{path} is missing"
-        if name != "description" and (why := npy_problem(path)) is not None:
+        if name not in ("description", "checks") and (why := npy_problem(path)) is not None:
             return f"{path} {why}"
     try:
         with open(files["description"]) as f:
             if json.load(f) != description:
                 return f"{files['description']} describes other data or settings"
+        with open(files["checks"]) as f:
+            checks = json.load(f)
     except (OSError, ValueError) as exc:
-        return f"{files['description']} is unreadable ({exc})"
+        return f"{files['description']} or its checks are unreadable ({exc})"
+    for name in _array_names(files):
+        array = np.load(files[name], mmap_mode="r")
+        if (why := array_check.problem(array, checks.get(name))) is not None:
+            return f"{files[name]} {why}"
     return None
 
 
 def write_cache(files: dict, arrays, description: dict) -> None:
-    """Writes each ``(name, array)`` atomically, the description last."""
+    """Writes each ``(name, array)`` atomically, then their content records
+    (:func:`~tst_megatron.data.array_check.summary`), the description last."""
+    checks = {}
     for name, array in arrays:
+        checks[name] = array_check.summary(array)
         with atomic_path(files[name]) as tmp, open(tmp, "wb") as f:
             np.save(f, array)
         del array
+    with atomic_path(files["checks"]) as tmp, open(tmp, "w") as f:
+        json.dump(checks, f, sort_keys=True)
     with atomic_path(files["description"]) as tmp, open(tmp, "w") as f:
         json.dump(description, f, sort_keys=True)
 
@@ -233,8 +252,7 @@ class TrainStream:
         self._set(arrays)
 
     def _map(self) -> dict:
-        names = [n for n in self.files if n != "description"]
-        return {n: np.load(self.files[n], mmap_mode="r") for n in names}
+        return {n: np.load(self.files[n], mmap_mode="r") for n in _array_names(self.files)}
 
     def _set(self, arrays: dict) -> None:
         orders = [arrays[f"order{p}"] for p in range(len(self._datasets))]
