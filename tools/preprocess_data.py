@@ -7,10 +7,11 @@
 import argparse
 import sys
 
-from tst_megatron.data.preprocess import preprocess
-
 
 def main() -> int:
+    # imported here: each spawned worker re-imports this script, and needs no torch
+    from tst_megatron.data.preprocess import preprocess
+
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--input", required=True)
     p.add_argument("--json-keys", nargs="+", default=["text"])

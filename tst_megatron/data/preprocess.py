@@ -4,36 +4,30 @@ Megatron-LM's output names (``<prefix>_<key>_document.bin/.idx``) and dtype choi
 
 from __future__ import annotations
 
-import json
+import itertools
 import multiprocessing
 import os
-from typing import Optional, Sequence
+from typing import Sequence
 
+import numpy as np
 import sentencepiece as spm
 import torch
 from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
 
+from tst_megatron.data import encode_worker
 from tst_megatron.data.files import write_stamp
 from tst_megatron.progress import progress
 
-_processor: Optional[spm.SentencePieceProcessor] = None
+#: Documents handed to each worker per round: memory holds at most one round of documents
+#: (``Pool.imap`` alone queues the whole input ahead of the workers).
+BATCH_PER_WORKER = 256
 
 
-def _init_worker(model: str) -> None:
-    global _processor
-    _processor = spm.SentencePieceProcessor(model_file=model)
-
-
-def _encode(args) -> dict:
-    line, keys, append_eod = args
-    document = json.loads(line)
-    out = {}
-    for key in keys:
-        ids = _processor.encode(document[key]) if document.get(key) else []
-        if ids and append_eod:
-            ids.append(_processor.eos_id())  # megatron-core's SentencePiece EOD is </s>
-        out[key] = ids
-    return out
+def _bounded_imap(pool, tasks, batch: int):
+    """``pool.imap(_encode, tasks)`` in order, ``batch`` tasks at a time, so the input is read
+    as it is encoded: memory stays flat in the input's size."""
+    while chunk := list(itertools.islice(tasks, batch)):
+        yield from pool.imap(encode_worker.encode, chunk, chunksize=16)
 
 
 def output_paths(prefix: str, key: str) -> tuple[str, str]:
@@ -53,6 +47,10 @@ def preprocess(
 ) -> dict:
     """Tokenize every document of ``input_path`` and write one dataset per JSON key.
 
+    The input is read as it is encoded (a round of documents per worker at a time,
+    :data:`BATCH_PER_WORKER`): memory stays flat in its size, as Megatron-LM's own
+    ``tools/preprocess_data.py`` streams its input.
+
     Files are written under temporary names and renamed at the end, ``.bin`` before
     ``.idx``, so an ``.idx`` file means its dataset is complete. The range of token ids
     written and the occurrences of the tokenizer's pad id are recorded beside them
@@ -69,8 +67,6 @@ def preprocess(
             raise ValueError(f"{what} {path} does not exist")
     processor = spm.SentencePieceProcessor(model_file=tokenizer_model)
     vocab, pad = processor.get_piece_size(), processor.pad_id()  # pad -1: none
-    with open(input_path, encoding="utf-8") as f:
-        lines = [line for line in f if line.strip()]
     os.makedirs(os.path.dirname(os.path.abspath(output_prefix)), exist_ok=True)
     final = {key: output_paths(output_prefix, key) for key in json_keys}
     tmp = {key: tuple(f"{p}.tmp{os.getpid()}" for p in final[key]) for key in json_keys}
@@ -82,24 +78,26 @@ def preprocess(
             key: IndexedDatasetBuilder(tmp[key][0], dtype=DType.optimal_dtype(vocab))
             for key in json_keys
         }
-        tasks = ((line, tuple(json_keys), append_eod) for line in lines)
-        with multiprocessing.get_context("spawn").Pool(
-            max(1, workers), initializer=_init_worker, initargs=(tokenizer_model,)
-        ) as pool:
-            for encoded in progress(
-                pool.imap(_encode, tasks, chunksize=16),
-                total=len(lines),
-                desc="tokenizing",
-                unit=" docs",
-            ):
-                for key, ids in encoded.items():
-                    if ids:
-                        builders[key].add_document(torch.tensor(ids), [len(ids)])
+        with (
+            open(input_path, encoding="utf-8") as f,
+            multiprocessing.get_context("spawn").Pool(
+                max(1, workers), initializer=encode_worker.init_worker, initargs=(tokenizer_model,)
+            ) as pool,
+        ):
+            tasks = ((line, tuple(json_keys), append_eod) for line in f if line.strip())
+            encoded_docs = _bounded_imap(pool, tasks, batch=BATCH_PER_WORKER * max(1, workers))
+            for encoded in progress(encoded_docs, desc="tokenizing", unit=" docs"):
+                for key, ids in encoded.items():  # ids: int32 arrays (cheap to pickle)
+                    if len(ids):
+                        builders[key].add_document(torch.from_numpy(ids), [len(ids)])
                         stats[key]["documents"] += 1
                         stats[key]["tokens"] += len(ids)
-                        lo, hi = ranges.get(key, (min(ids), max(ids)))
-                        ranges[key] = (min(lo, *ids), max(hi, *ids))
-                        pads[key] += ids.count(pad)
+                        lo, hi = int(ids.min()), int(ids.max())
+                        if key in ranges:
+                            lo, hi = min(lo, ranges[key][0]), max(hi, ranges[key][1])
+                        ranges[key] = (lo, hi)
+                        if pad >= 0:
+                            pads[key] += int(np.count_nonzero(ids == pad))
         for key in json_keys:
             if stats[key]["documents"] == 0:
                 raise ValueError(f"{input_path} has no document with text in key {key!r}")
