@@ -199,7 +199,8 @@ def test_damaged_index_cache_is_named_and_rebuilt(tmp_path, capsys):
 
     # a rank that only reads says which file and what to do
     victim.write_bytes(victim.read_bytes()[:-16])
-    config = data_mod._dataset_config(data, tok, 16, 1, ([prefix], None))
+    identity = data_mod.blend_identity([prefix])  # as build_datasets keys the caches
+    config = data_mod._dataset_config(data, tok, 16, 1, ([prefix], None), identity)
     assert isinstance(config, CachedGPTDatasetConfig)
     config.build_missing_cache = False
     from megatron.core.datasets.gpt_dataset import GPTDataset

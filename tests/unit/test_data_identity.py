@@ -128,3 +128,23 @@ def test_planted_zeros_in_megatron_core_s_index_cache_are_rebuilt(tmp_path, caps
     out = capsys.readouterr().out
     assert re.search(f"dataset index cache {path} holds (other values|values outside)", out), out
     assert all((train[i]["tokens"] == t).all() for i, t in enumerate(truth))
+
+
+def test_a_stamp_does_not_survive_new_content_with_the_old_size_and_times(tmp_path):
+    """The token-range stamp (which spares a start the ``.bin`` scan) matched sizes and
+    modification times only: a ``.bin`` rewritten with an id outside the vocabulary, its times
+    set back with ``os.utime``, kept it. Its sampled content is part of it now."""
+    import os
+
+    from tst_megatron.data.files import read_stamp, write_stamp
+
+    prefix = write_dataset(tmp_path / "s", OLD)
+    write_stamp(prefix, 0, 63)
+    assert read_stamp(prefix) is not None
+    stat = os.stat(prefix + ".bin")
+    data = bytearray(open(prefix + ".bin", "rb").read())
+    data[:4] = (10**6).to_bytes(4, "little")  # the first token: an id outside the vocabulary
+    open(prefix + ".bin", "wb").write(bytes(data))
+    os.utime(prefix + ".bin", ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert os.stat(prefix + ".bin").st_size == stat.st_size
+    assert read_stamp(prefix) is None

@@ -112,13 +112,19 @@ class TokenStats:
 
 def read_stamp(prefix: str, cache_path: Optional[str] = None) -> Optional[TokenStats]:
     """The :class:`TokenStats` recorded for ``prefix`` if a stamp exists (in ``cache_path``,
-    then beside the ``.bin``) and still matches the files' sizes and times; else None."""
+    then beside the ``.bin``) and still matches the files' sizes and times and their sampled
+    content (:func:`data_identity`: a stamp forged with ``stat``'s values alone does not
+    match); else None."""
     identity = file_identity(prefix)
+    content = None
     for path in dict.fromkeys([stamp_path(prefix, cache_path), stamp_path(prefix)]):
         try:
             with open(path) as f:
                 stamp = json.load(f)
-            if stamp["files"] == identity:
+            if stamp["files"] != identity:
+                continue
+            content = content or data_identity(prefix)
+            if stamp["content"] == content:
                 counts = {int(k): int(v) for k, v in stamp.get("counts", {}).items()}
                 return TokenStats(int(stamp["min"]), int(stamp["max"]), counts)
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
@@ -143,6 +149,7 @@ def write_stamp(
     """
     path = stamp_path(prefix, cache_path)
     stamp = {"bin": os.path.realpath(prefix + ".bin"), "files": file_identity(prefix)}
+    stamp["content"] = data_identity(prefix)
     stamp.update(min=int(lo), max=int(hi))
     if counts:
         stamp["counts"] = {str(int(k)): int(v) for k, v in sorted(counts.items())}

@@ -156,9 +156,11 @@ def blend_identity(prefixes) -> str:
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:32]
 
 
-def _dataset_config(data, tokenizer, seq_length, seed, blend) -> CachedGPTDatasetConfig:
+def _dataset_config(
+    data, tokenizer, seq_length, seed, blend, identity: str = ""
+) -> CachedGPTDatasetConfig:
     return CachedGPTDatasetConfig(
-        data_identity=blend_identity(blend[0] if blend else None),
+        data_identity=identity,
         random_seed=seed,
         sequence_length=seq_length,
         tokenizer=tokenizer,
@@ -228,7 +230,8 @@ def build_datasets(data, tokenizer, *, seq_length: int, samples: tuple[int, int,
         blend = get_blend_from_list(data.data_path.split())
         prefixes, cls = blend[0], GPTDataset
         documents = {p: open_data_file(p).sequences for p in dict.fromkeys(prefixes)}
-    config = _dataset_config(data, tokenizer, seq_length, seed, blend)
+    identity = blend_identity(prefixes)  # read before the caches: they are keyed by it
+    config = _dataset_config(data, tokenizer, seq_length, seed, blend, identity)
     check_split(config, documents, samples)
     process = resolve_process(device="cpu")
     if prefixes and process.local_rank == 0:  # one per node: node-local cache directories too
