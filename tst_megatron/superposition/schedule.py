@@ -31,7 +31,8 @@ class TSTConfig:
     """Iterations in phase 1 (N1). Give this or --tst-phase1-fraction, not both. Default:
     0.3 of --train-iters."""
     phase1_fraction: Optional[float] = None
-    """Share of --train-iters in phase 1 (r); N1 = round(r x train iterations). Default: 0.3
+    """Share of --train-iters in phase 1 (r); N1 = round(r x train iterations), Python's round
+    of the float product (an exact half to the even integer: 0.5 x 5 -> 2). Default: 0.3
     when --tst-bag-size > 1 and --tst-phase1-iters is not given."""
     bag_weighting: BagWeighting = "uniform"
     """Weights of the S targets of a bag in the phase-1 loss: uniform, or power (weight

@@ -1,0 +1,156 @@
+"""The run plan's boundary cases, each against arithmetic written here: N1's rounding (the
+rule for exact halves: half to even, as Python's ``round`` of the float product
+``r x N``), a ``--train-samples`` that is not a multiple of the global batch, the
+batch-size boundaries (a schedule entry at the run's last sample, a change at the switch
+sample, a resume at the switch with another batch, a saved entry at the checkpoint's
+samples), and the phase-1 targets of a sample shorter than its bag."""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.training")
+
+from tests.unit.test_megatron_lm_args import _megatron_args  # noqa: E402
+from tst_megatron.superposition.bags import align_bag_targets, following_token_targets  # noqa: E402
+from tst_megatron.superposition.schedule import TSTConfig  # noqa: E402
+from tst_megatron.training.plan import run_plan, train_iters  # noqa: E402
+
+
+def _half_to_even(x: float) -> int:
+    """The documented rule, written out: the nearest integer; an exact half goes to the even."""
+    low = math.floor(x)
+    rest = x - low
+    if rest != 0.5:
+        return low + (1 if rest > 0.5 else 0)
+    return low if low % 2 == 0 else low + 1
+
+
+@pytest.mark.parametrize(
+    "r, n, expected",
+    [
+        (0.3, 11, 3),  # 3.3: below a half
+        (0.3, 13, 4),  # 3.9: above
+        (0.5, 5, 2),  # 2.5: an exact half, to the even 2
+        (0.5, 7, 4),  # 3.5: an exact half, to the even 4
+        (0.25, 6, 2),  # 1.5 -> 2
+        (0.25, 10, 2),  # 2.5 -> 2
+        (0.3, 5, 2),  # 0.3 x 5 is the float 1.5 exactly: to the even 2
+        (0.35, 90, 31),  # 0.35 x 90 is the float 31.499999999999996: below a half
+        (0.55, 50, 28),  # 0.55 x 50 is the float 27.500000000000004: above a half
+    ],
+)
+def test_n1_is_r_times_n_rounded_half_to_even(r, n, expected):
+    assert _half_to_even(r * n) == expected
+    assert TSTConfig(bag_size=4, phase1_fraction=r).phase1_steps(n) == expected
+    args = _megatron_args(train_iters=n, tst_phase1_fraction=r, global_batch_size=8)
+    plan = run_plan(args)
+    assert plan.n1 == expected and plan.switch_sample == expected * 8
+
+
+def test_train_samples_not_a_multiple_of_the_batch_gives_megatron_lm_s_iterations():
+    """Megatron-LM's ``update_train_iters``: ``train_samples // global_batch_size`` (the
+    remainder is not trained); 10 samples of batch 4: 2 steps, 8 samples."""
+    from megatron.training.training import update_train_iters
+
+    args = _megatron_args(train_iters=None, train_samples=10, global_batch_size=4)
+    theirs = argparse.Namespace(**vars(args))
+    update_train_iters(theirs)
+    assert train_iters(args) == theirs.train_iters == 2
+    plan = run_plan(args)
+    assert (plan.n, plan.total_samples) == (2, 8)
+    assert run_plan(_megatron_args(train_iters=None, train_samples=11, global_batch_size=4)).n == 2
+    assert run_plan(_megatron_args(train_iters=None, train_samples=12, global_batch_size=4)).n == 3
+
+
+def _scheduled(schedule: str, **overrides):
+    """A run under ``--step-batch-size-schedule`` (Megatron-LM's thresholds are tokens: 32 per
+    sample at --seq-length 32), no constant global batch."""
+    return _megatron_args(step_batch_size_schedule=schedule, global_batch_size=None, **overrides)
+
+
+def test_a_schedule_entry_at_the_run_s_last_sample_is_not_reached():
+    """Batch 4 until token 512 = sample 16, then 8; 4 steps of 4 consume exactly 16 samples: the
+    second entry starts where the run ends, so it trains no step."""
+    plan = run_plan(_scheduled("0:4 512:8", train_iters=4, tst_phase1_iters=2))
+    assert plan.total_samples == 16
+    assert plan.reached_batches == ((0, 4),)
+    assert plan.batches_in_phase(2) == ((0, 4),)
+
+
+def test_a_batch_change_at_the_switch_sample_belongs_to_phase_2_only():
+    """Batch 4 until sample 8 (token 256), then 8; N1 = 2 steps of 4 = the switch at sample 8,
+    exactly where the batch changes: phase 1 trains batch 4 only, phase 2 batch 8 only."""
+    plan = run_plan(_scheduled("0:4 256:8", train_iters=5, tst_phase1_iters=2))
+    assert plan.switch_sample == 8 and plan.total_samples == 8 + 3 * 8
+    assert plan.batches_in_phase(1) == ((0, 4),)
+    assert plan.batches_in_phase(2) == ((8, 8),)
+
+
+def test_a_resume_at_the_switch_with_another_batch_keeps_the_checkpoint_s_switch():
+    """Saved at iteration N1 = 3 with batch 8 (24 samples consumed), resumed with batch 16:
+    the three steps already taken keep their 8 (the switch sample stays 24), the rest take 16."""
+    saved = _megatron_args(train_iters=10, tst_phase1_iters=3, global_batch_size=8)
+    saved.consumed_train_samples = 24
+    args = _megatron_args(train_iters=10, tst_phase1_iters=3, global_batch_size=16)
+    plan = run_plan(args, resumed=(3, saved))
+    assert plan.switch_sample == 3 * 8
+    assert plan.total_samples == 3 * 8 + 7 * 16
+    assert plan.global_batches == ((0, 8), (24, 16))
+
+
+def test_a_saved_batch_entry_at_the_checkpoint_s_samples_was_never_trained():
+    """The checkpoint's history ends with an entry that starts at exactly the samples it
+    consumed (48): no step ran with it, so the resumed plan continues from batch 8 with this
+    run's 16 there, not 4."""
+    saved = _megatron_args(train_iters=10, tst_phase1_iters=3, global_batch_size=4)
+    saved.consumed_train_samples = 48
+    saved.tst_global_batches = ((0, 8), (48, 4))
+    args = _megatron_args(train_iters=10, tst_phase1_iters=3, global_batch_size=16)
+    plan = run_plan(args, resumed=(6, saved))
+    assert plan.global_batches == ((0, 8), (48, 16))
+    assert plan.switch_sample == 3 * 8 and plan.total_samples == 6 * 8 + 4 * 16
+
+
+def _plain_following(labels, mask, bag):
+    """Output mode, written out: slot ``k`` of position ``i`` is label ``i + k`` while
+    ``i + k < T``, else target 0 with mask 0."""
+    b, length = labels.shape
+    targets = [[[0] * bag for _ in range(length)] for _ in range(b)]
+    masks = [[[0.0] * bag for _ in range(length)] for _ in range(b)]
+    for row in range(b):
+        for i in range(length):
+            for k in range(bag):
+                if i + k < length:
+                    targets[row][i][k] = int(labels[row, i + k])
+                    masks[row][i][k] = float(mask[row, i + k])
+    return torch.tensor(targets), torch.tensor(masks)
+
+
+@pytest.mark.parametrize("length, bag", [(1, 4), (2, 4), (3, 5), (2, 8), (4, 4), (6, 3)])
+def test_output_mode_targets_of_a_sample_shorter_than_the_bag(length, bag):
+    g = torch.Generator().manual_seed(length * 10 + bag)
+    labels = torch.randint(1, 50, (2, length), generator=g)
+    mask = (torch.rand(2, length, generator=g) > 0.2).float()
+    targets, slots = following_token_targets(labels, mask, bag)
+    want_targets, want_mask = _plain_following(labels, mask, bag)
+    assert torch.equal(targets, want_targets) and torch.equal(slots, want_mask)
+
+
+@pytest.mark.parametrize("latent, bag", [(1, 4), (1, 2), (2, 5), (3, 3)])
+def test_full_mode_targets_of_one_or_few_bags(latent, bag):
+    """``x`` holds ``S*T + 1`` tokens, labels ``x[1:]``: slot ``k`` of position ``j`` targets
+    ``x[(j+1)*S + k]`` where that exists, else 0 with mask 0 (one bag: only slot 0 of it)."""
+    x = torch.arange(100, 100 + bag * latent + 1).unsqueeze(0)
+    labels, mask = x[:, 1:], torch.ones(1, bag * latent)
+    targets, slots = align_bag_targets(labels, mask, bag)
+    for j in range(latent):
+        for k in range(bag):
+            t = (j + 1) * bag + k
+            inside = t <= bag * latent
+            assert int(targets[0, j, k]) == (int(x[0, t]) if inside else 0), (j, k)
+            assert float(slots[0, j, k]) == (1.0 if inside else 0.0), (j, k)
