@@ -23,10 +23,10 @@ def test_sources_concatenate_in_order_and_max_bytes_stops(tmp_path):
     (b / "3.md").write_text("gamma")
     stats = build_corpus([str(b), str(a)], str(tmp_path / "c.jsonl"))
     assert _texts(tmp_path / "c.jsonl") == ["gamma", "alpha " * 10, "beta " * 10]
-    assert stats == {"documents": 3, "bytes": 5 + 60 + 50, "duplicates": 0}
+    assert stats == {"documents": 3, "bytes": 5 + 60 + 50, "duplicates": 0, "skipped": []}
     # max_bytes stops after the document reaching the cap (65 >= 64), not before it
     stats = build_corpus([str(b), str(a)], str(tmp_path / "d.jsonl"), max_bytes=64)
-    assert stats == {"documents": 2, "bytes": 65, "duplicates": 0}
+    assert stats == {"documents": 2, "bytes": 65, "duplicates": 0, "skipped": []}
 
 
 def test_bad_source_name_fails_before_writing(tmp_path):
@@ -89,6 +89,6 @@ def test_unique_drops_repeated_documents_only(tmp_path):
         (src / name).write_text(text)
     stats = build_corpus(str(src), str(tmp_path / "u.jsonl"), unique=True)
     assert _texts(tmp_path / "u.jsonl") == ["GPL text", "GPL text."]
-    assert stats == {"documents": 2, "bytes": 17, "duplicates": 1}
+    assert stats == {"documents": 2, "bytes": 17, "duplicates": 1, "skipped": []}
     build_corpus(str(src), str(tmp_path / "all.jsonl"))
     assert _texts(tmp_path / "all.jsonl") == ["GPL text", "GPL text", "GPL text."]

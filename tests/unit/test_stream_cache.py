@@ -75,7 +75,7 @@ def test_cached_orders_equal_the_in_memory_reference_and_are_mapped(train, tmp_p
     plain = TrainStream(train, windows_per_sample=S, phase1_samples=N1, seed=SEED)  # no cache
     first = TrainStream(train, windows_per_sample=S, phase1_samples=N1, seed=SEED, cache_dir=cache)
     files = cache_names(cache)
-    assert len(files) == 4  # order0, blocks, phase2, description
+    assert len(files) == 5  # order0, blocks, phase2, checks, description
     mtimes = [os.stat(os.path.join(cache, n)).st_mtime_ns for n in files]
     second = TrainStream(train, windows_per_sample=S, phase1_samples=N1, seed=SEED, cache_dir=cache)
     assert [os.stat(os.path.join(cache, n)).st_mtime_ns for n in files] == mtimes  # mapped
@@ -108,7 +108,9 @@ def test_every_setting_the_orders_depend_on_keys_its_own_cache(train, tmp_path):
         )
         _, blocks, phase2 = reference_orders(train, bag, n1, seed)
         assert np.array_equal(stream.blocks, blocks) and np.array_equal(stream.phase2, phase2)
-    assert len(cache_names(cache)) == 4 * len(settings)
+    assert len(cache_names(cache)) == 5 * len(
+        settings
+    )  # order0, blocks, phase2, checks, description
 
 
 @pytest.mark.parametrize("damage", ["truncate", "description"])
