@@ -154,3 +154,38 @@ def test_full_mode_targets_of_one_or_few_bags(latent, bag):
             inside = t <= bag * latent
             assert int(targets[0, j, k]) == (int(x[0, t]) if inside else 0), (j, k)
             assert float(slots[0, j, k]) == (1.0 if inside else 0.0), (j, k)
+
+
+def test_the_first_entry_counts_for_phase_1_when_the_batch_changes_after_one_sample():
+    """Batch 4 from sample 0 and 8 from sample 1 (token 32): the first step trains batch 4
+    (consumed 0), so both entries belong to phase 1 (N1 = 2: 4 + 8 = 12 samples)."""
+    plan = run_plan(_scheduled("0:4 32:8", train_iters=4, tst_phase1_iters=2))
+    assert plan.switch_sample == 4 + 8
+    assert plan.batches_in_phase(1) == ((0, 4), (1, 8))
+    assert plan.batches_in_phase(2) == ((1, 8),)
+
+
+def test_a_phase_whose_only_step_has_a_batch_as_large_as_its_end_keeps_it():
+    """Batch 8 from sample 0 and 16 from sample 8: N1 = 1 step of 8 ends phase 1 at sample 8,
+    whose only entry is (0, 8)."""
+    plan = run_plan(_scheduled("0:8 256:16", train_iters=3, tst_phase1_iters=1))
+    assert plan.switch_sample == 8
+    assert plan.batches_in_phase(1) == ((0, 8),)
+    assert plan.batches_in_phase(2) == ((8, 16),)
+
+
+@pytest.mark.parametrize("mode", ["full", "input", "output"])
+def test_phase_1_targets_are_int64_and_masks_float32_whatever_comes_in(mode):
+    """The documented dtypes (the CE gathers with int64 ids; the MCE weights in float32), from
+    int32 labels and a bool mask."""
+    from tst_megatron.superposition.bags import phase1_targets
+
+    labels = torch.arange(12, dtype=torch.int32).view(1, 12)
+    mask = torch.ones(1, 12, dtype=torch.bool)
+    targets, slots = phase1_targets(labels, mask, 3, mode)
+    assert targets.dtype == torch.int64 and slots.dtype == torch.float32
+
+
+def test_output_mode_names_the_shapes_it_needs():
+    with pytest.raises(ValueError, match=r"must be the same \[b, T\] shape"):
+        following_token_targets(torch.zeros(2, 3), torch.zeros(2, 4), 2)
