@@ -189,3 +189,25 @@ def test_phase_1_targets_are_int64_and_masks_float32_whatever_comes_in(mode):
 def test_output_mode_names_the_shapes_it_needs():
     with pytest.raises(ValueError, match=r"must be the same \[b, T\] shape"):
         following_token_targets(torch.zeros(2, 3), torch.zeros(2, 4), 2)
+
+
+def test_token_id_checks_name_the_first_bad_id_and_accept_the_edges():
+    """``check_token_ids`` (the bag embedding's and the CE's): 0 and V - 1 pass, as does an
+    empty tensor and a single id; -1 and V are named (the low one first when both occur);
+    float and bool ids are refused by dtype."""
+    from tst_megatron.superposition.embedding import check_token_ids
+
+    check_token_ids(torch.tensor([0, 5, 9]), 10)
+    check_token_ids(torch.zeros(0, dtype=torch.int64), 10)
+    check_token_ids(torch.tensor([0]), 10)
+    check_token_ids(torch.tensor([9]), 10)
+    cases = {(-1,): "token id -1 is outside", (10,): "token id 10 is outside"}
+    cases[(10, -1)] = "token id -1 is outside"
+    cases[(-2,)] = "token id -2 is outside"
+    cases[(5, 10)] = cases[(0, 10)] = "token id 10 is outside"  # in range low, out high
+    for ids, message in cases.items():
+        with pytest.raises(ValueError, match=f"^{message} the vocabulary \\[0, 10\\)$"):
+            check_token_ids(torch.tensor(ids), 10)
+    for bad in (torch.tensor([1.0]), torch.tensor([True]), torch.tensor([1.0, 2.0]).half()):
+        with pytest.raises(ValueError, match="^target ids must be an integer tensor, got dtype"):
+            check_token_ids(bad, 10, what="target id")
