@@ -22,6 +22,7 @@ import time
 import numpy as np
 
 from tst_megatron.data import array_check
+from tst_megatron.data.files import atomic_path
 
 
 def drop_caches() -> bool:
@@ -84,9 +85,8 @@ def main() -> None:
     text = "\n".join(lines) + "\n"
     print(text)
     if args.output:
-        with open(args.output + ".tmp", "w") as f:
+        with atomic_path(args.output) as tmp, open(tmp, "w") as f:
             f.write(text)
-        os.replace(args.output + ".tmp", args.output)
 
 
 if __name__ == "__main__":

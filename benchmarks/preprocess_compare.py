@@ -24,6 +24,8 @@ import sys
 import tempfile
 import time
 
+from tst_megatron.data.files import atomic_path
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL = os.path.join(ROOT, "benchmarks", "data", "code32k.model")
 
@@ -115,9 +117,8 @@ def main() -> None:
     text = "\n".join(lines) + "\n"
     print(text)
     if args.output:
-        with open(args.output + ".tmp", "w") as f:
+        with atomic_path(args.output) as tmp, open(tmp, "w") as f:
             f.write(text)
-        os.replace(args.output + ".tmp", args.output)
 
 
 if __name__ == "__main__":
