@@ -205,3 +205,28 @@ def test_masked_position_with_non_finite_logit_gets_zero_gradient(bad):
     (ref_loss / (mask * w).sum() * 1.3).backward()
     torch.testing.assert_close(loss_sum.double(), ref_loss.detach(), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(x.grad.double()[keep], ref_x.grad[keep], rtol=1e-5, atol=1e-6)
+
+
+def test_targets_and_weights_keep_their_dtypes_and_the_labels_device():
+    """Targets int64, masks and slot weights float32, whatever torch's default dtype, on the
+    labels' device (the meta device stands in for a GPU: a mask made on the CPU would not
+    be on it)."""
+    from tst_megatron.superposition.bags import following_token_targets, phase1_weights
+
+    labels = torch.randint(0, 9, (2, 12), dtype=torch.int32)
+    mask = torch.ones(2, 12, dtype=torch.bool)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        for targets, slots in (
+            align_bag_targets(labels, mask, 3),
+            following_token_targets(labels, mask, 3),
+        ):
+            assert (targets.dtype, slots.dtype) == (torch.int64, torch.float32)
+        for mode in ("full", "input", "output"):
+            assert phase1_weights(3, "uniform", mode).dtype == torch.float32
+    finally:
+        torch.set_default_dtype(default)
+    meta = (labels.to("meta"), mask.to("meta"))
+    for targets, slots in (align_bag_targets(*meta, 3), following_token_targets(*meta, 3)):
+        assert targets.device.type == slots.device.type == "meta"

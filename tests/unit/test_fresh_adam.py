@@ -70,3 +70,49 @@ def test_mtp_updates_are_a_fresh_adam_from_the_switch_and_others_are_untouched(b
             assert torch.isfinite(model.mtp).all(), it
             assert (model.mtp.double() - ref).abs().max() < 1e-6, it
             assert torch.equal(model.trunk, trunk), it
+
+
+class _NoStorage:
+    """Stands in for a DTensor: ``data_ptr()`` is 0, so it can be found by identity only."""
+
+    def __init__(self, main=None):
+        if main is not None:
+            self.main_param = main
+
+    def data_ptr(self):
+        return 0
+
+    def numel(self):
+        return 4
+
+    def element_size(self):
+        return 4
+
+
+def test_the_mtp_parameters_are_found_in_every_optimizer_layout():
+    """The parameter itself, its ``main_param`` (mixed precision, the distributed optimizer's
+    shard copy), views into its memory (the distributed optimizer's fp32 shards, from its
+    first byte to its last) and storage-less tensors by identity; not a neighbour's memory."""
+    from tst_megatron.training.switch import FreshAdamForMTP
+
+    buffer = torch.zeros(40)  # one contiguous buffer: the MTP parameter, then another
+    mtp, other = torch.nn.Parameter(buffer[:15]), torch.nn.Parameter(buffer[15:])
+    mtp.main_param = torch.zeros(15)  # an fp32 copy in memory of its own
+    dtensor = _NoStorage(main=_NoStorage())
+
+    class Model:
+        def _mtp_only_parameters(self):
+            return [mtp, dtensor]
+
+    model = Model()
+    hook = FreshAdamForMTP(3)
+    hook.watch(lambda: model)()
+    first, middle, last = buffer[0:5], buffer[8:12], buffer[14:15]
+    neighbour = buffer[15:20]  # starts where the MTP parameter ends
+    params = [mtp, other, mtp.main_param, first, middle, last, neighbour, dtensor]
+    params.append(dtensor.main_param)
+    group = {"params": params}
+    found = hook._find(SimpleNamespace(param_groups=[group]))
+    want = [mtp, mtp.main_param, first, middle, last, dtensor, dtensor.main_param]
+    assert [id(q) for _, q in found] == [id(q) for q in want]
+    assert all(g is group for g, _ in found)

@@ -250,6 +250,44 @@ def test_the_validation_set_is_sized_for_the_round_at_the_switch():
     assert switch_validation_samples(_switch_args(eval_global_batch_size=4)) == 8
 
 
+def _without(name, **overrides):
+    """:func:`_switch_args` without the attribute ``name`` (a Megatron-LM that lacks it)."""
+    args = _switch_args(**overrides)
+    delattr(args, name)
+    return args
+
+
+def test_the_switch_reads_megatron_lms_validation_conditions_at_their_edges():
+    every = {"save_interval": 30, "eval_interval": 30, "log_interval": 30}
+    # validation at N1 when --eval-iters is 1, or validation starts exactly at N1
+    assert switch_overrides(_switch_args(eval_iters=1), 30) == every
+    assert switch_overrides(_switch_args(start_eval_at_iter=30), 30) == every
+    assert switch_validation_samples(_switch_args(start_eval_at_iter=30)) == 2 * 8
+    assert switch_validation_samples(_switch_args(start_eval_at_iter=31)) == 0
+    # a list of --eval-iters (one per validation set) counts their sum
+    assert switch_validation_samples(_switch_args(eval_iters=[1, 2])) == 3 * 8
+    # the switch at the first or last possible step, or none at N1 = 0
+    assert switch_overrides(_switch_args(tst_phase1_iters=1), 1) == {
+        "save_interval": 1, "eval_interval": 1, "log_interval": 1,
+    }  # fmt: skip
+    assert switch_overrides(_switch_args(tst_phase1_iters=99), 99) == {
+        "save_interval": 99, "eval_interval": 99, "log_interval": 99,
+    }  # fmt: skip
+    assert switch_overrides(_switch_args(tst_phase1_iters=0), 0) == {}
+    assert switch_validation_samples(_switch_args(tst_phase1_iters=0)) == 0
+
+
+def test_the_switch_takes_megatron_lms_defaults_for_attributes_it_lacks():
+    every = {"save_interval": 30, "eval_interval": 30, "log_interval": 30}
+    no_eval = {"save_interval": 30, "log_interval": 30}
+    assert switch_overrides(_without("skip_train"), 30) == every
+    assert switch_overrides(_without("start_eval_at_iter"), 30) == every
+    assert switch_overrides(_without("eval_iters"), 30) == no_eval
+    assert switch_overrides(_without("do_valid"), 30) == no_eval
+    assert switch_validation_samples(_without("full_validation")) == 2 * 8
+    assert switch_validation_samples(_without("eval_iters")) == 0
+
+
 def test_no_tst_save_at_switch_is_accepted():
     assert tst_problems(_switch_args(tst_save_at_switch=False)) == []
 

@@ -116,6 +116,67 @@ def test_a_saved_batch_entry_at_the_checkpoint_s_samples_was_never_trained():
     assert plan.switch_sample == 3 * 8 and plan.total_samples == 6 * 8 + 4 * 16
 
 
+def _resumed_plan(resumed_at: int, *, drop=(), n1=3, **args_overrides):
+    """The plan of a run with batch 16 resumed at ``resumed_at`` from a checkpoint of batch 8
+    that consumed ``resumed_at x 8`` samples (``drop``: saved attributes it lacks)."""
+    saved = _megatron_args(train_iters=10, tst_phase1_iters=n1, global_batch_size=8)
+    saved.consumed_train_samples = resumed_at * 8
+    for name in drop:
+        delattr(saved, name)
+    args = _megatron_args(train_iters=10, tst_phase1_iters=n1, global_batch_size=16)
+    vars(args).update(args_overrides)
+    return run_plan(args, resumed=(resumed_at, saved))
+
+
+def test_only_a_complete_constant_batch_checkpoint_past_the_switch_keeps_its_batches():
+    """The checkpoint's batches are kept when it is at or past N1 > 0, both runs have a
+    constant batch, and it recorded its batch and consumed samples; otherwise the plan is
+    this run's alone (16 per step)."""
+    kept = _resumed_plan(3)
+    assert kept.global_batches == ((0, 8), (24, 16)) and kept.switch_sample == 24
+    assert _resumed_plan(1, n1=1).global_batches == ((0, 8), (8, 16))  # N1 = 1, resumed there
+    alone = ((0, 16),)
+    assert _resumed_plan(2).global_batches == alone  # before the switch (refused by the rules)
+    assert _resumed_plan(3, drop=("consumed_train_samples",)).global_batches == alone
+    assert _resumed_plan(3, drop=("global_batch_size",)).global_batches == alone
+    assert (
+        _resumed_plan(3, drop=("step_batch_size_schedule",)).global_batches == kept.global_batches
+    )
+    # no switch (S = 1, N1 = 0): nothing splits the data, this run's batch from the start
+    assert _resumed_plan(3, tst_bag_size=1).global_batches == alone
+    # this run under a step schedule: Megatron-LM's calculator plans it
+    scheduled = _resumed_plan(3, step_batch_size_schedule="0:16", global_batch_size=None)
+    assert scheduled.global_batches == ((0, 16),) and scheduled.switch_sample == 3 * 16
+
+
+def test_the_batches_recorded_at_launch_are_the_plan_s():
+    """The launch records the plan's batches on ``args`` (``tst_global_batches``, saved in
+    the checkpoint); a plan built from those arguments again uses them."""
+    args = _megatron_args(train_iters=10, tst_phase1_iters=3, global_batch_size=16)
+    args.tst_global_batches = ((0, 8), (24, 16))
+    plan = run_plan(args)
+    assert plan.global_batches == ((0, 8), (24, 16))
+    assert plan.switch_sample == 24 and plan.total_samples == 24 + 7 * 16
+
+
+def test_a_constant_batch_is_one_entry_from_sample_0_and_no_iterations_is_0():
+    from tst_megatron.training.plan import global_batches
+
+    assert global_batches(_megatron_args(global_batch_size=8)) == [(0, 8)]
+    assert train_iters(_megatron_args(train_iters=0, train_samples=None, global_batch_size=1)) == 0
+
+
+def test_an_early_schedule_entry_smaller_than_micro_batch_times_dp_is_planned():
+    """Megatron-LM checks only the current batch against micro-batch x DP (after loading a
+    checkpoint), so an early entry may be smaller (a run grown onto more GPUs): 4 samples per
+    step until sample 8, then 8, at micro-batch 2 x DP 4."""
+    args = _scheduled("0:4 256:8", train_iters=5, tst_phase1_iters=2, data_parallel_size=4)
+    plan = run_plan(args)
+    assert plan.switch_sample == 8 and plan.total_samples == 8 + 3 * 8
+    samples = _scheduled("0:4 256:8", train_iters=None, train_samples=32, data_parallel_size=4)
+    assert train_iters(samples) == 5
+
+
 def _plain_following(labels, mask, bag):
     """Output mode, written out: slot ``k`` of position ``i`` is label ``i + k`` while
     ``i + k < T``, else target 0 with mask 0."""
