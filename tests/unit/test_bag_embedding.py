@@ -19,20 +19,29 @@ pytest.importorskip("megatron.core")
 V, H, B, T = 32, 16, 2, 6  # vocab, hidden, micro-batch, latent length
 
 
-@pytest.fixture(scope="module")
-def tp1():
-    """megatron-core's parallel state for one gloo process (TP = 1) in this process."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state
+class _OneRank:
+    """A tensor-parallel group of one rank, without ``torch.distributed``: megatron-core's
+    TP collectives return their input for a group of size 1 (``mappings._reduce``). No
+    process group is started in the test process, so mutation testing can fork it."""
 
-    owned = not dist.is_initialized()
-    if owned:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    parallel_state.initialize_model_parallel()
-    yield
-    parallel_state.destroy_model_parallel()
-    if owned:
-        dist.destroy_process_group()
+    def size(self):
+        return 1
+
+    def rank(self):
+        return 0
+
+
+@pytest.fixture
+def tp1():
+    """megatron-core's TP mappings given :class:`_OneRank` as it is (without a process group
+    they would replace it by None)."""
+    from unittest import mock
+
+    with mock.patch(
+        "megatron.core.tensor_parallel.mappings.get_tensor_model_parallel_group_if_none",
+        lambda group, **_: group,
+    ):
+        yield
 
 
 def _embedding(position="learned_absolute", dtype=torch.float32, **config):
@@ -51,6 +60,7 @@ def _embedding(position="learned_absolute", dtype=torch.float32, **config):
         emb.word_embeddings.weight.copy_(torch.randn(V, H, generator=g))
         if position == "learned_absolute":
             emb.position_embeddings.weight.copy_(torch.randn(T + 2, H, generator=g))
+    emb.tp_group = emb.word_embeddings.tp_group = _OneRank()
     return emb.to(dtype)
 
 

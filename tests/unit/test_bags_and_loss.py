@@ -230,3 +230,27 @@ def test_targets_and_weights_keep_their_dtypes_and_the_labels_device():
     meta = (labels.to("meta"), mask.to("meta"))
     for targets, slots in (align_bag_targets(*meta, 3), following_token_targets(*meta, 3)):
         assert targets.device.type == slots.device.type == "meta"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("inplace", [False, True])
+def test_multi_target_ce_in_half_precision_matches_the_reference_on_its_logits(dtype, inplace):
+    """bf16/fp16 logits: fp32 CE against float64 on the logits as rounded, the gradient in
+    the logits' dtype, and the input left as it was unless ``inplace``."""
+    g = torch.Generator().manual_seed(5)
+    logits = (torch.randn(3, 4, 48, generator=g) * 3).to(dtype)
+    targets = torch.randint(0, 48, (3, 4, 5), generator=g)
+    targets[1, 1] = 17  # all slots the same token
+    upstream = torch.randn(3, 4, 5, generator=g, dtype=torch.float64) + 0.3
+    x = logits.clone().requires_grad_(True)
+    work = x * 1  # a non-leaf, like the output layer's logits
+    ce = vocab_parallel_multi_target_cross_entropy(work, targets, inplace=inplace)
+    ce.backward(upstream.float())
+    assert ce.dtype == torch.float32 and x.grad.dtype == dtype
+    if not inplace:
+        assert torch.equal(work.detach(), logits)
+    ref_x = logits.double().requires_grad_(True)
+    ref = _reference_ce(ref_x, targets)
+    ref.backward(upstream)
+    torch.testing.assert_close(ce.double(), ref.detach(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(x.grad.double(), ref_x.grad, rtol=2e-2, atol=2e-2)
