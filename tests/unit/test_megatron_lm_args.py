@@ -288,6 +288,46 @@ def test_the_switch_takes_megatron_lms_defaults_for_attributes_it_lacks():
     assert switch_validation_samples(_without("eval_iters")) == 0
 
 
+def test_the_switch_intervals_hold_for_iteration_n1_only(capsys):
+    """Driven as the forward step drives it (every micro-batch of every iteration): the
+    intervals are N1's from the last phase-1 step until the first phase-2 step, then the
+    user's again."""
+    from tst_megatron.training.switch import SwitchIntervals
+
+    args = _switch_args(rank=0)
+    plan, machine = run_plan(args), SwitchIntervals()
+    user = {"save_interval": 40, "eval_interval": 25, "log_interval": 20}
+    seen = {}
+    for iteration in [0, 1, 28, 28, 29, 29, 30, 30, 31, 29]:
+        args.curr_iteration = iteration
+        machine.at_step(args, plan)
+        seen[iteration] = {k: getattr(args, k) for k in user}
+    assert seen[0] == seen[28] == seen[30] == seen[31] == user
+    # 29 again after 31 (a later, stale call) changes nothing: the switch is done
+    assert seen[29] == user
+    args.curr_iteration = 29
+    machine = SwitchIntervals()
+    machine.at_step(args, plan)
+    machine.at_step(args, plan)  # a second micro-batch keeps the user's values to restore
+    assert {k: getattr(args, k) for k in user} == dict.fromkeys(user, 30)
+    out = capsys.readouterr().out
+    assert out.count("TST: at the switch (iteration 30): checkpoint, validation, log line ") == 2
+    assert "(--save-interval, --eval-interval, --log-interval 30 for this iteration only)" in out
+
+
+def test_the_switch_intervals_are_printed_on_rank_0_only(capsys):
+    from tst_megatron.training.switch import SwitchIntervals
+
+    args = _switch_args(rank=1, curr_iteration=29)
+    SwitchIntervals().at_step(args, run_plan(args))
+    assert args.save_interval == 30 and capsys.readouterr().out == ""
+    args = _switch_args(
+        rank=0, curr_iteration=29, save_interval=10, eval_interval=15, log_interval=1
+    )
+    SwitchIntervals().at_step(args, run_plan(args))
+    assert capsys.readouterr().out == ""  # nothing changed: nothing to say
+
+
 def test_no_tst_save_at_switch_is_accepted():
     assert tst_problems(_switch_args(tst_save_at_switch=False)) == []
 

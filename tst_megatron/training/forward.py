@@ -33,7 +33,7 @@ from tst_megatron.superposition import (
 )
 from tst_megatron.superposition.bags import phase1_inputs, phase1_targets, phase1_weights
 from tst_megatron.training.plan import RunPlan
-from tst_megatron.training.switch import divides, switch_overrides
+from tst_megatron.training.switch import SwitchIntervals, divides
 
 #: The key (log line, TensorBoard tag) of the phase-1 loss; phase 2 and validation report
 #: Megatron-LM's ``lm loss``, so that ``lm loss`` stays the next-token loss a baseline reports.
@@ -230,8 +230,7 @@ class TSTForwardStep:
         self.plan = plan
         self._steps = None
         self._announced = -1  # the last phase announced on rank 0
-        self._switch = "before"  # "before" -> "set" (intervals at N1) -> "done"
-        self._saved_intervals: dict = {}
+        self._switch = SwitchIntervals()
         self._raw = None
 
     def _build(self, args):
@@ -265,7 +264,7 @@ class TSTForwardStep:
         in_phase1 = training and args.curr_iteration < plan.n1
         if training:
             self._announce(1 if in_phase1 else 2, args.curr_iteration, plan.n1)
-            self._at_switch(args, plan)
+            self._switch.at_step(args, plan)
             if self._raw is not None:
                 self._raw.step(args)
         phase = plan.schedule.phase1 if in_phase1 else plan.schedule.phase2
@@ -275,37 +274,6 @@ class TSTForwardStep:
         if return_schedule_plan:  # megatron-core's combined 1F1B asks for it
             return step(batches, model, return_schedule_plan=True)
         return step(batches, model)
-
-    def _at_switch(self, args, plan: RunPlan) -> None:
-        """At the last phase-1 training step set the intervals of :func:`switch_overrides` to
-        ``N1`` (Megatron-LM reads them after the step); at the first phase-2 training step put
-        the user's values back. Idempotent over micro-batches, model chunks and stages."""
-        n1 = plan.n1
-        if args.curr_iteration < n1 - 1:  # (again) before the switch: a restart in-process
-            self._switch, self._saved_intervals = "before", {}
-        elif self._switch == "before" and args.curr_iteration == n1 - 1:
-            overrides = switch_overrides(args, plan)
-            self._saved_intervals = {k: getattr(args, k) for k in overrides}
-            for key, value in overrides.items():
-                setattr(args, key, value)
-            self._switch = "set"
-            if overrides and args.rank == 0:
-                what = {
-                    "save_interval": "checkpoint",
-                    "eval_interval": "validation",
-                    "log_interval": "log line",
-                }
-                added = [what[k] for k in overrides]
-                print(
-                    f"TST: at the switch (iteration {n1}): {', '.join(added)} "
-                    f"({', '.join('--' + k.replace('_', '-') for k in overrides)} {n1} "
-                    "for this iteration only)",
-                    flush=True,
-                )
-        elif self._switch != "done" and args.curr_iteration >= n1:
-            for key, value in self._saved_intervals.items():
-                setattr(args, key, value)
-            self._saved_intervals, self._switch = {}, "done"
 
     def _announce(self, phase: int, iteration: int, n1: int) -> None:
         """One line on rank 0 when training enters a phase (at the start, and at the switch)."""

@@ -70,6 +70,48 @@ def switch_validation_samples(args, plan) -> int:
     return _eval_iters(args) * batch
 
 
+class SwitchIntervals:
+    """The switch's state machine over Megatron-LM's intervals, driven by the forward step of
+    every training micro-batch: ``"before"`` -> ``"set"`` (the intervals of
+    :func:`switch_overrides` at ``N1``, for iteration ``N1`` only) -> ``"done"`` (the user's
+    values back)."""
+
+    def __init__(self):
+        self._state = "before"
+        self._saved_intervals: dict = {}
+
+    def at_step(self, args, plan) -> None:
+        """At the last phase-1 training step set the intervals of :func:`switch_overrides` to
+        ``N1`` (Megatron-LM reads them after the step); at the first phase-2 training step put
+        the user's values back. Idempotent over micro-batches, model chunks and stages."""
+        n1 = plan.n1
+        if args.curr_iteration < n1 - 1:  # (again) before the switch: a restart in-process
+            self._state, self._saved_intervals = "before", {}
+        elif self._state == "before" and args.curr_iteration == n1 - 1:
+            overrides = switch_overrides(args, plan)
+            self._saved_intervals = {k: getattr(args, k) for k in overrides}
+            for key, value in overrides.items():
+                setattr(args, key, value)
+            self._state = "set"
+            if overrides and args.rank == 0:
+                what = {
+                    "save_interval": "checkpoint",
+                    "eval_interval": "validation",
+                    "log_interval": "log line",
+                }
+                added = [what[k] for k in overrides]
+                print(
+                    f"TST: at the switch (iteration {n1}): {', '.join(added)} "
+                    f"({', '.join('--' + k.replace('_', '-') for k in overrides)} {n1} "
+                    "for this iteration only)",
+                    flush=True,
+                )
+        elif self._state != "done" and args.curr_iteration >= n1:
+            for key, value in self._saved_intervals.items():
+                setattr(args, key, value)
+            self._saved_intervals, self._state = {}, "done"
+
+
 class FreshAdamForMTP:
     """A torch optimizer step pre-hook (``torch.optim.optimizer.register_optimizer_step_pre_hook``)
     that makes every AdamW update of the MTP-only parameters after the switch the update of an

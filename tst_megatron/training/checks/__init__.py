@@ -1,6 +1,6 @@
 """The launcher's rules, one module per subject, on top of Megatron-LM's ``validate_args`` and
 ``TransformerConfig`` (which stay Megatron-LM's): :mod:`.layout`, :mod:`.batch`, :mod:`.model`,
-:mod:`.data`, :mod:`.tst`, :mod:`.unsupported` (settings Megatron-LM 0.19 accepts but cannot
+:mod:`.data`, :mod:`.tst`, :mod:`.fp8` (the GEMM shapes FP8 needs), :mod:`.unsupported` (settings Megatron-LM 0.19 accepts but cannot
 run, and the flags this launcher refuses), :mod:`.deprecated` (flags Megatron-LM 0.19 parses
 but no longer runs as written), :mod:`.hardware` (TE, Apex, GPU, CPU), :mod:`.outputs` (the
 folders it writes) and :mod:`.resume`. Each rule is a function of the :class:`Launch` returning one line per problem
@@ -24,6 +24,7 @@ from tst_megatron.training.checks import (
     batch,
     data,
     deprecated,
+    fp8,
     hardware,
     layout,
     model,
@@ -79,6 +80,7 @@ RULES = (
     data.problems,
     hardware.problems,
     tst.problems,
+    fp8.problems,
 )
 
 #: Rules that run only when :data:`RULES` found nothing: they read files (the data, the

@@ -98,3 +98,14 @@ def fp8_shape_problems(config, *, seq_length: int, micro_batch_size: int) -> lis
         if value % align:
             problems.append(f"{why}, {name} ({value}) must be a multiple of {align}; change {fix}")
     return problems
+
+
+def problems(launch) -> list[str]:
+    """With ``--fp8-format``, the GEMM shapes Transformer Engine would refuse in the first step
+    (:func:`fp8_shape_problems` of the model's ``TransformerConfig``, which FP8 needs)."""
+    args = launch.args
+    if not getattr(args, "fp8", None):
+        return []
+    return fp8_shape_problems(
+        launch.config, seq_length=args.seq_length, micro_batch_size=args.micro_batch_size
+    )

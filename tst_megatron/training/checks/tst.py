@@ -3,22 +3,14 @@
 from __future__ import annotations
 
 from tst_megatron.errors import ConfigError
-from tst_megatron.training.checks.fp8 import fp8_shape_problems
 from tst_megatron.training.checks.resume import checkpoint_to_resume
 
 
-def tst_problems(args, plan, *, config=None) -> list[str]:
-    """What TST cannot run (:func:`tst_setting_problems`), then with ``--fp8-format`` the GEMM
-    shapes Transformer Engine would refuse in the first step
-    (:func:`~tst_megatron.training.checks.fp8.fp8_shape_problems` of ``config``, the model's
-    ``TransformerConfig``, which FP8 needs). ``args``: Megatron-LM's, after ``validate_args``;
-    ``plan``: its :class:`~tst_megatron.training.plan.RunPlan`."""
-    problems = tst_setting_problems(args, plan)
-    if not getattr(args, "fp8", None):
-        return problems
-    return problems + fp8_shape_problems(
-        config, seq_length=args.seq_length, micro_batch_size=args.micro_batch_size
-    )
+def tst_problems(args, plan) -> list[str]:
+    """What TST cannot run (:func:`tst_setting_problems`). ``args``: Megatron-LM's, after
+    ``validate_args``; ``plan``: its :class:`~tst_megatron.training.plan.RunPlan`. FP8's
+    shapes are :mod:`.fp8`'s rule."""
+    return tst_setting_problems(args, plan)
 
 
 def loss_chunk_problems(args, chunks: int) -> list[str]:
@@ -91,7 +83,7 @@ def tst_setting_problems(args, plan) -> list[str]:
 
 def problems(launch) -> list[str]:
     """The TST rules of a :class:`~tst_megatron.training.checks.Launch`."""
-    return tst_problems(launch.args, launch.plan, config=launch.config)
+    return tst_problems(launch.args, launch.plan)
 
 
 def notes(launch) -> list[str]:
