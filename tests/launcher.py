@@ -72,7 +72,7 @@ def with_flag(argv, flag, value):
 def pretrain_child(rank, world, *, runs, keep_going=False, fork=False, model="gpt"):
     """Run the launcher's ``main(argv, family=...)`` for each argv in ``runs`` in this process,
     one after another; return what each printed to stdout (a list of strings). ``model``: the
-    family's name (``tst_megatron.training.family.FAMILIES``), ``"gpt"``
+    family's name (``tst_megatron.models.family.FAMILIES``), ``"gpt"``
     (``examples/pretrain_gpt_tst.py``) or ``"hybrid"`` (``examples/pretrain_hybrid_tst.py``).
 
     Each run starts with a fresh megatron-core MoE metrics tracker (a module global that
@@ -92,8 +92,8 @@ def pretrain_child(rank, world, *, runs, keep_going=False, fork=False, model="gp
     from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker
     from megatron.training.training import destroy_global_state
 
+    from tst_megatron.models.family import FAMILIES
     from tst_megatron.training.cli import main
-    from tst_megatron.training.family import FAMILIES
 
     if fork:
         multiprocessing.set_start_method("fork", force=True)

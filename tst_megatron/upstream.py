@@ -38,7 +38,7 @@ class Workaround:
 
 WORKAROUNDS = (
     Workaround(
-        "tst_megatron.training.hybrid.LocalHybridStack",
+        "tst_megatron.models.hybrid.LocalHybridStack",
         "HybridStack builds Transformer Engine's TENorm as its final norm whatever its spec: a "
         "HybridModel cannot be built without Transformer Engine (every CPU run)",
         "tests/distributed/test_hybrid.py",
@@ -95,7 +95,7 @@ WORKAROUNDS = (
         ("megatron.core.datasets.utils.compile_helpers", '["make", "-C"'),
     ),
     Workaround(
-        "tst_megatron.training.layers.ExpertRowParallelLinear",
+        "tst_megatron.models.layers.ExpertRowParallelLinear",
         "at expert TP = EP = 1 the expert bias is added in place to a view (autograd error)",
         "tests/distributed/test_megatron_lm_moe.py",
         (
@@ -104,7 +104,7 @@ WORKAROUNDS = (
         ),
     ),
     Workaround(
-        "tst_megatron.training.layers.tag_expert_grad_reduction",
+        "tst_megatron.models.layers.tag_expert_grad_reduction",
         "the experts' fc2 bias is tagged sequence_parallel: its gradient is summed over TP "
         "on top of expert DP",
         "tests/distributed/test_megatron_lm_moe.py",
@@ -114,7 +114,7 @@ WORKAROUNDS = (
         ),
     ),
     Workaround(
-        "tst_megatron.training.seams.zero_unscored_rows",
+        "tst_megatron.models.seams.zero_unscored_rows",
         "the CE backward (softmax - onehot) * g gives nan * 0 = nan at masked positions with "
         "non-finite logits",
         "tests/distributed/test_gpt_seam.py",

@@ -81,8 +81,8 @@ def build_gpt_model(
     launcher's local block spec, or megatron-core's Transformer Engine spec."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
-    from tst_megatron.training.gpt import TSTGPTModel, gpt_block_spec
-    from tst_megatron.training.layers import tag_expert_grad_reduction
+    from tst_megatron.models.gpt import TSTGPTModel, gpt_block_spec
+    from tst_megatron.models.layers import tag_expert_grad_reduction
 
     if transformer_impl == "local":
         spec = gpt_block_spec(config, vp_stage=vp_stage)

@@ -308,9 +308,9 @@ def _reshard(rank, *, src, dst, layout):
 
     from tst_megatron.conversion.megatron import load_weights
     from tst_megatron.conversion.mlm import one_process_args
+    from tst_megatron.models.gpt import build_gpt_model_from_args
     from tst_megatron.runtime import initialize_model_parallel
     from tst_megatron.runtime.distributed import ParallelConfig
-    from tst_megatron.training.gpt import build_gpt_model_from_args
 
     saved = dist_checkpointing.load_common_state_dict(os.path.join(src, "release"))["args"]
     args = one_process_args(saved)

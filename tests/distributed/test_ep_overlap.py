@@ -53,7 +53,7 @@ def _chunks(config, *, mtp):
     from megatron.core import parallel_state as ps
 
     from tests.distributed.harness import build_gpt_model
-    from tst_megatron.training.gpt import TSTGPTModel, gpt_block_spec, local_mtp_block_spec
+    from tst_megatron.models.gpt import TSTGPTModel, gpt_block_spec, local_mtp_block_spec
 
     if mtp:
         config.mtp_num_layers = 1
@@ -137,7 +137,7 @@ def _run(
         config.bf16 = False
     chunks, names = _chunks(config, mtp=mtp)
     if loss_chunks > 1:  # --tst-loss-chunks: the head in chunks, counted
-        from tst_megatron.training import seams
+        from tst_megatron.models import seams
 
         for model in chunks:
             seams.enable_loss_chunks(model, loss_chunks)

@@ -47,9 +47,9 @@ def _mtp_child(rank, world):
         MTPLossLoggingHelper,
     )
 
+    from tst_megatron.models.gpt import TSTGPTModel, gpt_block_spec, local_mtp_block_spec
     from tst_megatron.runtime import ParallelConfig, initialize_model_parallel, set_seed
     from tst_megatron.training.forward import make_phase1_step, make_phase2_step
-    from tst_megatron.training.gpt import TSTGPTModel, gpt_block_spec, local_mtp_block_spec
 
     initialize_model_parallel(ParallelConfig())
     set_seed(3)

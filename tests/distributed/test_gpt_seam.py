@@ -41,7 +41,7 @@ def _keys_child(rank, world):
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.moe.router import TopKRouter
 
-    from tst_megatron.training.gpt import TSTGPTModel, gpt_block_spec
+    from tst_megatron.models.gpt import TSTGPTModel, gpt_block_spec
 
     _init()
     result = {}
@@ -65,7 +65,7 @@ def _keys_child(rank, world):
 
 
 def _qk_norms_child(rank, world):
-    from tst_megatron.training.gpt import gpt_block_spec
+    from tst_megatron.models.gpt import gpt_block_spec
 
     _init()
     found = {}

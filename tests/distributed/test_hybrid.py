@@ -1,4 +1,4 @@
-"""TST on megatron-core's ``HybridModel`` (``tst_megatron.training.hybrid``,
+"""TST on megatron-core's ``HybridModel`` (``tst_megatron.models.hybrid``,
 ``examples/pretrain_hybrid_tst.py``).
 
 - The same architecture as a GPT gives the same numbers: a ``GPTModel`` of L layers and the
@@ -45,7 +45,7 @@ def _config(num_layers, experts=None, **extra):
 
 
 def _hybrid(pattern, experts=None, cls=None, **extra):
-    from tst_megatron.training.hybrid import TSTHybridModel, local_hybrid_stack_spec
+    from tst_megatron.models.hybrid import TSTHybridModel, local_hybrid_stack_spec
 
     config = _config(len(pattern.split("/")[0]), experts, **extra)
     return (cls or TSTHybridModel)(
@@ -443,7 +443,7 @@ def _export_child(rank, world, *, cases, out_root):
     from megatron.training.argument_utils import hybrid_config_from_args
 
     from tst_megatron.conversion.megatron import resolve_checkpoint
-    from tst_megatron.training.hybrid import local_hybrid_stack_spec
+    from tst_megatron.models.hybrid import local_hybrid_stack_spec
 
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     spec = importlib.util.spec_from_file_location(

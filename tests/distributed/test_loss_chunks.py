@@ -36,7 +36,7 @@ def _counting_child(rank, world, *, runs, model="gpt"):
     ``destroy_global_state`` keeps)."""
     from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
-    from tst_megatron.training import seams
+    from tst_megatron.models import seams
 
     real, counts = seams.chunked_output_cross_entropy, []
 

@@ -188,7 +188,7 @@ def _layer_child(rank, world):
     with non-zero biases: one forward and backward with a random upstream gradient."""
     from megatron.core import mpu, tensor_parallel
 
-    from tst_megatron.training.family import GPT
+    from tst_megatron.models.family import GPT
     from tst_megatron.training.validate import parse
 
     parse(MOE + ["--lr", "1e-3"])

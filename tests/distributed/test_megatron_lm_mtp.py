@@ -1,6 +1,6 @@
 """Multi-token prediction (``--mtp-num-layers``) inside Megatron-LM's own loop on 2 gloo
 processes: the MTP block is skipped in phase 1 and trains from the switch
-(:class:`tst_megatron.training.gpt.TSTGPTModel`).
+(:class:`tst_megatron.models.gpt.TSTGPTModel`).
 
 One spawn, two ``pretrain()`` runs of the tiny GPT of ``test_megatron_lm.py`` with one MTP
 layer (RoPE: Megatron-LM refuses MTP with learned absolute positions):

@@ -33,7 +33,7 @@ def _step_child(rank, world):
     from megatron.core import mpu, tensor_parallel
     from megatron.training import get_args
 
-    from tst_megatron.training.family import GPT
+    from tst_megatron.models.family import GPT
     from tst_megatron.training.forward import TSTForwardStep
     from tst_megatron.training.validate import parse
 

@@ -21,7 +21,7 @@ Allowed, because they are not the TST step's:
   state machine's checks of the gradients and (``pretrain_gpt.py``'s, in the loss function)
   of the loss.
 Not allowed: any read made by the TST step itself (``superposition/``,
-``training/forward.py``, ``training/gpt.py``, ``training/switch.py`` as the innermost
+``training/forward.py``, ``models/gpt.py``, ``training/switch.py`` as the innermost
 project or megatron-core frame) or any other read inside the schedule.
 """
 
@@ -65,7 +65,7 @@ HOST_READS = {
 TST_STEP = (
     "tst_megatron/superposition/",
     "tst_megatron/training/forward.py",
-    "tst_megatron/training/gpt.py",
+    "tst_megatron/models/gpt.py",
     "tst_megatron/training/switch.py",
     "tst_megatron/training/plan.py",
 )

@@ -136,7 +136,7 @@ def _mode_case(rank, world, mode, weighting, sp, *, seed):
             logits = hidden @ self.output_weight.t()  # [T, b, V/tp]
             if labels is None:  # batch-first logits, as GPTModel(labels=None)
                 return logits.transpose(0, 1).contiguous()
-            # [b, T, k] targets: per-slot CE, as the loss seam of training/gpt.py does it
+            # [b, T, k] targets: per-slot CE, as the loss seam of models/gpt.py does it
             targets = labels.transpose(0, 1).contiguous()
             ce = vocab_parallel_multi_target_cross_entropy(logits, targets, tp_group=tp_group)
             return ce.transpose(0, 1).contiguous()

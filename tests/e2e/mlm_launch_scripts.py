@@ -793,7 +793,7 @@ TE_MOE = ["--moe-grouped-gemm", "--moe-permute-fusion"]
 #: refuses another --transformer-impl rather than override it (``checks.hardware.cpu_flag_problems``).
 TE_IMPL = ["--transformer-impl"]
 #: --apply-layernorm-1p (zero-centred gamma): the CPU run's norm (the local spec with the
-#: project's norms, tst_megatron.training.layers) refuses it without Transformer Engine or Apex.
+#: project's norms, tst_megatron.models.layers) refuses it without Transformer Engine or Apex.
 LAYERNORM_1P = ["--apply-layernorm-1p"]
 
 #: The two scripts without --num-workers use Megatron-LM's default of 2 DataLoader worker

@@ -173,7 +173,7 @@ def validate_all(world_size: int = 1) -> None:
         ConfigError: the problems of the first launch line that has any, one per line.
     """
     from tst_megatron.errors import ConfigError
-    from tst_megatron.training.family import GPT, HYBRID
+    from tst_megatron.models.family import GPT, HYBRID
     from tst_megatron.training.validate import check
 
     saved = os.environ.get("WORLD_SIZE")

@@ -15,8 +15,8 @@ from tests.distributed.test_megatron_lm import BASE
 def _signal_during_setup_child(rank, world, *, argv):
     import dataclasses
 
+    from tst_megatron.models.family import GPT
     from tst_megatron.training.cli import main
-    from tst_megatron.training.family import GPT
 
     def build_after_signal(*args, **kwargs):
         os.kill(os.getpid(), signal.SIGTERM)  # the notice arrives before the model exists

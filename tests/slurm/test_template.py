@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tst_megatron.training.family import GPT, HYBRID
+from tst_megatron.models.family import GPT, HYBRID
 from tst_megatron.training.validate import check
 
 REPO = Path(__file__).resolve().parents[2]

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tst_megatron.conversion import hf, mlm, rules
-from tst_megatron.training.pattern import gpt_equivalent
+from tst_megatron.models.pattern import gpt_equivalent
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("megatron.training")

@@ -36,8 +36,8 @@ def dry(argv, env=None, model="gpt"):
     """``dry_run(argv + --dry-run)`` in this process with ``env`` over a clean environment
     (no RANK/WORLD_SIZE/CUDA_DEVICE_MAX_CONNECTIONS), for the launcher of ``model`` (``"gpt"``
     or ``"hybrid"``): ``(returncode, stdout, stderr)``."""
+    from tst_megatron.models.family import FAMILIES
     from tst_megatron.training.dry_run import dry_run
-    from tst_megatron.training.family import FAMILIES
 
     drop = ("RANK", "WORLD_SIZE", "SLURM_PROCID", "CUDA_DEVICE_MAX_CONNECTIONS")
     environ = {k: v for k, v in os.environ.items() if k not in drop}
@@ -713,7 +713,7 @@ def test_a_kernel_family_needs_its_package_in_a_gpu_launch():
 
 
 def test_the_stage_layers_of_a_hybrid_pattern_are_megatron_cores():
-    from tst_megatron.training.pattern import HybridPattern
+    from tst_megatron.models.pattern import HybridPattern
 
     def stage_layers(pattern, pp):
         return HybridPattern.parse(pattern).stage_layers(pp)

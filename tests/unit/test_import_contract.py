@@ -3,7 +3,8 @@ read from the source with ``ast`` (nothing is imported):
 
 - layers, each importing only from its own layer or those below it:
   base (``errors``, ``quiet``, ``progress``) < ``superposition`` < ``runtime`` < ``data`` <
-  ``training`` (with ``upstream``, its workarounds) < ``conversion`` (with ``plots``, a tool);
+  ``models`` (with ``upstream``, the workarounds they enter) < ``training`` (the launch layer
+  and the loop plug-in) < ``conversion`` (with ``plots``, a tool);
 - no import cycle between modules (an import of ``a.b.c`` also runs ``a.b``'s ``__init__``);
 - a function-local import only for a heavy or optional module, saying so in a ``#`` comment on
   its line or just above its block.
@@ -29,10 +30,11 @@ LAYERS = {
     "superposition": 1,
     "runtime": 2,
     "data": 3,
-    "training": 4,
+    "models": 4,
     "upstream": 4,
-    "conversion": 5,
-    "plots": 5,
+    "training": 5,
+    "conversion": 6,
+    "plots": 6,
 }
 
 
@@ -193,6 +195,24 @@ def test_a_planted_upward_import_is_found(tmp_path):
     found = problems(root)
     assert any("tst_megatron.data.files:" in p and "tst_megatron.conversion" in p for p in found)
     assert any("higher layer" in p for p in found)
+
+
+def test_a_planted_import_of_the_launch_layer_from_the_models_is_found(tmp_path):
+    """The models sit below the launch layer: ``models.family`` importing ``training.checks``
+    (as it did before the models had a package of their own) is an upward import."""
+    root = _plant(
+        tmp_path,
+        "tst_megatron.models.family",
+        """
+        from tst_megatron.training.checks import model as _rules  # noqa
+        """,
+    )
+    found = problems(root)
+    assert any(
+        p.startswith("tst_megatron.models.family:")
+        and "imports tst_megatron.training.checks.model, a higher layer" in p
+        for p in found
+    ), found
 
 
 def test_a_planted_cycle_and_an_uncommented_local_import_are_found(tmp_path):

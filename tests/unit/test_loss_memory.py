@@ -5,7 +5,7 @@ logits-sized tensor).
 
 Each case runs, forward and backward, the output layer's matmul (which keeps its input and
 weight, not its logits) and then a loss at the model's seam (``compute_language_model_loss``
-of :class:`~tst_megatron.training.seams.TSTLossSeam`) on the sequence-first ``[T, b, V]``
+of :class:`~tst_megatron.models.seams.TSTLossSeam`) on the sequence-first ``[T, b, V]``
 logits, under a tracker of live tensor bytes (``benchmarks/measure.py``). The reference is
 megatron-core's ``vocab_parallel_cross_entropy`` on the same logits, as a stock
 ``pretrain_gpt.py`` run scores them.
@@ -47,7 +47,7 @@ def _seam():
     import torch.distributed as dist
     from megatron.core.models.common.language_module.language_module import LanguageModule
 
-    from tst_megatron.training.seams import TSTLossSeam
+    from tst_megatron.models.seams import TSTLossSeam
 
     class Seam(TSTLossSeam, LanguageModule):
         def __init__(self):  # no module state: only what the loss reads

@@ -46,8 +46,8 @@ def _rope_child(rank, world, *, cases):
     its ``model_provider`` with fixed weights; returns ``{name: (logits, RoPE table)}``."""
     from megatron.training.global_vars import unset_global_variables
 
+    from tst_megatron.models.family import GPT
     from tst_megatron.runtime import ParallelConfig, initialize_model_parallel, set_seed
-    from tst_megatron.training.family import GPT
     from tst_megatron.training.validate import parse
 
     initialize_model_parallel(ParallelConfig())

@@ -8,8 +8,8 @@ import textwrap
 import pytest
 import torch
 
+from tst_megatron.models.layers import SequenceParallelNorm
 from tst_megatron.runtime import ParallelConfig, resolve_process
-from tst_megatron.training.layers import SequenceParallelNorm
 
 
 def _run(code):

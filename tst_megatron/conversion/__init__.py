@@ -12,7 +12,7 @@
   ``--load``) reads into any layout.
 
 Both build the 1-process model the way the launcher does
-(:attr:`~tst_megatron.training.family.ModelFamily.build` on the Megatron-LM
+(:attr:`~tst_megatron.models.family.ModelFamily.build` on the Megatron-LM
 ``args``). The name and layout mapping is data (:mod:`.rules`); :mod:`.hf` and
 :mod:`.megatron` hold the file handling of each side. CLI: ``tools/convert_checkpoint.py``.
 """
@@ -39,7 +39,7 @@ from tst_megatron.conversion.output import (
     building,
     check_output,
 )
-from tst_megatron.training.pattern import gpt_equivalent
+from tst_megatron.models.pattern import gpt_equivalent
 from tst_megatron.training.plan import run_plan
 
 

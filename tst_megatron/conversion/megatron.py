@@ -4,7 +4,7 @@ dict of a 1-process megatron-core model.
 A checkpoint of Megatron-LM's own loop (``megatron.training.pretrain()``, e.g. the launcher
 ``examples/pretrain_gpt_tst.py``) saved with any TP/PP/VPP/EP/expert-TP layout and either
 layer spec (Transformer Engine or local) is read by building its model with every parallel
-size 1 (the launcher's builder, :attr:`~tst_megatron.training.family.ModelFamily.build`, on
+size 1 (the launcher's builder, :attr:`~tst_megatron.models.family.ModelFamily.build`, on
 the checkpoint's own ``args``, :func:`.mlm.one_process_args`) and letting
 ``dist_checkpointing`` reshard into it; an imported model is written the same way, as
 Megatron-LM's weights-only ``release`` checkpoint, which Megatron-LM's ``load_checkpoint``
@@ -33,10 +33,10 @@ from tst_megatron.data.checkpoint import (
     read_common_state,
 )
 from tst_megatron.errors import ConfigError
+from tst_megatron.models.family import HYBRID, family_of
+from tst_megatron.models.pattern import gpt_equivalent
 from tst_megatron.runtime import destroy, init_distributed, initialize_model_parallel
 from tst_megatron.runtime.distributed import ParallelConfig, free_port
-from tst_megatron.training.family import HYBRID, family_of
-from tst_megatron.training.pattern import gpt_equivalent
 
 #: Megatron-LM's tracker file of a ``--save`` root and its weights-only checkpoint name.
 #: The last commit of this project whose converter reads the hand-written trainer's format.
@@ -94,8 +94,8 @@ def single_process() -> Iterator[None]:
 
 def build_model(ns):
     """The whole model of checkpoint ``args`` ``ns`` in this 1-process world (eval mode, CPU):
-    its family's builder (:func:`~tst_megatron.training.family.family_of`,
-    :attr:`~tst_megatron.training.family.ModelFamily.build`) on :func:`.mlm.one_process_args`.
+    its family's builder (:func:`~tst_megatron.models.family.family_of`,
+    :attr:`~tst_megatron.models.family.ModelFamily.build`) on :func:`.mlm.one_process_args`.
     Call inside :func:`single_process`."""
     return family_of(ns).build(mlm.one_process_args(ns)).eval()
 
@@ -288,7 +288,7 @@ def read_checkpoint(path: str, *, trust: bool = False) -> Tuple[object, Dict[str
         ``(args, state)``: the stored Megatron-LM ``args`` and the model's weights
         ``{megatron name: tensor}`` (parameter dtype). A GPT-shaped ``HybridModel``
         (``*-``/``*E`` pairs) comes back as the ``GPTModel`` it equals: its
-        :func:`~tst_megatron.training.pattern.gpt_equivalent` ``args`` and its weights under GPT names
+        :func:`~tst_megatron.models.pattern.gpt_equivalent` ``args`` and its weights under GPT names
         (:func:`.mlm.hybrid_to_gpt_names`).
 
     Raises:

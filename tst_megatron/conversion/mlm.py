@@ -12,14 +12,14 @@ whole ``argparse.Namespace`` as ``args`` in its common state
   changes the model's function but has no place in a Hugging Face target, so nothing is
   dropped silently; a ``HybridModel`` checkpoint only where its pattern is GPT-shaped
   (:func:`check_hybrid`).
-- :func:`~tst_megatron.training.pattern.gpt_equivalent` / :func:`hybrid_to_gpt_names`: a
+- :func:`~tst_megatron.models.pattern.gpt_equivalent` / :func:`hybrid_to_gpt_names`: a
   GPT-shaped ``HybridModel`` (``*-`` / ``*E`` pairs, ``examples/pretrain_hybrid_tst.py``) as
   the ``GPTModel`` it equals, so that it exports to the same Hugging Face families.
 - :func:`one_process_args` / :func:`transformer_config`: the namespace of the same model in
   one CPU process, and its ``TransformerConfig`` by Megatron-LM's own
   ``core_transformer_config_from_args`` (the shapes the Hugging Face side needs are read
   from it); the model itself is built by the launcher's
-  :attr:`~tst_megatron.training.family.ModelFamily.build`.
+  :attr:`~tst_megatron.models.family.ModelFamily.build`.
 - :func:`megatron_lm_namespace`: model flags -> the ``Namespace`` Megatron-LM's parser and
   ``validate_args`` produce, which an imported ``release`` checkpoint stores so that
   Megatron-LM's ``load_checkpoint`` (``--load``, ``--use-checkpoint-args``) reads it.
@@ -38,8 +38,8 @@ from typing import Iterator, Optional, Sequence
 
 import torch
 
+from tst_megatron.models.pattern import pattern_of
 from tst_megatron.training.flags import add_tst_args
-from tst_megatron.training.pattern import pattern_of
 
 #: Megatron-LM settings (``args`` dest, default, flag) that change the model's function and
 #: that neither the converter's dict nor a Qwen3-MoE/Mixtral/Qwen3/Llama config can hold.
@@ -219,7 +219,7 @@ _NO_PLACE = {"M": "Mamba-2", "G": "gated delta net", "D": "DeepSeek sparse atten
 
 def check_hybrid(ns) -> None:
     """Refuse a ``HybridModel`` checkpoint's ``args`` ``ns`` whose pattern is not
-    GPT-shaped (:attr:`~tst_megatron.training.pattern.HybridPattern.gpt_shaped`): the Hugging
+    GPT-shaped (:attr:`~tst_megatron.models.pattern.HybridPattern.gpt_shaped`): the Hugging
     Face targets hold GPT layers.
 
     Raises:
@@ -247,7 +247,7 @@ _LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.*)")
 
 def hybrid_to_gpt_names(state: dict, ns) -> dict:
     """``state`` (``{name: tensor}`` of a 1-process GPT-shaped ``HybridModel``) under the
-    names of the ``GPTModel`` it equals (:func:`~tst_megatron.training.pattern.gpt_equivalent`): hybrid layer ``2i``
+    names of the ``GPTModel`` it equals (:func:`~tst_megatron.models.pattern.gpt_equivalent`): hybrid layer ``2i``
     (attention: ``input_layernorm``, ``self_attention``) and ``2i + 1`` (``pre_mlp_layernorm``,
     ``mlp``) are GPT layer ``i``; ``decoder.final_norm`` is ``decoder.final_layernorm``
     (``gpt_checkpoint_interop``'s ``_GPT_FINAL_NORM_KEY_MAP``).

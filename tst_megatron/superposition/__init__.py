@@ -17,7 +17,7 @@ Layouts: token ids and labels are batch-first, ``[b, L]`` folded to ``[b, T, S]`
 embedding returns Megatron's sequence-first hidden states ``[T, b, h]`` (``[T/tp, b, h]``
 under sequence parallelism). The output layer's logits are sequence-first
 ``[T, b, V/tp]``; the launcher scores them there, in the model's loss seam
-(:class:`tst_megatron.training.gpt.TSTGPTModel`, ``labels=[b, T, S]``), while
+(:class:`tst_megatron.models.gpt.TSTGPTModel`, ``labels=[b, T, S]``), while
 ``GPTModel(labels=None)`` returns a batch-first copy ``[b, T, V/tp]``.
 :func:`vocab_parallel_multi_target_cross_entropy` accepts any leading shape as long as
 logits and targets agree.

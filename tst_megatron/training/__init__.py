@@ -2,8 +2,6 @@
 per job:
 
 - :mod:`.cli`: the launcher's ``main`` (checks, then ``pretrain()``);
-- :mod:`.family`: one :class:`~tst_megatron.training.family.ModelFamily` per model family
-  (``GPT``, ``HYBRID``: launcher, builder, rules, model provider);
 - :mod:`.argv`: the command line as given, before Megatron-LM parses it (and a CPU run's flags);
 - :mod:`.flags`: ``--tst-*`` (from :class:`~tst_megatron.superposition.schedule.TSTConfig`),
   ``--dry-run``, ``--dry-run-gpu``, ``--device``, and the flags the launcher refuses;
@@ -13,10 +11,9 @@ per job:
   rules on top of Megatron-LM's validation, one module per subject, run from one list;
 - :mod:`.dry_run`: ``--dry-run``'s report (layout, parameter counts, TST plan);
   :mod:`.assumed`: what it answers for the cluster's GPU and Transformer Engine;
-- :mod:`.gpt`: ``TSTGPTModel``, its local specs and builder; :mod:`.hybrid`:
-  ``TSTHybridModel``, the local hybrid stack and its builder; :mod:`.layers`: the local layer
-  pieces both share; :mod:`.pattern`: ``--hybrid-layer-pattern``; :mod:`.seams`: the TST
-  seams both model classes share;
 - :mod:`.datasets`: the datasets provider (the data themselves: :mod:`tst_megatron.data`);
 - :mod:`.forward`: the forward step of both phases; :mod:`.switch`: the switch at ``N1``.
+
+The models it launches (``GPT``, ``HYBRID``, their classes and seams) are
+:mod:`tst_megatron.models`, below this package.
 """

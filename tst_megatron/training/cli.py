@@ -21,6 +21,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from tst_megatron import upstream
 from tst_megatron.data.gpt_datasets import use_prebuilt_dataset_helpers
 from tst_megatron.errors import ConfigError
+from tst_megatron.models.family import GPT, ModelFamily
 from tst_megatron.runtime import cpu
 from tst_megatron.runtime.distributed import (
     export_torchrun_env,
@@ -31,7 +32,6 @@ from tst_megatron.runtime.distributed import (
 from tst_megatron.training.checks.resume import checkpoint_to_resume
 from tst_megatron.training.datasets import TSTDatasets
 from tst_megatron.training.dry_run import dry_run
-from tst_megatron.training.family import GPT, ModelFamily
 from tst_megatron.training.forward import TSTForwardStep
 from tst_megatron.training.switch import FreshAdamForMTP
 from tst_megatron.training.validate import parse
@@ -39,8 +39,8 @@ from tst_megatron.training.validate import parse
 
 def main(argv: Optional[Sequence[str]] = None, *, family: ModelFamily = GPT) -> None:
     """Check ``argv`` (default ``sys.argv[1:]``), then run Megatron-LM's ``pretrain()`` with
-    ``family``'s model provider (:data:`~tst_megatron.training.family.GPT`:
-    ``pretrain_gpt.py``'s ``GPTModel``; :data:`~tst_megatron.training.family.HYBRID`:
+    ``family``'s model provider (:data:`~tst_megatron.models.family.GPT`:
+    ``pretrain_gpt.py``'s ``GPTModel``; :data:`~tst_megatron.models.family.HYBRID`:
     ``pretrain_hybrid.py``'s ``HybridModel``), TST's datasets provider and forward step,
     which share the run plan the checks built (and, with MTP, the optimizer hook
     :class:`~tst_megatron.training.switch.FreshAdamForMTP`), with megatron-core's

@@ -20,10 +20,10 @@ from megatron.core.models.gpt.experimental_attention_variant_module_specs import
     get_moe_layer_pattern,
 )
 
+from tst_megatron.models.family import GPT, ModelFamily
+from tst_megatron.models.pattern import FAMILIES, gpt_equivalent, pattern_of
 from tst_megatron.runtime.distributed import is_rank_zero
 from tst_megatron.training.checks import outputs
-from tst_megatron.training.family import GPT, ModelFamily
-from tst_megatron.training.pattern import FAMILIES, gpt_equivalent, pattern_of
 from tst_megatron.training.validate import check
 
 
@@ -215,9 +215,9 @@ def _variant_layers(args, variant: str) -> str:
 def _hybrid_lines(args) -> list[str]:
     """A ``HybridModel``'s layers by family, its widths and experts, and its parameters:
     Megatron-LM 0.19's arithmetic (:func:`parameter_lines`) covers GPT models only, so a
-    pattern :attr:`~tst_megatron.training.pattern.HybridPattern.counted_as_gpt` (``*-``/``*E``
+    pattern :attr:`~tst_megatron.models.pattern.HybridPattern.counted_as_gpt` (``*-``/``*E``
     pairs, no MTP, pipeline segments of equal length) is counted as the ``GPTModel`` it
-    equals (:func:`~tst_megatron.training.pattern.gpt_equivalent`), any other not at all."""
+    equals (:func:`~tst_megatron.models.pattern.gpt_equivalent`), any other not at all."""
     pattern = pattern_of(args)
     families = ", ".join(
         f"{pattern.count(symbol)} {name} ({symbol})"

@@ -11,7 +11,7 @@ a latent position with at least one scored slot in phase 1, where the loss is
 uniform weights), and megatron-core's MoE aux and z losses, scaled per routed position,
 weigh the same in both phases. Masked positions and slots are excluded by selection
 (``torch.where``), never by multiplication, so an ``inf``/``nan`` there reaches neither the
-loss nor, through the model's loss seam (:class:`~tst_megatron.training.gpt.TSTGPTModel`),
+loss nor, through the model's loss seam (:class:`~tst_megatron.models.gpt.TSTGPTModel`),
 a gradient. Nothing here reads a device value on the host, except ``pretrain_gpt.py``'s loss
 checks (:func:`loss_checks`: megatron-core's rerun state machine reads the loss, as in a
 baseline run).

@@ -118,7 +118,7 @@ class FreshAdamForMTP:
     Adam started at the switch (Kingma & Ba, Algorithm 1: step ``k`` from 1, both moments from
     0), within the optimizer's one step count.
 
-    Phase 1 gives them exactly zero gradients (:class:`~tst_megatron.training.gpt.TSTGPTModel`),
+    Phase 1 gives them exactly zero gradients (:class:`~tst_megatron.models.gpt.TSTGPTModel`),
     so their moments are exactly zero at ``N1``, but the step count ``T`` is shared by all
     parameters (megatron-core's ``torch_dist`` optimizer checkpoint refuses per-parameter
     counts) and is ``N1`` larger than ``k``: the first update would be

@@ -14,6 +14,7 @@ from typing import Optional, Sequence
 from unittest import mock
 
 from tst_megatron.errors import ConfigError
+from tst_megatron.models.family import GPT, ModelFamily
 from tst_megatron.runtime import cpu
 from tst_megatron.runtime.distributed import is_rank_zero
 from tst_megatron.training import assumed
@@ -31,7 +32,6 @@ from tst_megatron.training.checks.resume import (
     checkpoint_to_resume,
     current_data_identity,
 )
-from tst_megatron.training.family import GPT, ModelFamily
 from tst_megatron.training.flags import add_tst_args
 from tst_megatron.training.plan import run_plan
 

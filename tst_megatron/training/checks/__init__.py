@@ -44,7 +44,7 @@ class Launch:
 
     Attributes:
         argv: the command line as given, before a CPU run's ``CPU_FLAGS`` are appended.
-        family: the :class:`~tst_megatron.training.family.ModelFamily` the launcher builds.
+        family: the :class:`~tst_megatron.models.family.ModelFamily` the launcher builds.
         device: ``"cpu"`` or ``"cuda"``.
         launch: a real launch, which checks this machine (a GPU, installed packages, data
             files); False: a dry run, which assumes the cluster's.
@@ -104,7 +104,7 @@ def argv_problems(argv: Sequence[str], family) -> list[str]:
     """Flags refused in the command line as given, before Megatron-LM parses it, one line each:
     ``--yaml-cfg`` (its YAML config replaces the whole parsed namespace, ``--tst-*`` included),
     the flags on which ``validate_args`` exits with status 0 (:func:`.deprecated.stop_problems`)
-    and ``family``'s own (:attr:`~tst_megatron.training.family.ModelFamily.argv_rules`: the GPT
+    and ``family``'s own (:data:`.model.FAMILY_RULES`: the GPT
     launcher refuses ``pretrain_hybrid.py``'s flags, the hybrid launcher a missing or empty
     pattern)."""
     problems = []
@@ -114,7 +114,7 @@ def argv_problems(argv: Sequence[str], family) -> list[str]:
             "--yaml-cfg is not supported by this launcher: Megatron-LM's experimental YAML "
             "config replaces the whole command line, --tst-* flags included; pass the flags"
         )
-    return problems + deprecated.stop_problems(flags) + family.argv_problems(argv)
+    return problems + deprecated.stop_problems(flags) + model.family_argv_problems(family, argv)
 
 
 def launch_problems(launch: Launch) -> list[str]:

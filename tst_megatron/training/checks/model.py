@@ -6,17 +6,16 @@ are refused)."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 from typing import Sequence
 
 from megatron.core.models.hybrid.hybrid_layer_allocation import get_hybrid_total_layer_count
 
+from tst_megatron.models.family import GPT, HYBRID
+from tst_megatron.models.hybrid import KERNEL_FAMILIES
+from tst_megatron.models.pattern import FAMILIES, HybridPattern, pattern_of
 from tst_megatron.training.argv import flag_values
-from tst_megatron.training.hybrid import KERNEL_FAMILIES
-from tst_megatron.training.pattern import FAMILIES, HybridPattern, pattern_of
-
-#: The launchers, by the model family they build (``ModelFamily.name``).
-LAUNCHERS = {"gpt": "examples/pretrain_gpt_tst.py", "hybrid": "examples/pretrain_hybrid_tst.py"}
 
 #: Megatron-LM's flags of ``pretrain_hybrid.py``'s ``HybridModel`` (layer pattern, Mamba mixer):
 #: a ``GPTModel`` reads none of them. Exact flags, and a prefix.
@@ -41,14 +40,14 @@ def hybrid_flag_problems(argv: Sequence[str]) -> list[str]:
     return [
         f"{', '.join(dict.fromkeys(hybrid))}: a HybridModel flag (pretrain_hybrid.py's); "
         "this launcher builds pretrain_gpt.py's GPTModel, which would ignore it: launch "
-        f"{LAUNCHERS['hybrid']} for a HybridModel, or drop it"
+        f"{HYBRID.launcher} for a HybridModel, or drop it"
     ]
 
 
 _NO_PATTERN = (
     "a HybridModel needs --hybrid-layer-pattern, one symbol per layer (e.g. '*E*E': attention "
     "and MoE layers; it also sets the layer count: --num-layers is not needed), or launch "
-    f"{LAUNCHERS['gpt']} for a GPTModel"
+    f"{GPT.launcher} for a GPTModel"
 )
 
 
@@ -105,16 +104,16 @@ def gpt_only_problems(args) -> list[str]:
             continue
         found.append(
             f"{flag}: a GPTModel flag the HybridModel this launcher builds would ignore; "
-            f"drop it, or launch {LAUNCHERS['gpt']}"
+            f"drop it, or launch {GPT.launcher}"
         )
     return found
 
 
 def hybrid_pattern_problems(args, device: str) -> list[str]:
     """A hybrid launch's ``--hybrid-layer-pattern``: given; an ``E`` only with
-    ``--num-experts``; each layer family :func:`~tst_megatron.training.hybrid.local_hybrid_stack_spec`
+    ``--num-experts``; each layer family :func:`~tst_megatron.models.hybrid.local_hybrid_stack_spec`
     does not build, on a CPU (or with ``--transformer-impl local``), one line naming what it
-    needs (:data:`~tst_megatron.training.hybrid.KERNEL_FAMILIES`)."""
+    needs (:data:`~tst_megatron.models.hybrid.KERNEL_FAMILIES`)."""
     parsed = pattern_of(args)
     if parsed is None:
         return [_NO_PATTERN]
@@ -202,10 +201,12 @@ def model_problems(args) -> list[str]:
 
 def problems(launch) -> list[str]:
     """The model rules of every family, then those of the launch's own
-    (:attr:`~tst_megatron.training.family.ModelFamily.rules`)."""
+    (:data:`FAMILY_RULES`)."""
     found = model_problems(launch.args)
     found += gated_delta_net_problems(launch.args, launch.device, launch.launch)
-    return found + launch.family.problems(launch)
+    return found + [
+        line for rule in FAMILY_RULES[launch.family.name].launch for line in rule(launch)
+    ]
 
 
 def gpt_problems(launch) -> list[str]:
@@ -216,7 +217,7 @@ def gpt_problems(launch) -> list[str]:
     return [
         f"--hybrid-layer-pattern {launch.args.hybrid_layer_pattern} (from the checkpoint's "
         "arguments): a HybridModel run; this launcher builds a GPTModel: launch "
-        f"{LAUNCHERS['hybrid']}"
+        f"{HYBRID.launcher}"
     ]
 
 
@@ -233,7 +234,7 @@ def hybrid_problems(launch) -> list[str]:
         found.append(
             "--overlap-moe-expert-parallel-comm: megatron-core 0.19.2's HybridModel builds "
             "no schedule plan for its combined 1F1B (GPTModel does: launch "
-            f"{LAUNCHERS['gpt']} for a GPT-shaped model, or drop the flag)"
+            f"{GPT.launcher} for a GPT-shaped model, or drop the flag)"
         )
     if launch.args.transformer_impl == "inference_optimized":
         found.append(
@@ -321,11 +322,11 @@ def hybrid_notes(launch) -> list[str]:
 
 
 def notes(launch) -> list[str]:
-    """The family's notes (:attr:`~tst_megatron.training.family.ModelFamily.notes`), and that
+    """The family's notes (:data:`FAMILY_RULES`), and that
     megatron-core 0.19's ``global_aux_loss`` counts tokens over DP and micro-batches (its value
     depends on the layout)."""
     args = launch.args
-    lines = launch.family.launch_notes(launch)
+    lines = [line for note in FAMILY_RULES[launch.family.name].notes for line in note(launch)]
     kinds = args.moe_router_load_balancing_type
     kinds = [kinds] if isinstance(kinds, str) else list(kinds or [])
     if not (args.num_experts and "global_aux_loss" in kinds):
@@ -337,3 +338,34 @@ def notes(launch) -> list[str]:
         "layout trains differently; aux_loss does not). TST keeps its meaning: a phase-1 "
         "bag counts as one token"
     ]
+
+
+@dataclasses.dataclass(frozen=True)
+class FamilyRules:
+    """The launch rules of one model family.
+
+    Attributes:
+        argv: rules of the command line as given (``argv`` -> one line per problem), before
+            Megatron-LM parses it.
+        launch: rules of the checked launch (``Launch`` -> one line per problem).
+        notes: its ``note:`` lines (``Launch`` -> lines).
+    """
+
+    argv: tuple = ()
+    launch: tuple = ()
+    notes: tuple = ()
+
+
+#: Each family's own rules, by :attr:`~tst_megatron.models.family.ModelFamily.name`.
+FAMILY_RULES = {
+    GPT.name: FamilyRules(argv=(hybrid_flag_problems,), launch=(gpt_problems,)),
+    HYBRID.name: FamilyRules(
+        argv=(hybrid_pattern_argv_problems,), launch=(hybrid_problems,), notes=(hybrid_notes,)
+    ),
+}
+
+
+def family_argv_problems(family, argv: Sequence[str]) -> list[str]:
+    """Every :attr:`FamilyRules.argv` line of ``family`` (a
+    :class:`~tst_megatron.models.family.ModelFamily`) for ``argv``."""
+    return [line for rule in FAMILY_RULES[family.name].argv for line in rule(argv)]

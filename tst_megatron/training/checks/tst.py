@@ -15,7 +15,7 @@ def tst_problems(args, plan) -> list[str]:
 
 def loss_chunk_problems(args, chunks: int) -> list[str]:
     """What ``--tst-loss-chunks`` > 1 cannot run with, one line each: it replaces the output
-    layer's forward and the loss (:class:`~tst_megatron.training.seams.ChunkedOutputLayer`),
+    layer's forward and the loss (:class:`~tst_megatron.models.seams.ChunkedOutputLayer`),
     so the settings that need the full logits or another head are refused."""
     if chunks <= 1:
         return []

@@ -1,7 +1,7 @@
 """TST on megatron-core's ``HybridModel`` (Megatron-LM's ``pretrain_hybrid.py``): the same
 seams as on ``GPTModel``. The forward steps embed phase 1's bags with the model's own
 ``embedding`` and pass them as ``decoder_input``; the loss is scored in
-``compute_language_model_loss`` (:class:`~tst_megatron.training.seams.TSTLossSeam`).
+``compute_language_model_loss`` (:class:`~tst_megatron.models.seams.TSTLossSeam`).
 
 The layer families of ``--hybrid-layer-pattern`` (megatron-core's ``Symbols``): ``*``
 attention, ``-`` dense MLP and ``E`` MoE run on megatron-core's local modules
@@ -35,13 +35,13 @@ from megatron.core.transformer.transformer_layer import (
     TransformerLayerSubmodules,
 )
 
-from tst_megatron.training.layers import (
+from tst_megatron.models.layers import (
     SequenceParallelNorm,
     finish,
     local_layer_specs,
     model_arguments,
 )
-from tst_megatron.training.seams import (
+from tst_megatron.models.seams import (
     PhaseOneMTPSkip,
     TSTLossSeam,
     enable_loss_chunks,
@@ -63,10 +63,10 @@ class TSTHybridModel(TSTLossSeam, PhaseOneMTPSkip, HybridModel):
 
     Construction is ``HybridModel``'s; ``forward(..., labels=...)`` returns ``[b, T]`` fp32
     per-token CE (phase 2), ``[b, T, S]`` fp32 per-slot CE (phase 1,
-    :class:`~tst_megatron.training.seams.TSTLossSeam`) or, with ``labels=None``,
+    :class:`~tst_megatron.models.seams.TSTLossSeam`) or, with ``labels=None``,
     batch-first logits ``[b, T, V/tp]``. Parameters and state-dict keys are a
     ``HybridModel``'s. Multi-token prediction (``/`` in the pattern) trains in phase 2 only, as
-    on the GPT path (:class:`~tst_megatron.training.seams.PhaseOneMTPSkip`, entered in
+    on the GPT path (:class:`~tst_megatron.models.seams.PhaseOneMTPSkip`, entered in
     :meth:`forward`).
     """
 
@@ -99,7 +99,7 @@ class TSTHybridModel(TSTLossSeam, PhaseOneMTPSkip, HybridModel):
 
 class LocalHybridStack(HybridStack):
     """megatron-core's ``HybridStack`` with its final norm a
-    :class:`~tst_megatron.training.layers.SequenceParallelNorm`. Same parameter names
+    :class:`~tst_megatron.models.layers.SequenceParallelNorm`. Same parameter names
     (``final_norm.weight``, ``final_norm.bias``).
 
     Workaround: ``HybridStack`` builds Transformer Engine's ``TENorm`` whatever its spec
@@ -118,7 +118,7 @@ class LocalHybridStack(HybridStack):
 
 def local_hybrid_stack_spec(config: TransformerConfig) -> ModuleSpec:
     """A ``HybridStack`` spec of megatron-core's local modules for ``*``, ``-`` and ``E``, from the local GPT layer specs
-    (:func:`tst_megatron.training.layers.local_layer_specs`: the same attention, MLP and MoE
+    (:func:`tst_megatron.models.layers.local_layer_specs`: the same attention, MLP and MoE
     modules and norms as a GPT layer), split as megatron-core's TE ``hybrid_stack_spec``
     splits them: the attention layer keeps ``input_layernorm`` and ``self_attention``, the
     MLP and MoE layers ``pre_mlp_layernorm`` and ``mlp``. The final norm:
@@ -151,7 +151,7 @@ def local_hybrid_mtp_block_spec() -> ModuleSpec:
     """megatron-core's hybrid MTP block spec (``hybrid_layer_specs._hybrid_mtp_block_spec``:
     norms and the projection; the inner layers are built from the pattern after ``/``) with
     megatron-core's local column-parallel projection (``LocalSpecProvider``) and
-    :class:`~tst_megatron.training.layers.SequenceParallelNorm` norms."""
+    :class:`~tst_megatron.models.layers.SequenceParallelNorm` norms."""
     layer = ModuleSpec(
         module=MultiTokenPredictionLayer,
         submodules=MultiTokenPredictionLayerSubmodules(
@@ -200,7 +200,7 @@ def build_hybrid_model_from_args(
     cannot build a subclass) from its ``hybrid_config_from_args``. The stack spec is
     ``--spec``, else with ``--transformer-impl local`` :func:`local_hybrid_stack_spec`, else
     megatron-core's ``hybrid_stack_spec`` (Transformer Engine). Expert parameters are tagged
-    and a CPU run's model kept on the CPU (:func:`~tst_megatron.training.layers.finish`).
+    and a CPU run's model kept on the CPU (:func:`~tst_megatron.models.layers.finish`).
     megatron-core's parallel state must be initialised.
     """
     # megatron.training (Megatron-LM) is heavy and optional for megatron-core users

@@ -1,20 +1,20 @@
 """The model families a TST launch builds, one :class:`ModelFamily` object each (as
 torchtitan's ``TrainSpec``): :data:`GPT` (Megatron-LM's ``pretrain_gpt.py``, a
 ``GPTModel``: :mod:`.gpt`) and :data:`HYBRID` (``pretrain_hybrid.py``, a ``HybridModel``:
-:mod:`.hybrid`). The launcher (:mod:`.cli`), the checks (:mod:`.validate`, the launch record
-:class:`~tst_megatron.training.checks.Launch`) and the checkpoint converter
-(:mod:`tst_megatron.conversion`) take the object; each family's own launch rules are its
-:attr:`ModelFamily.rules`.
+:mod:`.hybrid`). The launcher (:mod:`tst_megatron.training.cli`), the checks (the launch
+record :class:`~tst_megatron.training.checks.Launch`) and the checkpoint converter
+(:mod:`tst_megatron.conversion`) take the object. Each family's own launch rules live in the
+launch layer (:data:`tst_megatron.training.checks.model.FAMILY_RULES`), which imports this
+module and never the other way.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional
 
-from tst_megatron.training.checks import model as model_rules
-from tst_megatron.training.gpt import build_gpt_model_from_args
-from tst_megatron.training.hybrid import build_hybrid_model_from_args
+from tst_megatron.models.gpt import build_gpt_model_from_args
+from tst_megatron.models.hybrid import build_hybrid_model_from_args
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,30 +26,11 @@ class ModelFamily:
         launcher: the launch script (``examples/pretrain_gpt_tst.py``, ...).
         build: ``build(args, *, pre_process, post_process, vp_stage, config,
             pg_collection)`` -> the TST model for Megatron-LM's ``args``.
-        argv_rules: rules of the command line as given (``argv`` -> one line per problem),
-            before Megatron-LM parses it.
-        rules: launch rules of this family (``Launch`` -> one line per problem).
-        notes: ``note:`` lines of this family (``Launch`` -> lines).
     """
 
     name: str
     launcher: str
     build: Callable
-    argv_rules: tuple = ()
-    rules: tuple = ()
-    notes: tuple = ()
-
-    def argv_problems(self, argv: Sequence[str]) -> list[str]:
-        """Every :attr:`argv_rules` line for ``argv``."""
-        return [line for rule in self.argv_rules for line in rule(argv)]
-
-    def problems(self, launch) -> list[str]:
-        """Every :attr:`rules` line for ``launch``."""
-        return [line for rule in self.rules for line in rule(launch)]
-
-    def launch_notes(self, launch) -> list[str]:
-        """Every :attr:`notes` line for ``launch``."""
-        return [line for note in self.notes for line in note(launch)]
 
     def model_provider(
         self,
@@ -83,19 +64,10 @@ class ModelFamily:
 _recording: list = []  # not empty once a model provider has started the memory history
 
 GPT = ModelFamily(
-    name="gpt",
-    launcher=model_rules.LAUNCHERS["gpt"],
-    build=build_gpt_model_from_args,
-    argv_rules=(model_rules.hybrid_flag_problems,),
-    rules=(model_rules.gpt_problems,),
+    name="gpt", launcher="examples/pretrain_gpt_tst.py", build=build_gpt_model_from_args
 )
 HYBRID = ModelFamily(
-    name="hybrid",
-    launcher=model_rules.LAUNCHERS["hybrid"],
-    build=build_hybrid_model_from_args,
-    argv_rules=(model_rules.hybrid_pattern_argv_problems,),
-    rules=(model_rules.hybrid_problems,),
-    notes=(model_rules.hybrid_notes,),
+    name="hybrid", launcher="examples/pretrain_hybrid_tst.py", build=build_hybrid_model_from_args
 )
 #: The families by :attr:`ModelFamily.name`.
 FAMILIES = {family.name: family for family in (GPT, HYBRID)}

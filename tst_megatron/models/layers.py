@@ -157,7 +157,7 @@ def local_layer_specs(config: TransformerConfig):
     as ``get_gpt_decoder_layer_specs`` builds them for ``--transformer-impl local``) with
     :class:`SequenceParallelNorm` norms and :class:`ExpertRowParallelLinear` expert fc2:
     ``(dense, moe)``, ``moe`` None without ``--num-experts``. The layers of
-    :func:`tst_megatron.training.hybrid.local_hybrid_stack_spec`.
+    :func:`tst_megatron.models.hybrid.local_hybrid_stack_spec`.
     """
 
     def local(num_experts):

@@ -1,6 +1,6 @@
 """The ``GPTModel`` family (Megatron-LM's ``pretrain_gpt.py``): :class:`TSTGPTModel`, a
 megatron-core ``GPTModel`` that also scores bags (the loss seam and phase 1's MTP skip,
-:mod:`tst_megatron.training.seams`, shared with :mod:`tst_megatron.training.hybrid`), its
+:mod:`tst_megatron.models.seams`, shared with :mod:`tst_megatron.models.hybrid`), its
 local layer specs (:func:`gpt_block_spec`, :func:`local_mtp_block_spec`) and its builder
 (:func:`build_gpt_model_from_args`: the launcher's, and the checkpoint converter's).
 No parameter or buffer is added: state dicts and ``sharded_state_dict`` keys are a baseline
@@ -28,13 +28,13 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from tst_megatron.training.layers import (
+from tst_megatron.models.layers import (
     SequenceParallelNorm,
     finish,
     local_layer,
     model_arguments,
 )
-from tst_megatron.training.seams import (
+from tst_megatron.models.seams import (
     PhaseOneMTPSkip,
     TSTLossSeam,
     enable_loss_chunks,
@@ -48,7 +48,7 @@ class TSTGPTModel(TSTLossSeam, PhaseOneMTPSkip, GPTModel):
     Construction is ``GPTModel``'s. ``forward(..., labels=...)`` returns:
 
     - ``labels`` ``[b, T]`` (phase 2, validation): ``[b, T]`` fp32 per-token CE, megatron-core's
-      own (:class:`~tst_megatron.training.seams.TSTLossSeam`).
+      own (:class:`~tst_megatron.models.seams.TSTLossSeam`).
     - ``labels`` ``[b, T, S]`` (phase 1, global ids in ``[0, V)``, not checked): ``[b, T, S]``
       fp32 per-slot CE ``logsumexp(z_j) - z_j[t_{j,k}]`` from
       :func:`~tst_megatron.superposition.vocab_parallel_multi_target_cross_entropy`, in place
@@ -79,7 +79,7 @@ class TSTGPTModel(TSTLossSeam, PhaseOneMTPSkip, GPTModel):
             return super()._postprocess(
                 hidden_states, input_ids, position_ids, labels, *args, **kwargs
             )
-        idle = self._idle_mtp()  # :class:`~tst_megatron.training.seams.PhaseOneMTPSkip`
+        idle = self._idle_mtp()  # :class:`~tst_megatron.models.seams.PhaseOneMTPSkip`
         if not self.post_process:
             return idle_gradient(hidden_states, idle)
         output_weight = None
@@ -98,8 +98,8 @@ class TSTGPTModel(TSTLossSeam, PhaseOneMTPSkip, GPTModel):
 def gpt_block_spec(config: TransformerConfig, *, vp_stage: Optional[int] = None):
     """megatron-core's local decoder block spec (``get_gpt_decoder_block_spec``, dense/MoE
     layers by ``config.moe_layer_freq``) for this pipeline (and virtual) stage, with every norm
-    a :class:`~tst_megatron.training.layers.SequenceParallelNorm` (TP + SP + MoE without TE or
-    Apex) and the experts' second linear layer an :class:`~tst_megatron.training.layers.ExpertRowParallelLinear` (MoE with
+    a :class:`~tst_megatron.models.layers.SequenceParallelNorm` (TP + SP + MoE without TE or
+    Apex) and the experts' second linear layer an :class:`~tst_megatron.models.layers.ExpertRowParallelLinear` (MoE with
     biases). Returns a ``TransformerBlockSubmodules``."""
     block = get_gpt_decoder_block_spec(
         config,
@@ -159,7 +159,7 @@ def build_gpt_model_from_args(
     ``mtp_block_spec``. The ``GPTModel`` arguments are those of Megatron-LM 0.19.2's
     ``GPTModelBuilder.build_model``, which cannot build a subclass (it names ``GPTModel``).
     Expert parameters are tagged and a CPU run's model kept on the CPU
-    (:func:`~tst_megatron.training.layers.finish`).
+    (:func:`~tst_megatron.models.layers.finish`).
     """
     # megatron.training (Megatron-LM) is heavy and optional for megatron-core users
     from megatron.training.argument_utils import gpt_config_from_args

@@ -1,6 +1,6 @@
 """The seams TST shares between megatron-core's ``GPTModel`` and ``HybridModel``, one mixin
-each, used by :class:`~tst_megatron.training.gpt.TSTGPTModel` and
-:class:`~tst_megatron.training.hybrid.TSTHybridModel`:
+each, used by :class:`~tst_megatron.models.gpt.TSTGPTModel` and
+:class:`~tst_megatron.models.hybrid.TSTHybridModel`:
 
 - :class:`TSTLossSeam`: both score their logits in ``compute_language_model_loss(labels,
   logits)`` (megatron-core's ``LanguageModule``), which it extends to phase 1's bags;
