@@ -196,3 +196,170 @@ def test_refusals_name_the_problem(tp1):
     emb.tokentype_embeddings = torch.nn.Embedding(2, H)
     with pytest.raises(ValueError, match="^bag_embedding does not support token-type"):
         bag_embedding(emb, _bags(2))
+
+
+class _Rank:
+    """Rank ``rank`` of a tensor-parallel group of ``size`` ranks, in this one process."""
+
+    def __init__(self, rank, size):
+        self._rank, self._size = rank, size
+
+    def size(self):
+        return self._size
+
+    def rank(self):
+        return self._rank
+
+
+def _shard_partial(word, bags, lo, hi):
+    """float64 ``[B, T, H]``: the bag means of the ids in ``[lo, hi)`` only (what the rank
+    holding that vocab shard contributes to the TP sum), written plainly."""
+    inside = ((bags >= lo) & (bags < hi)).double()
+    rows = F.embedding(bags.clamp(0, V - 1), word.double())  # [B, T, S, H]
+    return (rows * inside[..., None]).sum(dim=2) / bags.shape[-1]
+
+
+def _tp_rank(rank, size, word, position, monkeypatch, calls, **config):
+    """The embedding of TP rank ``rank`` of ``size`` (its vocab shard of ``word``), with
+    megatron-core's TP collectives replaced by what the other ranks would add: their
+    reference partial sums (so each rank's output is the whole embedding)."""
+    from tst_megatron.superposition import embedding as module
+
+    emb = _embedding(position, tensor_model_parallel_size=size, **config)
+    shard = V // size
+    lo, hi = rank * shard, (rank + 1) * shard
+    group = _Rank(rank, size)
+    word_layer = emb.word_embeddings
+    word_layer.weight = torch.nn.Parameter(word[lo:hi].clone())
+    word_layer.vocab_start_index, word_layer.vocab_end_index = lo, hi
+    emb.tp_group = word_layer.tp_group = group
+
+    def others(bags):
+        return sum(
+            _shard_partial(word, bags, r * shard, (r + 1) * shard) for r in range(size) if r != rank
+        ).float()
+
+    def reduce(x, group=None):
+        calls.append(("reduce", group))
+        return x + others(state["bags"])
+
+    def reduce_scatter(x, group=None):  # [T, b, h] -> this rank's [T/tp, b, h]
+        calls.append(("reduce_scatter", group))
+        whole = x + others(state["bags"]).transpose(0, 1)
+        return whole.chunk(group.size(), dim=0)[group.rank()]
+
+    def scatter(x, group=None):
+        calls.append(("scatter", group))
+        return x.chunk(group.size(), dim=0)[group.rank()]
+
+    class _Tracker:  # the model-parallel RNG region SP's dropout runs in (a GPU's RNG state)
+        def fork(self):
+            import contextlib
+
+            calls.append(("rng fork", group))
+            return contextlib.nullcontext()
+
+    state = {}
+    tp = module.tensor_parallel
+    monkeypatch.setattr(tp, "get_cuda_rng_tracker", _Tracker)
+    monkeypatch.setattr(tp, "reduce_from_tensor_model_parallel_region", reduce)
+    monkeypatch.setattr(tp, "reduce_scatter_to_sequence_parallel_region", reduce_scatter)
+    monkeypatch.setattr(tp, "scatter_to_sequence_parallel_region", scatter)
+    return emb, group, state
+
+
+@pytest.mark.parametrize(
+    "position, sp",
+    [("learned_absolute", False), ("rope", False), ("learned_absolute", True), ("rope", True)],
+)
+def test_each_tp_rank_looks_up_its_vocab_shard_and_reduces_on_its_group(
+    tp1, monkeypatch, position, sp
+):
+    """TP = 2 in one process: each rank embeds the ids of its vocab shard (others as 0), the
+    bag mean taken before the TP reduction of ``[b, T, h]`` on the embedding's own group
+    (under SP with RoPE a reduce-scatter to ``[T/tp, b, h]``; with learned positions a
+    reduce, the positions, then the scatter), with gradients into its shard only."""
+    from tst_megatron.superposition import bag_embedding
+
+    g = torch.Generator().manual_seed(8)
+    word = torch.randn(V, H, generator=g)
+    bags = _bags(4)
+    bags[0, 1, :] = torch.tensor([0, V // 2 - 1, V // 2, V - 1])  # both shards' edges
+    for rank in range(2):
+        calls = []
+        emb, group, state = _tp_rank(
+            rank, 2, word, position, monkeypatch, calls, sequence_parallel=sp
+        )
+        state["bags"] = bags
+        out = bag_embedding(emb, bags)
+        full = _shard_partial(word, bags, 0, V)
+        if position == "learned_absolute":
+            full = full + emb.position_embeddings.weight.detach().double()[torch.arange(T)]
+        want = full.transpose(0, 1)  # [T, B, H]
+        if sp:
+            want = want.chunk(2, dim=0)[rank]
+        torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
+        kinds = [kind for kind, _ in calls]
+        if sp and position == "rope":
+            assert kinds == ["reduce_scatter", "rng fork"]
+        elif sp:
+            assert kinds == ["reduce", "scatter", "rng fork"]
+        else:
+            assert kinds == ["reduce"]
+        assert all(where is group for _, where in calls)
+        # d out / d shard row v = (upstream summed over the slots holding v) / S
+        upstream = torch.randn(out.shape, generator=torch.Generator().manual_seed(rank))
+        out.backward(upstream)
+        if sp:
+            continue  # the scatter's backward (an all-gather) is the 2-process tests'
+        grad = torch.zeros(V, H, dtype=torch.float64)
+        for b in range(B):
+            for j in range(T):
+                for k in range(4):
+                    grad[bags[b, j, k]] += upstream[j, b].double() / 4
+        lo, hi = rank * (V // 2), (rank + 1) * (V // 2)
+        torch.testing.assert_close(
+            emb.word_embeddings.weight.grad.double(), grad[lo:hi], rtol=1e-5, atol=1e-5
+        )
+
+
+def test_sequence_parallel_output_is_cloned_only_when_asked(tp1, monkeypatch):
+    """``clone_scatter_output_in_embedding`` (megatron-core's default) clones the scattered
+    output; off, the output is the scatter's view."""
+    from tst_megatron.superposition import bag_embedding
+
+    word = torch.randn(V, H, generator=torch.Generator().manual_seed(2))
+    for clone in (True, False):
+        emb, _, state = _tp_rank(
+            0, 2, word, "learned_absolute", monkeypatch, [], sequence_parallel=True,
+            clone_scatter_output_in_embedding=clone,
+        )  # fmt: skip
+        state["bags"] = _bags(2)
+        seen = []
+        emb.embedding_dropout.register_forward_pre_hook(lambda m, a: seen.append(a[0]))
+        bag_embedding(emb, state["bags"])
+        assert (seen[0]._base is None) == clone
+
+
+def test_mup_multiplies_only_when_on_and_not_one(tp1):
+    from tst_megatron.superposition import bag_embedding
+
+    bags = _bags(3)
+    ref = _reference(_embedding(), bags)
+    for config, factor in (
+        ({"use_mup": True, "mup_embedding_mult": 2.0}, 2.0),
+        ({"use_mup": False, "mup_embedding_mult": 2.5}, 1.0),
+        ({"use_mup": True, "mup_embedding_mult": 1.0}, 1.0),
+    ):
+        out = bag_embedding(_embedding(**config), bags)
+        torch.testing.assert_close(out.double(), factor * ref, rtol=1e-6, atol=1e-6)
+
+
+def test_an_embedding_without_token_type_attribute_is_accepted(tp1):
+    from tst_megatron.superposition import bag_embedding
+
+    emb, bags = _embedding(), _bags(2)
+    del emb.tokentype_embeddings
+    torch.testing.assert_close(
+        bag_embedding(emb, bags).double(), _reference(emb, bags), rtol=1e-6, atol=1e-6
+    )
