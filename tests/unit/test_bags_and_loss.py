@@ -32,6 +32,8 @@ def test_fold_bags_layout():
         ((2, 10), 3, "not a multiple of bag_size 3"),
         ((2, 9), 0, "bag_size must be"),
         ((9,), 3, "must be [b, S*T]"),
+        ((2, 10), 2.0, "bag_size must be an integer >= 1, got 2.0"),
+        ((2, 10), True, "bag_size must be an integer >= 1, got True"),
     ],
 )
 def test_fold_bags_errors(shape, size, message):
@@ -254,3 +256,100 @@ def test_multi_target_ce_in_half_precision_matches_the_reference_on_its_logits(d
     ref.backward(upstream)
     torch.testing.assert_close(ce.double(), ref.detach(), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(x.grad.double(), ref_x.grad, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("scale", [3.0, 300.0])  # 300: a wrong max would overflow exp
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_multi_target_ce_at_tp_2_in_one_process_matches_the_reference(monkeypatch, scale, dtype):
+    """TP = 2 with the ranks as threads (``tests/unit/threaded_tp.py``): the MAX then the one
+    SUM all-reduce on the given group, each rank's CE equal to the float64 reference of the
+    whole vocabulary, its gradient that of its shard; targets on both shards' edges."""
+    from tests.unit.threaded_tp import DIST, run_ranks
+    from tst_megatron.superposition import cross_entropy
+
+    monkeypatch.setattr(cross_entropy, "dist", DIST)
+    g = torch.Generator().manual_seed(4)
+    V = 40
+    logits = (torch.randn(3, 4, V, generator=g) * scale).to(dtype)
+    targets = torch.randint(0, V, (3, 4, 4), generator=g)
+    targets[0, 0] = torch.tensor([0, V // 2 - 1, V // 2, V - 1])
+    targets[1, 2] = 7  # all slots the same token
+    upstream = torch.randn(3, 4, 4, generator=g, dtype=torch.float64) + 0.3
+
+    def rank(group):
+        r = group.rank()
+        local = logits[..., r * V // 2 : (r + 1) * V // 2].clone().requires_grad_(True)
+        ce = vocab_parallel_multi_target_cross_entropy(local, targets, tp_group=group, check=True)
+        ce.backward(upstream.float())
+        return ce.detach(), local.grad
+
+    (first, second), group = run_ranks(2, rank)
+    MAX, SUM = torch.distributed.ReduceOp.MAX, torch.distributed.ReduceOp.SUM
+    assert sorted(group.calls, key=lambda call: call[0]) == [(0, MAX), (0, SUM), (1, MAX), (1, SUM)]
+    ref_x = logits.double().requires_grad_(True)
+    ref = _reference_ce(ref_x, targets)
+    ref.backward(upstream)
+    for ce in (first[0], second[0]):
+        assert ce.dtype == torch.float32
+        torch.testing.assert_close(ce.double(), ref.detach(), rtol=1e-5, atol=1e-4)
+    grad = torch.cat([first[1], second[1]], dim=-1)
+    assert grad.dtype == dtype
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(grad.double(), ref_x.grad, **tol)
+
+
+def test_the_target_check_at_tp_2_uses_the_whole_vocabulary(monkeypatch):
+    from tests.unit.threaded_tp import DIST, run_ranks
+    from tst_megatron.superposition import cross_entropy
+
+    monkeypatch.setattr(cross_entropy, "dist", DIST)
+    logits = torch.zeros(2, 3, 10)
+
+    def rank(group, bad):
+        targets = torch.full((2, 3, 2), 19)
+        targets[1, 1, 1] = bad
+        return vocab_parallel_multi_target_cross_entropy(
+            logits, targets, tp_group=group, check=True
+        )
+
+    run_ranks(2, lambda group: rank(group, 19))  # 19 < 2 x 10: accepted
+    with pytest.raises(ValueError, match=r"^target id 20 is outside the vocabulary \[0, 20\)$"):
+        run_ranks(2, lambda group: rank(group, 20))
+    # unchecked by default: an id past the vocabulary scores as if it were in no shard
+    run_ranks(2, lambda group: vocab_parallel_multi_target_cross_entropy(
+        logits, torch.full((2, 3, 1), 25), tp_group=group))  # fmt: skip
+
+
+def test_slot_weights_are_normalised_in_float64_then_rounded_once():
+    for size in range(1, 17):
+        uniform = torch.full((size,), 1.0 / size, dtype=torch.float64)
+        power = 1.0 / torch.arange(1, size + 1, dtype=torch.float64)
+        for weighting, exact in (("uniform", uniform), ("power", power / power.sum())):
+            got = bag_weights(size, weighting)
+            assert got.dtype == torch.float32
+            assert torch.equal(got, exact.to(torch.float32)), (size, weighting)
+
+
+def test_multi_hot_loss_is_float32_on_the_mask_s_device():
+    """float64 slot weights (a caller's) do not turn the sums into float64; weights on the
+    CPU follow a mask on another device (the meta device stands in for a GPU)."""
+    ce = torch.rand(2, 3, 4)
+    mask = torch.ones(2, 3, 4)
+    loss_sum, weight_sum = multi_hot_cross_entropy(
+        ce, mask, torch.full((4,), 0.25, dtype=torch.float64)
+    )
+    assert loss_sum.dtype == weight_sum.dtype == torch.float32
+    loss_sum, weight_sum = multi_hot_cross_entropy(ce.to("meta"), mask.to("meta"), bag_weights(4))
+    assert loss_sum.device.type == weight_sum.device.type == "meta"
+
+
+def test_mismatched_shapes_are_named_in_full():
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
+            "logits (2, 3, 10) and targets (2, 4, 1) must agree in all but the last dimension"
+        ),
+    ):
+        vocab_parallel_multi_target_cross_entropy(
+            torch.zeros(2, 3, 10), torch.zeros(2, 4, 1, dtype=torch.long)
+        )

@@ -72,9 +72,13 @@ def test_notes_say_when_there_is_no_phase_1_or_no_phase_2():
     assert TSTConfig(bag_size=1, phase1_fraction=0.5).notes(10) == [
         "--tst-phase1-fraction without --tst-bag-size > 1: no phase 1 (plain run)"
     ]
-    (line,) = TSTConfig(bag_size=4, phase1_iters=10).notes(10)
-    assert line.startswith("phase 1 fills all 10 iterations: this run trains no next-token step")
-    assert "--override-opt-param-scheduler" in line
+    assert TSTConfig(bag_size=4, phase1_iters=10).notes(10) == [
+        "phase 1 fills all 10 iterations: this run trains no next-token step (continue it "
+        "from its last checkpoint with a larger --train-iters, the same --tst-phase1-iters and "
+        "--override-opt-param-scheduler: the learning-rate schedule becomes the longer run's, "
+        "from the checkpoint's iteration on)"
+    ]
+    assert TSTConfig(bag_size=4, phase1_iters=1).notes(1)[0].startswith("phase 1 fills all 1 ")
     (line,) = TSTConfig(bag_size=4, phase1_fraction=1.0).notes(7)
     assert line.startswith("phase 1 fills all 7 iterations")
     assert TSTConfig(bag_size=2, phase1_iters=5).notes(5)[0].startswith("phase 1 fills all 5")
