@@ -140,7 +140,7 @@ WORKAROUNDS = (
         ("megatron.core.transformer.transformer_config", "(e.g. 1.10 = 10%)"),
     ),
     Workaround(
-        "tst_megatron.training.checks.resume.checkpoint_to_resume",
+        "tst_megatron.data.resume.checkpoint_to_resume",
         "Megatron-LM's read_metadata exits with status 0 on a malformed tracker file",
         "tests/unit/test_megatron_lm_args.py",
         ("megatron.training.checkpointing.read_metadata", "sys.exit()"),

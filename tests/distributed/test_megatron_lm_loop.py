@@ -262,7 +262,7 @@ def test_a_resume_onto_another_expert_layout_needs_no_load_optim(runs):
     and an expert optimizer; EP = 1 has one): ``load_checkpoint`` would raise megatron-core's
     ``ValueError`` ("Could not find parameter group with key ... in loaded checkpoint") on
     every rank after the model is built. The launcher stops first, with status 2 and one line
-    naming ``--no-load-optim`` (``checks/resume.layout_problems``; the line's words:
+    naming ``--no-load-optim`` (``checks/architecture.layout_problems``; the line's words:
     ``tests/unit/test_megatron_lm_args.py``), and ``--no-load-optim`` resumes with the weights
     (fresh Adam moments)."""
     (out0, status0, failed0), (_, status1, failed1) = runs[0]["ep1_from_ep2"]

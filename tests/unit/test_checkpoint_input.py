@@ -160,8 +160,8 @@ def test_a_crafted_checkpoint_is_one_line_naming_the_global_and_runs_nothing(tmp
     """Each format's planted pickle: the launch's checkpoint stage and every read of the resume
     rules refuse it in one line naming ``posix.system`` and ``--trust-checkpoint``; the dry
     run prints that line; nothing ran."""
+    from tst_megatron.data.resume import checkpoint_folder, checkpoint_to_resume
     from tst_megatron.errors import ConfigError
-    from tst_megatron.training.checks.resume import checkpoint_folder, checkpoint_to_resume
     from tst_megatron.training.dry_run import dry_run
 
     root, flag = _crafted(tmp_path, name)
@@ -209,7 +209,7 @@ DRY = [
 @pytest.mark.parametrize("make", [write_torch_dist, write_torch, write_torch_dcp])
 def test_a_real_checkpoint_of_each_format_is_intact_and_its_common_state_reads(tmp_path, make):
     from tst_megatron.data.checkpoint import inspect, read_common_state
-    from tst_megatron.training.checks.resume import checkpoint_to_resume
+    from tst_megatron.data.resume import checkpoint_to_resume
 
     root = root_with(tmp_path, make, iterations=(1, 2))
     folder = str(root / "iter_0000002")
@@ -221,7 +221,7 @@ def test_a_real_checkpoint_of_each_format_is_intact_and_its_common_state_reads(t
 
 def test_trust_checkpoint_reads_what_the_scan_refuses(tmp_path):
     """``--trust-checkpoint`` (the user made the file): no scan, Megatron-LM's own reads."""
-    from tst_megatron.training.checks.resume import checkpoint_folder
+    from tst_megatron.data.resume import checkpoint_folder
 
     root, flag = _crafted(tmp_path, "torch_dist .metadata")
     with contextlib.suppress(Exception):  # the planted object is no DCP Metadata
@@ -263,8 +263,8 @@ DAMAGE = {
 
 @pytest.mark.parametrize("name", sorted(DAMAGE))
 def test_a_damaged_latest_checkpoint_is_one_line_naming_the_newest_intact_one(tmp_path, name):
+    from tst_megatron.data.resume import checkpoint_folder
     from tst_megatron.errors import ConfigError
-    from tst_megatron.training.checks.resume import checkpoint_folder
 
     root = root_with(tmp_path, write_torch_dist, iterations=(1, 2, 3))
     damage, fragment = DAMAGE[name]
@@ -287,8 +287,8 @@ def _step(root, step):
 def test_tracker_and_folders_that_disagree_are_one_line(tmp_path):
     """A tracker naming a missing iteration, a garbage tracker, and a partial newer folder a
     killed save leaves (never named as intact)."""
+    from tst_megatron.data.resume import checkpoint_folder
     from tst_megatron.errors import ConfigError
-    from tst_megatron.training.checks.resume import checkpoint_folder
 
     root = root_with(tmp_path, write_torch_dist, iterations=(1, 2), tracker="7")
     with pytest.raises(ConfigError, match=r"iter_0000007 \(the tracker file's checkpoint\) does "
@@ -329,8 +329,8 @@ def test_bytes_changed_inside_a_tensor_are_found_by_their_crc_in_the_dry_run(tmp
 
 
 def test_any_exception_while_reading_is_one_line_never_a_traceback(tmp_path, monkeypatch):
+    from tst_megatron.data import resume
     from tst_megatron.errors import ConfigError
-    from tst_megatron.training.checks import resume
 
     root = root_with(tmp_path, write_torch_dist)
 
@@ -476,8 +476,8 @@ def test_the_folder_checked_is_the_one_megatron_lm_loads(tmp_path):
     """Megatron-LM 0.19.2's ``_load_base_checkpoint``: a truthy ``--ckpt-step`` applies to
     ``--pretrained-checkpoint`` too, ``--ckpt-step 0`` is ignored, and a newer global
     non-persistent checkpoint wins. Found by a review of this change."""
+    from tst_megatron.data.resume import checkpoint_folder
     from tst_megatron.errors import ConfigError
-    from tst_megatron.training.checks.resume import checkpoint_folder
 
     root = root_with(tmp_path, write_torch_dist, iterations=(1, 2))
     pretrained = argparse.Namespace(pretrained_checkpoint=str(root), ckpt_step=1)

@@ -397,7 +397,7 @@ def test_a_resume_that_would_change_the_tst_run_is_refused():
 
 
 def test_a_resume_with_another_model_is_refused_unless_the_checkpoint_args_are_used():
-    from tst_megatron.training.checks.resume import architecture_problems
+    from tst_megatron.training.checks.architecture import architecture_problems
 
     saved = argparse.Namespace(
         num_layers=2, hidden_size=32, ffn_hidden_size=128, num_experts=None, swiglu=False,
@@ -560,7 +560,7 @@ def test_layout_changes_megatron_core_cannot_resume_are_one_line():
     """EP=2 -> EP=1 with the optimizer state (megatron-core raises after the model is built;
     ``tests/distributed/test_megatron_lm_loop.py`` runs it) and any model-parallel change of a
     legacy ``torch`` checkpoint; what loads stays free."""
-    from tst_megatron.training.checks.resume import layout_problems
+    from tst_megatron.training.checks.architecture import layout_problems
 
     def ns(**kw):
         base = dict(load="ck", num_experts=4, tensor_model_parallel_size=1,
@@ -755,6 +755,7 @@ def test_a_resume_on_one_dataset_that_changes_its_epoch_layout_is_refused(tmp_pa
     shuffled again). The saved run: 100 iterations of 8, S = 4, N1 = 30: 240 * 4 + 560 + 4 =
     1524 windows of 32 tokens, inside one epoch of the 50,000-token split."""
     from tests.unit.test_data_boundary import null_tokenizer, write_dataset
+    from tst_megatron.data import gpt_datasets
     from tst_megatron.data.gpt_datasets import DataSettings, build_datasets
 
     prefix = write_dataset(tmp_path / "docs", [list(range(i, i + 100)) for i in range(500)])
@@ -762,8 +763,8 @@ def test_a_resume_on_one_dataset_that_changes_its_epoch_layout_is_refused(tmp_pa
         **{**vars(_resume_args()), "data_path": [prefix], "split": "100,0,0"}
     )
     saved.mock_data, saved.data_args_path = False, None
-    assert resume.train_split_tokens(prefix, "100,0,0") == 50_000
-    assert resume.train_split_tokens(prefix, "90,10,0") == 45_000
+    assert gpt_datasets.train_split_tokens(prefix, "100,0,0") == 50_000
+    assert gpt_datasets.train_split_tokens(prefix, "90,10,0") == 45_000
 
     def windows(iters):  # what the datasets provider asks of the split
         return 240 * 4 + (iters * 8 - 240) + 4

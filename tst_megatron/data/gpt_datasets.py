@@ -10,9 +10,15 @@ import dataclasses
 import hashlib
 import json
 import os
+from types import SimpleNamespace
 from typing import Optional
 
+from megatron.core.datasets.blended_megatron_dataset_config import (
+    convert_split_vector_to_split_matrix,
+    parse_and_normalize_split,
+)
 from megatron.core.datasets.gpt_dataset import GPTDataset, MockGPTDataset, MockGPTLowLevelDataset
+from megatron.core.datasets.indexed_dataset import _IndexReader
 from megatron.core.datasets.utils import get_blend_from_list
 
 from tst_megatron.data.files import atomic_path, data_identity, open_data_file, token_ranges
@@ -299,3 +305,35 @@ def use_prebuilt_dataset_helpers() -> None:
     import megatron.core.datasets.utils as dataset_utils
 
     dataset_utils.compile_helpers = lambda: None
+
+
+# --- the epoch arithmetic of a resume (training.checks.resume.epoch_problems) ---
+
+
+def epoch_layout(tokens_per_epoch: int, num_samples: int, seq_length: int, extra: int = 1):
+    """``(epochs, separate final epoch)`` of the index megatron-core 0.19.2's ``GPTDataset``
+    builds for ``num_samples`` windows of ``seq_length`` tokens (+ ``extra``, its
+    ``add_extra_token_to_sequence``) over a split of ``tokens_per_epoch`` tokens: its
+    ``_get_num_epochs``, and the 0.80 threshold of ``_build_document_sample_shuffle_indices``.
+    Its documents are shuffled by these two: the same windows, in the same order, iff equal."""
+    config = SimpleNamespace(sequence_length=seq_length, add_extra_token_to_sequence=extra)
+    stand_in = SimpleNamespace(num_samples=num_samples, config=config)
+    epochs = GPTDataset._get_num_epochs(stand_in, tokens_per_epoch)
+    if epochs == 1:
+        return 1, False
+    sans_final = ((epochs - 1) * tokens_per_epoch - extra) // seq_length
+    per_epoch = (tokens_per_epoch - extra) // seq_length
+    return epochs, num_samples - sans_final < int(0.80 * per_epoch)
+
+
+def train_split_tokens(prefix: str, split: str) -> int:
+    """Tokens of the training split of the dataset ``prefix`` under ``--split``: its sequences
+    ``[round(a * n), round(b * n))`` of the first row of megatron-core's split matrix
+    (``BlendedMegatronDatasetBuilder``), summed from the ``.idx`` (not the ``.bin``)."""
+    reader = _IndexReader(prefix + ".idx", False)  # its arrays view its mmap: keep it open
+    lengths = reader.sequence_lengths
+    n = float(lengths.shape[0])
+    (a, b), *_ = convert_split_vector_to_split_matrix(parse_and_normalize_split(split))
+    total = int(lengths[int(round(a * n)) : int(round(b * n))].sum())
+    del lengths, reader
+    return total

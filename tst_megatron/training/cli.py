@@ -20,6 +20,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from tst_megatron import upstream
 from tst_megatron.data.gpt_datasets import use_prebuilt_dataset_helpers
+from tst_megatron.data.resume import checkpoint_to_resume
 from tst_megatron.errors import ConfigError
 from tst_megatron.models.family import GPT, ModelFamily
 from tst_megatron.runtime import cpu
@@ -29,7 +30,6 @@ from tst_megatron.runtime.distributed import (
     one_process_env,
     report_error,
 )
-from tst_megatron.training.checks.resume import checkpoint_to_resume
 from tst_megatron.training.datasets import TSTDatasets
 from tst_megatron.training.dry_run import dry_run
 from tst_megatron.training.forward import TSTForwardStep

@@ -13,6 +13,7 @@ import sys
 from typing import Optional, Sequence
 from unittest import mock
 
+from tst_megatron.data.resume import checkpoint_folder, checkpoint_to_resume
 from tst_megatron.errors import ConfigError
 from tst_megatron.models.family import GPT, ModelFamily
 from tst_megatron.runtime import cpu
@@ -27,11 +28,7 @@ from tst_megatron.training.checks import (
     launch_problems,
     validation_error,
 )
-from tst_megatron.training.checks.resume import (
-    checkpoint_folder,
-    checkpoint_to_resume,
-    current_data_identity,
-)
+from tst_megatron.training.checks.resume import current_data_identity
 from tst_megatron.training.flags import add_tst_args
 from tst_megatron.training.plan import run_plan
 
@@ -133,7 +130,7 @@ def _checkpoints(launch: Launch) -> None:
     """The checkpoints Megatron-LM would read (``--load``, ``--pretrained-checkpoint``), before
     anything reads them (``--use-checkpoint-args`` next, then Megatron-LM's own load, whose
     unpickling is unrestricted): intact, and no pickle in them would run code
-    (:func:`~tst_megatron.training.checks.resume.checkpoint_folder`). A dry run also reads
+    (:func:`~tst_megatron.data.resume.checkpoint_folder`). A dry run also reads
     every entry against its CRC-32 (a launch does not: every rank would read it all)."""
     for flag in ("--load", "--pretrained-checkpoint"):
         try:

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from tst_megatron.data.resume import checkpoint_to_resume
 from tst_megatron.errors import ConfigError
-from tst_megatron.training.checks.resume import checkpoint_to_resume
 
 
 def tst_problems(args, plan) -> list[str]:
