@@ -156,7 +156,7 @@ def test_the_dry_run_checks_the_line_for_the_gpu_it_names():
     from tst_megatron.training.checks import hardware
 
     args = SimpleNamespace(dry_run_gpu="GB200", wandb_project=None)
-    launch = SimpleNamespace(args=args, device="cuda", launch=True, argv=())
+    launch = SimpleNamespace(args=args, device="cuda", launch=True, argv=(), pattern=None)
     with mock.patch.object(hardware, "without_te_problems", lambda *a, **k: []):
         lines = hardware.problems(launch)
     assert [line for line in lines if line.startswith("--dry-run-gpu GB200 names the GPU")]
@@ -699,12 +699,12 @@ def test_a_hybrid_mtp_pattern_is_accepted_with_and_without_a_phase_1():
 
 def test_a_kernel_family_needs_its_package_in_a_gpu_launch():
     """On a GPU a launch (not a dry run) checks that ``mamba_ssm``/``fla`` import."""
-    import argparse
     import importlib.util
 
+    from tst_megatron.models.pattern import HybridPattern
     from tst_megatron.training.checks.model import hybrid_package_problems
 
-    args = argparse.Namespace(hybrid_layer_pattern="M*G*")
+    args = HybridPattern.parse("M*G*")  # the launch's parsed --hybrid-layer-pattern
     found = hybrid_package_problems(args, "cuda")
     for package in ("mamba_ssm", "fla"):
         missing = importlib.util.find_spec(package) is None

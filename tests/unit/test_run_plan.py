@@ -32,10 +32,10 @@ def rules(launch):
 def pretrain(cfg, datasets, model_type, forward_step, model_provider=None):
     seen["datasets"], seen["forward"] = datasets.plan, forward_step.plan
 real_describe = dry_run.describe
-def describe(args, plan):
+def describe(args, plan, *pattern):
     seen["dry run"] = plan
     seen["dry run checks"] = seen["checks"][-1]
-    return real_describe(args, plan)
+    return real_describe(args, plan, *pattern)
 argv = json.loads(sys.argv[1])
 with mock.patch.object(validate, "launch_problems", rules), \
         mock.patch.object(training, "pretrain", pretrain):

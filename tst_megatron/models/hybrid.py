@@ -3,12 +3,12 @@ seams as on ``GPTModel``. The forward steps embed phase 1's bags with the model'
 ``embedding`` and pass them as ``decoder_input``; the loss is scored in
 ``compute_language_model_loss`` (:class:`~tst_megatron.models.seams.TSTLossSeam`).
 
-The layer families of ``--hybrid-layer-pattern`` (megatron-core's ``Symbols``): ``*``
+The layer kinds of ``--hybrid-layer-pattern`` (megatron-core's ``Symbols``): ``*``
 attention, ``-`` dense MLP and ``E`` MoE run on megatron-core's local modules
 (:func:`local_hybrid_stack_spec`, ``--transformer-impl local``, every CPU run) or its
 Transformer Engine spec (``hybrid_stack_spec``); ``M`` (Mamba-2), ``G`` (gated delta net),
 ``D`` (DeepSeek sparse attention) and ``+`` (MLA) only on the latter
-(:data:`KERNEL_FAMILIES`; the rules refuse them in one line,
+(:data:`~tst_megatron.models.pattern.LAYER_KINDS`, their ``needs``; the rules refuse them in one line,
 :func:`tst_megatron.training.checks.model.hybrid_pattern_problems`).
 """
 
@@ -47,15 +47,6 @@ from tst_megatron.models.seams import (
     enable_loss_chunks,
     idle_gradient,
 )
-
-#: What each family :func:`local_hybrid_stack_spec` does not build needs (the others: ``*``,
-#: ``-``, ``E``).
-KERNEL_FAMILIES = {
-    "M": "the mamba_ssm package (its Triton kernels need a GPU)",
-    "G": "the fla package (flash-linear-attention; Triton, a GPU)",
-    "D": "Transformer Engine (megatron-core's TE spec)",
-    "+": "Transformer Engine (megatron-core's TE spec; its local MLA does not run)",
-}
 
 
 class TSTHybridModel(TSTLossSeam, PhaseOneMTPSkip, HybridModel):

@@ -1,6 +1,7 @@
 """A ``HybridModel``'s ``--hybrid-layer-pattern``, read once by megatron-core's own
 ``parse_hybrid_pattern`` (``hybrid_layer_allocation.py``) for the dry run, the launch rules and
-the checkpoint converter: the layer families by symbol, the pipeline stages, the MTP part, and
+the checkpoint converter (a launch parses it once, into ``Launch.pattern``): the layer kinds
+by symbol (:data:`LAYER_KINDS`), the pipeline stages, the MTP part, and
 the ``GPTModel`` a GPT-shaped pattern equals (:func:`gpt_equivalent`).
 """
 
@@ -13,15 +14,43 @@ from typing import Optional
 
 from megatron.core.models.hybrid.hybrid_layer_allocation import Symbols, parse_hybrid_pattern
 
-#: The layer families of ``--hybrid-layer-pattern`` by megatron-core's symbol (``Symbols``).
-FAMILIES = {
-    Symbols.MAMBA: "Mamba-2",
-    Symbols.GDN: "gated delta net",
-    Symbols.ATTENTION: "attention",
-    Symbols.DS_ATTENTION: "DeepSeek sparse attention",
-    Symbols.MLA: "MLA",
-    Symbols.MLP: "MLP",
-    Symbols.MOE: "MoE",
+
+@dataclasses.dataclass(frozen=True)
+class LayerKind:
+    """One kind of ``HybridModel`` layer.
+
+    Attributes:
+        name: what the dry run and the rules call it.
+        needs: what it needs beyond megatron-core's local modules (which build attention,
+            MLP and MoE layers only: :func:`~tst_megatron.models.hybrid.local_hybrid_stack_spec`),
+            or None.
+        package: the package megatron-core 0.19.2 imports for it on a GPU (``ssm/mamba_mixer.py``
+            imports ``mamba_ssm``, ``ssm/gated_delta_net.py`` ``fla``), or None.
+    """
+
+    name: str
+    needs: Optional[str] = None
+    package: Optional[str] = None
+
+
+#: The layer kinds of ``--hybrid-layer-pattern`` by megatron-core's symbol (``Symbols``): the
+#: one table of them.
+LAYER_KINDS = {
+    Symbols.MAMBA: LayerKind(
+        "Mamba-2", "the mamba_ssm package (its Triton kernels need a GPU)", "mamba_ssm"
+    ),
+    Symbols.GDN: LayerKind(
+        "gated delta net", "the fla package (flash-linear-attention; Triton, a GPU)", "fla"
+    ),
+    Symbols.ATTENTION: LayerKind("attention"),
+    Symbols.DS_ATTENTION: LayerKind(
+        "DeepSeek sparse attention", "Transformer Engine (megatron-core's TE spec)"
+    ),
+    Symbols.MLA: LayerKind(
+        "MLA", "Transformer Engine (megatron-core's TE spec; its local MLA does not run)"
+    ),
+    Symbols.MLP: LayerKind("MLP"),
+    Symbols.MOE: LayerKind("MoE"),
 }
 
 #: The main part of a ``HybridModel`` pattern that is a ``GPTModel``: each attention layer
@@ -121,12 +150,13 @@ def pattern_of(args) -> Optional[HybridPattern]:
     return HybridPattern.parse(text) if text else None
 
 
-def gpt_equivalent(args):
+def gpt_equivalent(args, pattern: Optional[HybridPattern] = None):
     """The ``args`` of the ``GPTModel`` a GPT-shaped ``HybridModel``'s ``args`` equals
     (``args`` itself for a ``GPTModel``): no pattern, one layer per ``*X`` pair, MoE layers
     where the pattern has ``E`` (``--moe-layer-freq`` as a 0/1 list), no experts without any
-    ``E``. The pattern must be :attr:`HybridPattern.gpt_shaped`."""
-    pattern = pattern_of(args)
+    ``E``. The pattern must be :attr:`HybridPattern.gpt_shaped`; ``pattern``: ``args``'s
+    parsed one where the caller holds it (a launch's ``Launch.pattern``), else parsed here."""
+    pattern = pattern or pattern_of(args)
     if pattern is None:
         return args
     out = copy.copy(args)

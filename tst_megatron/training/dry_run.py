@@ -21,7 +21,7 @@ from megatron.core.models.gpt.experimental_attention_variant_module_specs import
 )
 
 from tst_megatron.models.family import GPT, ModelFamily
-from tst_megatron.models.pattern import FAMILIES, gpt_equivalent, pattern_of
+from tst_megatron.models.pattern import LAYER_KINDS, HybridPattern, gpt_equivalent
 from tst_megatron.runtime.distributed import is_rank_zero
 from tst_megatron.training.checks import outputs
 from tst_megatron.training.validate import check
@@ -85,7 +85,7 @@ def parameter_lines(args) -> list[str]:
     return lines
 
 
-def checkpoint_bytes(args) -> Optional[float]:
+def checkpoint_bytes(args, pattern: Optional[HybridPattern] = None) -> Optional[float]:
     """One checkpoint's size in bytes, estimated from Megatron-LM's parameter count
     (``compute_weight_and_optimizer_memory`` of the whole model as one shard, 18 bytes per
     parameter without the distributed optimizer): the weights in their dtype (2 bytes in
@@ -96,10 +96,9 @@ def checkpoint_bytes(args) -> Optional[float]:
     # megatron.training (Megatron-LM) is heavy: imported once the line is known good
     from megatron.training.theoretical_memory_usage import compute_weight_and_optimizer_memory
 
-    pattern = pattern_of(args)
     if pattern is not None and not pattern.gpt_shaped:  # Mamba, gated delta net layers
         return None
-    whole = _countable(gpt_equivalent(args))
+    whole = _countable(gpt_equivalent(args, pattern))
     whole.tensor_model_parallel_size = whole.pipeline_model_parallel_size = 1
     whole.expert_model_parallel_size = whole.data_parallel_size = 1
     whole.use_distributed_optimizer = False
@@ -136,7 +135,7 @@ def _batch_lines(args, plan, dp: int) -> list[str]:
     ]
 
 
-def describe(args, plan) -> list[str]:
+def describe(args, plan, pattern: Optional[HybridPattern] = None) -> list[str]:
     """The run as lines of text (layout, batch, model, parameters, TST plan; a ``HybridModel``'s
     layers by family) from validated
     Megatron-LM arguments with the launcher's ``--tst-*`` flags and their ``plan`` (a
@@ -157,8 +156,8 @@ def describe(args, plan) -> list[str]:
         f"sequence parallel {'on' if args.sequence_parallel else 'off'}"
     ]
     lines += _batch_lines(args, plan, dp)
-    if pattern_of(args) is not None:
-        return lines + _hybrid_lines(args) + _tst_lines(args, plan)
+    if pattern is not None:
+        return lines + _hybrid_lines(args, pattern) + _tst_lines(args, plan)
     if args.num_experts:
         n_moe = sum(get_moe_layer_pattern(args))
         kind = (
@@ -212,16 +211,15 @@ def _variant_layers(args, variant: str) -> str:
     return f"gated delta net in {sum(pattern)} of {args.num_layers} layers (the rest standard)"
 
 
-def _hybrid_lines(args) -> list[str]:
+def _hybrid_lines(args, pattern: HybridPattern) -> list[str]:
     """A ``HybridModel``'s layers by family, its widths and experts, and its parameters:
     Megatron-LM 0.19's arithmetic (:func:`parameter_lines`) covers GPT models only, so a
     pattern :attr:`~tst_megatron.models.pattern.HybridPattern.counted_as_gpt` (``*-``/``*E``
     pairs, no MTP, pipeline segments of equal length) is counted as the ``GPTModel`` it
     equals (:func:`~tst_megatron.models.pattern.gpt_equivalent`), any other not at all."""
-    pattern = pattern_of(args)
-    families = ", ".join(
-        f"{pattern.count(symbol)} {name} ({symbol})"
-        for symbol, name in FAMILIES.items()
+    kinds = ", ".join(
+        f"{pattern.count(symbol)} {kind.name} ({symbol})"
+        for symbol, kind in LAYER_KINDS.items()
         if pattern.count(symbol)
     )
     mtp = f"; MTP {pattern.mtp_depths} x '{pattern.mtp}'" if pattern.mtp_depths else ""
@@ -234,7 +232,7 @@ def _hybrid_lines(args) -> list[str]:
         if args.moe_shared_expert_intermediate_size:
             experts += f", shared expert {args.moe_shared_expert_intermediate_size}"
     lines = [
-        f"model: HybridModel '{pattern.text}': {families}{mtp}; hidden {args.hidden_size}, FFN "
+        f"model: HybridModel '{pattern.text}': {kinds}{mtp}; hidden {args.hidden_size}, FFN "
         f"{args.ffn_hidden_size}{' (gated)' if args.swiglu else ''}, "
         f"{args.num_attention_heads} heads{experts}; {args.normalization}, "
         f"{args.position_embedding_type} positions, {args.transformer_impl}, "
@@ -247,7 +245,7 @@ def _hybrid_lines(args) -> list[str]:
         ]
     return lines + [  # its parameter and memory lines
         line.replace("(Megatron-LM)", "(Megatron-LM, as the equivalent GPT)", 1)
-        for line in parameter_lines(gpt_equivalent(args))
+        for line in parameter_lines(gpt_equivalent(args, pattern))
     ]
 
 
@@ -284,8 +282,10 @@ def dry_run(argv: Sequence[str], *, out=None, err=None, family: ModelFamily = GP
     problems, notes, assumed = list(checked.problems), checked.notes, checked.assumed
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if not problems:
-        lines = describe(checked.args, checked.plan)
-        notes = notes + outputs.space_notes(checked.args, checkpoint_bytes(checked.args))
+        lines = describe(checked.args, checked.plan, checked.pattern)
+        notes = notes + outputs.space_notes(
+            checked.args, checkpoint_bytes(checked.args, checked.pattern)
+        )
     if not rank0:
         return 2 if problems else 0
     if problems:

@@ -16,6 +16,7 @@ from unittest import mock
 from tst_megatron.data.resume import checkpoint_folder, checkpoint_to_resume
 from tst_megatron.errors import ConfigError
 from tst_megatron.models.family import GPT, ModelFamily
+from tst_megatron.models.pattern import pattern_of
 from tst_megatron.runtime import cpu
 from tst_megatron.runtime.distributed import is_rank_zero
 from tst_megatron.training import assumed
@@ -157,6 +158,7 @@ def _validated(launch: Launch) -> None:
             if args.use_checkpoint_args:
                 _load_checkpoint_args(args)
             validate_args(args, PRETRAIN_GPT_DEFAULTS)
+            launch.pattern = pattern_of(args)  # --hybrid-layer-pattern, parsed once, here
         except SystemExit as exc:  # an exit() of validate_args (argv_problems has those known)
             launch.args = None
             launch.problems.append(

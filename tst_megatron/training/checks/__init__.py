@@ -18,6 +18,7 @@ import os
 import traceback
 from typing import Any, Optional, Sequence
 
+from tst_megatron.models.pattern import LAYER_KINDS, HybridPattern
 from tst_megatron.training import assumed
 from tst_megatron.training.argv import given
 from tst_megatron.training.checks import (
@@ -52,6 +53,9 @@ class Launch:
             parser or ``validate_args`` refused).
         config: the model's ``TransformerConfig`` (None until built).
         plan: the run's :class:`~tst_megatron.training.plan.RunPlan` (None until planned).
+        pattern: ``--hybrid-layer-pattern`` parsed once
+            (:class:`~tst_megatron.models.pattern.HybridPattern`), after ``validate_args``
+            accepted it; None for a ``GPTModel`` (or until then).
         problems: one line each; empty: the launch may start.
         notes: ``note:`` lines for the user (the launch and the dry run print the same).
         assumed: in a dry run, what it assumed of the cluster
@@ -65,6 +69,7 @@ class Launch:
     args: Optional[argparse.Namespace] = None
     config: Optional[Any] = None
     plan: Optional[RunPlan] = None
+    pattern: Optional[HybridPattern] = None
     problems: list = dataclasses.field(default_factory=list)
     notes: list = dataclasses.field(default_factory=list)
     assumed: list = dataclasses.field(default_factory=list)
@@ -153,11 +158,13 @@ def dry_run_assumptions(launch: Launch) -> list[str]:
             lines.append(
                 f"{', '.join(absent)} not installed here: assumed installed on the cluster"
             )
-        pattern = getattr(launch.args, "hybrid_layer_pattern", None) or ""
         kernels = [
-            package
-            for symbol, package in model.FAMILY_PACKAGES.items()
-            if symbol in pattern and importlib.util.find_spec(package) is None
+            kind.package
+            for symbol, kind in LAYER_KINDS.items()
+            if kind.package
+            and launch.pattern is not None
+            and launch.pattern.has(symbol)
+            and importlib.util.find_spec(kind.package) is None
         ]
         if kernels:
             lines.append(

@@ -21,7 +21,7 @@ def installed_problems(args) -> list[str]:
 
 
 def without_te_problems(
-    args, *, te: bool, apex: bool = True, grouped_gemm: bool = True
+    args, *, te: bool, apex: bool = True, grouped_gemm: bool = True, pattern=None
 ) -> list[str]:
     """Features megatron-core 0.19 cannot run without Transformer Engine (``te`` False: TE
     is not where the run will be; a CPU run never has it), without Apex's CUDA extensions
@@ -32,7 +32,8 @@ def without_te_problems(
     (Megatron-LM's default; ``ColumnParallelLinear`` raises without Apex's
     ``fused_weight_gradient_mlp_cuda``), and without both TE and Apex the distributed
     optimizer with the legacy ``--ckpt-format torch`` (its load raises ``KeyError: 'step'``
-    with torch's AdamW); each line names the flag that avoids it."""
+    with torch's AdamW); each line names the flag that avoids it. ``pattern``: the launch's
+    parsed ``--hybrid-layer-pattern`` (its MLA/DSA layers are the hybrid rule's)."""
     problems = []
     if not te and args.transformer_impl == "transformer_engine":
         problems.append(
@@ -67,7 +68,7 @@ def without_te_problems(
             f"--fp8-format {args.fp8} needs Transformer Engine and CUDA, which this run lacks"
         )
     # a hybrid pattern's MLA or DSA layers ('+', 'D') turn MLA on: the hybrid rule names them
-    by_pattern = set(getattr(args, "hybrid_layer_pattern", None) or "") & {"+", "D"}
+    by_pattern = pattern is not None and (pattern.has("+") or pattern.has("D"))
     if args.multi_latent_attention and args.transformer_impl == "local" and not by_pattern:
         problems.append(
             "--multi-latent-attention needs --transformer-impl transformer_engine: megatron-core "
@@ -180,6 +181,7 @@ def problems(launch) -> list[str]:
         te=here(CLUSTER_PACKAGES["Transformer Engine"]),
         apex=here(CLUSTER_PACKAGES["Apex"]),
         grouped_gemm=here(CLUSTER_PACKAGES["grouped_gemm"]),
+        pattern=launch.pattern,
     )
     if device == "cpu":
         found += cpu_problems(args) + cpu_flag_problems(launch.argv)

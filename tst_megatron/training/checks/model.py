@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-from typing import Sequence
+from typing import Optional, Sequence
 
 from megatron.core.models.hybrid.hybrid_layer_allocation import get_hybrid_total_layer_count
 
 from tst_megatron.models.family import GPT, HYBRID
-from tst_megatron.models.hybrid import KERNEL_FAMILIES
-from tst_megatron.models.pattern import FAMILIES, HybridPattern, pattern_of
+from tst_megatron.models.pattern import LAYER_KINDS, HybridPattern
 from tst_megatron.training.argv import flag_values
 
 #: Megatron-LM's flags of ``pretrain_hybrid.py``'s ``HybridModel`` (layer pattern, Mamba mixer):
@@ -109,45 +108,42 @@ def gpt_only_problems(args) -> list[str]:
     return found
 
 
-def hybrid_pattern_problems(args, device: str) -> list[str]:
-    """A hybrid launch's ``--hybrid-layer-pattern``: given; an ``E`` only with
-    ``--num-experts``; each layer family :func:`~tst_megatron.models.hybrid.local_hybrid_stack_spec`
-    does not build, on a CPU (or with ``--transformer-impl local``), one line naming what it
-    needs (:data:`~tst_megatron.models.hybrid.KERNEL_FAMILIES`)."""
-    parsed = pattern_of(args)
-    if parsed is None:
+def hybrid_pattern_problems(pattern: Optional[HybridPattern], args, device: str) -> list[str]:
+    """A hybrid launch's ``--hybrid-layer-pattern`` (``pattern``, the launch's parsed one):
+    given; an ``E`` only with ``--num-experts``; each layer kind
+    :func:`~tst_megatron.models.hybrid.local_hybrid_stack_spec` does not build, on a CPU (or
+    with ``--transformer-impl local``), one line naming what it needs
+    (:data:`~tst_megatron.models.pattern.LAYER_KINDS`)."""
+    if pattern is None:
         return [_NO_PATTERN]
-    pattern = parsed.text
     found = []
-    if parsed.has("E") and not args.num_experts:
-        found.append(f"--hybrid-layer-pattern {pattern} has MoE layers (E): give --num-experts")
+    if pattern.has("E") and not args.num_experts:
+        found.append(
+            f"--hybrid-layer-pattern {pattern.text} has MoE layers (E): give --num-experts"
+        )
     local = device == "cpu" or args.transformer_impl == "local"
-    for symbol, needs in KERNEL_FAMILIES.items():
-        if local and parsed.has(symbol):
-            family = FAMILIES[symbol]
+    for symbol, kind in LAYER_KINDS.items():
+        if local and kind.needs and pattern.has(symbol):
             where = "a CPU run" if device == "cpu" else "--transformer-impl local"
             found.append(
-                f"--hybrid-layer-pattern {pattern}: {family} layers ({symbol}) need {needs}; "
-                f"{where} builds megatron-core's local modules, which have only "
+                f"--hybrid-layer-pattern {pattern.text}: {kind.name} layers ({symbol}) need "
+                f"{kind.needs}; {where} builds megatron-core's local modules, which have only "
                 "attention (*), MLP (-) and MoE (E) layers"
             )
     return found
 
 
-#: The package each kernel family imports on a GPU (megatron-core 0.19.2: ``ssm/mamba_mixer.py``
-#: imports ``mamba_ssm``, ``ssm/gated_delta_net.py`` ``fla``).
-FAMILY_PACKAGES = {"M": "mamba_ssm", "G": "fla"}
-
-
-def hybrid_package_problems(args, device: str) -> list[str]:
-    """In a launch on a GPU: each kernel family of the pattern whose package is not installed
-    here (:data:`FAMILY_PACKAGES`), one line naming it. A dry run assumes the cluster has them."""
-    pattern = args.hybrid_layer_pattern or ""
+def hybrid_package_problems(pattern: Optional[HybridPattern], device: str) -> list[str]:
+    """In a launch on a GPU: each layer kind of ``pattern`` whose package
+    (:attr:`~tst_megatron.models.pattern.LayerKind.package`) is not installed here, one line
+    naming it. A dry run assumes the cluster has them."""
+    if pattern is None or device != "cuda":
+        return []
     return [
-        f"--hybrid-layer-pattern {pattern}: {symbol} layers need the {package} package, which "
-        "is not installed here"
-        for symbol, package in FAMILY_PACKAGES.items()
-        if device == "cuda" and symbol in pattern and importlib.util.find_spec(package) is None
+        f"--hybrid-layer-pattern {pattern.text}: {symbol} layers need the {kind.package} "
+        "package, which is not installed here"
+        for symbol, kind in LAYER_KINDS.items()
+        if kind.package and pattern.has(symbol) and importlib.util.find_spec(kind.package) is None
     ]
 
 
@@ -212,10 +208,10 @@ def problems(launch) -> list[str]:
 def gpt_problems(launch) -> list[str]:
     """The GPT launcher's own rule: a ``--hybrid-layer-pattern`` from the checkpoint's
     arguments (``--use-checkpoint-args``) is a ``HybridModel`` run."""
-    if not launch.args.hybrid_layer_pattern:
+    if launch.pattern is None:
         return []
     return [
-        f"--hybrid-layer-pattern {launch.args.hybrid_layer_pattern} (from the checkpoint's "
+        f"--hybrid-layer-pattern {launch.pattern.text} (from the checkpoint's "
         "arguments): a HybridModel run; this launcher builds a GPTModel: launch "
         f"{HYBRID.launcher}"
     ]
@@ -225,11 +221,11 @@ def hybrid_problems(launch) -> list[str]:
     """The hybrid launcher's own rules: the pattern (:func:`hybrid_pattern_problems`), the
     kernels' packages in a launch, MTP, the pipeline stages, and the settings megatron-core
     0.19.2's ``HybridModel`` does not take."""
-    found = hybrid_pattern_problems(launch.args, launch.device)
+    found = hybrid_pattern_problems(launch.pattern, launch.args, launch.device)
     if launch.launch:
-        found += hybrid_package_problems(launch.args, launch.device)
-    found += hybrid_mtp_problems(launch.args)
-    found += hybrid_stage_problems(launch.args)
+        found += hybrid_package_problems(launch.pattern, launch.device)
+    found += hybrid_mtp_problems(launch.args, launch.pattern)
+    found += hybrid_stage_problems(launch.args, launch.pattern)
     if launch.args.overlap_moe_expert_parallel_comm:
         found.append(
             "--overlap-moe-expert-parallel-comm: megatron-core 0.19.2's HybridModel builds "
@@ -245,7 +241,7 @@ def hybrid_problems(launch) -> list[str]:
     return found + gpt_only_problems(launch.args)
 
 
-def hybrid_stage_problems(args) -> list[str]:
+def hybrid_stage_problems(args, parsed: Optional[HybridPattern]) -> list[str]:
     """A pattern without ``|`` whose layers do not split evenly over PP (megatron-core's
     ``select_pipeline_segment`` raises while building the model), and a pipeline rank without
     MoE layers in a hybrid MoE run.
@@ -255,7 +251,7 @@ def hybrid_stage_problems(args) -> list[str]:
     pattern's MoE layer count while the MoE ranks size theirs by ``num_layers``, and the
     all-reduce over the pipeline group hangs or fails at the first log line (found on CPU:
     ``*|E|*|E`` at PP 2)."""
-    parsed, pp = pattern_of(args), args.pipeline_model_parallel_size
+    pp = args.pipeline_model_parallel_size
     if parsed is None:
         return []
     pattern, main, piped = parsed.text, parsed.main, len(parsed.segments) > 1
@@ -284,10 +280,9 @@ def hybrid_stage_problems(args) -> list[str]:
     ]
 
 
-def hybrid_mtp_problems(args) -> list[str]:
+def hybrid_mtp_problems(args, parsed: Optional[HybridPattern]) -> list[str]:
     """``--mtp-num-layers`` on a ``HybridModel`` without an MTP pattern: Megatron-LM 0.19 only
     warns and builds no MTP layer."""
-    parsed = pattern_of(args)
     if not getattr(args, "mtp_num_layers", None) or parsed is None or parsed.mtp_depths:
         return []
     return [
@@ -301,7 +296,7 @@ def hybrid_notes(launch) -> list[str]:
     """Flags a ``HybridModel`` run gives that Megatron-LM 0.19.2's ``validate_args`` replaces by
     what the pattern says (it only warns): ``--num-layers`` other than the pattern's layer
     count, ``--mtp-num-layers`` other than its MTP depths."""
-    parsed = pattern_of(launch.args)
+    parsed = launch.pattern
     if parsed is None:
         return []
     lines, pattern = [], parsed.text
