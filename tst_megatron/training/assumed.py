@@ -23,7 +23,7 @@ from unittest import mock
 import torch
 from packaging.version import Version
 
-from tst_megatron.runtime.cpu import _CpuTorch
+from tst_megatron.runtime.cpu_torch import _CpuTorch
 
 #: The GPUs ``--dry-run-gpu`` names, as ``torch.cuda.get_device_properties`` describes them
 #: (compute capability, memory, SMs): what Megatron-LM's architecture rules read.
