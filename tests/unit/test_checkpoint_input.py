@@ -389,7 +389,7 @@ def test_a_conversion_that_fails_in_the_rename_leaves_no_temporary_and_the_previ
     previous export stays, the input is unchanged."""
     import transformers
 
-    from tst_megatron.conversion import hf, output
+    from tst_megatron.conversion import hf_files, output
 
     config = transformers.LlamaConfig(
         vocab_size=8, hidden_size=4, intermediate_size=8, num_hidden_layers=1,
@@ -400,7 +400,7 @@ def test_a_conversion_that_fails_in_the_rename_leaves_no_temporary_and_the_previ
     torch.save(weights, source)
     before = hashlib.sha256(source.read_bytes()).hexdigest()
     out = tmp_path / "hf"
-    hf.write_hf_dir(str(out), config, weights)
+    hf_files.write_hf_dir(str(out), config, weights)
     previous = _sha(out)
     real = os.replace
 
@@ -411,7 +411,7 @@ def test_a_conversion_that_fails_in_the_rename_leaves_no_temporary_and_the_previ
 
     monkeypatch.setattr(output.os, "replace", busy)
     with pytest.raises(OSError, match="busy"):
-        hf.write_hf_dir(str(out), config, weights, force=True)
+        hf_files.write_hf_dir(str(out), config, weights, force=True)
     monkeypatch.setattr(output.os, "replace", real)
     assert _hidden(tmp_path) == [] and _sha(out) == previous
     for failure in (RuntimeError("disk"), SystemExit(143)):

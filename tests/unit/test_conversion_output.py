@@ -15,7 +15,7 @@ import os
 
 import pytest
 
-from tst_megatron.conversion import hf, output
+from tst_megatron.conversion import hf_files, output
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -62,7 +62,7 @@ def make_checkpoint(root):
 
 
 def make_export(folder):
-    """A previous export's files (as :func:`hf.write_hf_dir` writes them)."""
+    """A previous export's files (as :func:`hf_files.write_hf_dir` writes them)."""
     os.makedirs(folder)
     for name in ("config.json", "generation_config.json", "model.safetensors"):
         with open(os.path.join(folder, name), "w") as f:
@@ -166,10 +166,10 @@ def test_forced_export_replaces_a_previous_export_atomically(tmp_path):
         num_attention_heads=2, num_key_value_heads=1,
     )  # fmt: skip
     out = str(tmp_path / "hf")
-    hf.write_hf_dir(out, config, {"a": __import__("torch").zeros(2)})
+    hf_files.write_hf_dir(out, config, {"a": __import__("torch").zeros(2)})
     first = snapshot(out)
     assert oct(os.stat(out).st_mode & 0o077) != "0o0"  # not mkdtemp's 0700
-    hf.write_hf_dir(out, config, {"a": __import__("torch").ones(2)}, force=True)
+    hf_files.write_hf_dir(out, config, {"a": __import__("torch").ones(2)}, force=True)
     assert snapshot(out).keys() == first.keys() and snapshot(out) != first
     assert sorted(os.listdir(tmp_path)) == ["hf"]
     with pytest.raises(output.RefusedOutput, match="holds --tokenizer-model"):

@@ -6,7 +6,7 @@ import os
 import pytest
 import torch
 
-from tst_megatron.conversion import hf, mlm, rules
+from tst_megatron.conversion import hf, hf_files, mlm, rules
 from tst_megatron.models.pattern import gpt_equivalent
 
 transformers = pytest.importorskip("transformers")
@@ -243,14 +243,14 @@ def test_hf_dir_is_sharded_above_the_limit_and_never_overwritten(tmp_path):
     )
     config = hf.hf_config(args, dtype="float32")
     out = tmp_path / "hf"
-    hf.write_hf_dir(str(out), config, state, max_shard_size="20KB")
+    hf_files.write_hf_dir(str(out), config, state, max_shard_size="20KB")
     index = json.load(open(out / "model.safetensors.index.json"))
     assert len(set(index["weight_map"].values())) > 1 and set(index["weight_map"]) == set(state)
-    read_config, read = hf.read_hf_dir(str(out))
+    read_config, read = hf_files.read_hf_dir(str(out))
     assert set(read) == set(state) and all(torch.equal(read[k], state[k]) for k in state)
     before = sorted(os.listdir(out))
     with pytest.raises(FileExistsError, match=r"exists \(a previous export\); pass --force"):
-        hf.write_hf_dir(str(out), config, state)
+        hf_files.write_hf_dir(str(out), config, state)
     assert sorted(os.listdir(out)) == before and os.listdir(tmp_path) == ["hf"]
 
 
@@ -259,14 +259,14 @@ def test_tokenizer_files_load_in_transformers(tmp_path):
 
     texts = [f"def f{i}(x):\n    return x * {i}  # héllo wörld" for i in range(300)]
     model = train_tokenizer(texts, str(tmp_path / "tok"), vocab_size=300)
-    hf.write_tokenizer(str(tmp_path), model)
+    hf_files.write_tokenizer(str(tmp_path), model)
     tok = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
     import sentencepiece
 
     sp = sentencepiece.SentencePieceProcessor(model_file=model)
     text = "def f7(x):\n    return x * 7  # héllo"
     assert tok(text, add_special_tokens=False)["input_ids"] == sp.encode(text)
-    assert tok.eos_token_id == sp.eos_id() == hf.special_ids(model, 300)["eos_token_id"]
+    assert tok.eos_token_id == sp.eos_id() == hf_files.special_ids(model, 300)["eos_token_id"]
 
 
 def _hybrid_args(pattern):

@@ -19,7 +19,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("megatron.training")
 
 from tests.unit.test_conversion_rules import _args, _megatron_state  # noqa: E402
-from tst_megatron.conversion import hf, import_checkpoint, rules  # noqa: E402
+from tst_megatron.conversion import hf, hf_files, import_checkpoint, rules  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -30,7 +30,9 @@ def _hf_dir(folder, shard="20KB") -> str:
     state = rules.megatron_to_hf(
         _megatron_state(args), rules.ARCHITECTURES["qwen3_moe"], hf.shapes_of(args)
     )
-    hf.write_hf_dir(str(folder), hf.hf_config(args, dtype="float32"), state, max_shard_size=shard)
+    hf_files.write_hf_dir(
+        str(folder), hf.hf_config(args, dtype="float32"), state, max_shard_size=shard
+    )
     return str(folder)
 
 
@@ -74,7 +76,7 @@ def test_a_shard_symlinked_out_of_the_folder_is_refused(tmp_path):
     os.replace(os.path.join(hf_dir, shard), outside)
     os.symlink(outside, os.path.join(hf_dir, shard))
     with pytest.raises(ValueError, match="leads outside"):
-        hf.read_hf_dir(hf_dir)
+        hf_files.read_hf_dir(hf_dir)
 
 
 def test_a_symlinked_or_false_tokenizer_is_one_line_and_writes_nothing(tmp_path):

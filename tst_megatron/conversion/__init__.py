@@ -23,7 +23,7 @@ import os
 import re
 from typing import Optional
 
-from tst_megatron.conversion import hf, mlm, rules
+from tst_megatron.conversion import hf, hf_files, mlm, rules
 from tst_megatron.conversion.megatron import (
     build_model,
     check_checkpoint,
@@ -105,9 +105,9 @@ def export_checkpoint(
     weights = rules.megatron_to_hf(state, arch, shapes)
     weights = {k: v.to(hf.DTYPES[dtype]) for k, v in weights.items()}
     config = hf.hf_config(
-        args, dtype=dtype, special_ids=hf.special_ids(tokenizer_model, shapes.vocab_size)
+        args, dtype=dtype, special_ids=hf_files.special_ids(tokenizer_model, shapes.vocab_size)
     )
-    hf.write_hf_dir(
+    hf_files.write_hf_dir(
         out,
         config,
         weights,
@@ -165,20 +165,20 @@ def import_checkpoint(
         FileExistsError: ``save`` is a previous import and ``force`` is False.
         RefusedOutput: ``save`` is, holds or lies inside ``hf_dir``, or holds a checkpoint
             or files an import does not write (:func:`.output.check_output`; before any work).
-        FileNotFoundError / ValueError: see :func:`.hf.read_hf_dir` (every file read is a file
+        FileNotFoundError / ValueError: see :func:`.hf_files.read_hf_dir` (every file read is a file
             of ``hf_dir``; the config's sizes against the weights' headers),
             :func:`.hf.flags_from_hf`, :func:`.rules.hf_to_megatron` (missing, extra or
             misshapen tensors are listed); a ``tokenizer.model`` that leaves ``hf_dir`` or is
-            not a SentencePiece model (:func:`.hf.read_sentencepiece`). Nothing is written.
+            not a SentencePiece model (:func:`.hf_files.read_sentencepiece`). Nothing is written.
     """
     check_output(save, reads={"--load": hf_dir}, force=force, kind="import")
-    config, hf_state = hf.read_hf_dir(hf_dir)
+    config, hf_state = hf_files.read_hf_dir(hf_dir)
     flags, arch, hf_dtype = hf.flags_from_hf(
         config, make_vocab_size_divisible_by=make_vocab_size_divisible_by
     )
     tokenizer = tokenizer_bytes = None
     if os.path.lexists(os.path.join(hf_dir, "tokenizer.model")):  # SentencePiece: keep it
-        tokenizer_bytes = hf.read_sentencepiece(hf.inside(hf_dir, "tokenizer.model"))
+        tokenizer_bytes = hf_files.read_sentencepiece(hf_files.inside(hf_dir, "tokenizer.model"))
         tokenizer = os.path.join(os.path.abspath(save), "tokenizer.model")
         i = flags.index("--tokenizer-type")
         flags[i : i + 2] = ["--tokenizer-type", "SentencePieceTokenizer"]

@@ -6,7 +6,7 @@ A conversion writes one folder (``--save``). It never deletes or overwrites:
 - a folder that holds a Megatron checkpoint (the tracker file, ``iter_*``, ``release`` or
   ``*.distcp``), with or without ``--force``;
 - anything but its own previous output. ``--force`` replaces a previous export (a folder of
-  only the files :func:`~tst_megatron.conversion.hf.write_hf_dir` writes) or a previous import
+  only the files :func:`~tst_megatron.conversion.hf_files.write_hf_dir` writes) or a previous import
   (a folder with this module's :data:`IMPORT_MARKER`); anything else is refused in one line.
 
 Output is built in a fresh hidden folder next to ``--save`` and renamed into place
@@ -28,7 +28,7 @@ TRACKER = "latest_checkpointed_iteration.txt"
 RELEASE = "release"
 #: The file an import writes into its ``--save``, so that ``--force`` knows its own output.
 IMPORT_MARKER = "tst_megatron_import.txt"
-#: Files :func:`~tst_megatron.conversion.hf.write_hf_dir` writes (shards: ``model-*``).
+#: Files :func:`~tst_megatron.conversion.hf_files.write_hf_dir` writes (shards: ``model-*``).
 EXPORT_FILES = re.compile(
     r"(config\.json|generation_config\.json|model\.safetensors|model\.safetensors\.index\.json"
     r"|model-\d+-of-\d+\.safetensors|tokenizer\.model|tokenizer_config\.json)"
