@@ -7,6 +7,8 @@ import sys
 import time
 from typing import Iterable, Iterator, Optional, TextIO, TypeVar
 
+from tqdm import tqdm
+
 T = TypeVar("T")
 
 #: Milestones in a log: every tenth of a known total; every this many items otherwise.
@@ -29,9 +31,6 @@ def progress(
     """
     stream = sys.stderr if stream is None else stream
     if stream.isatty():
-        # tqdm: optional, only for a progress bar
-        from tqdm import tqdm
-
         yield from tqdm(items, desc=desc, unit=unit, total=total, file=stream)
         return
     start, count = time.monotonic(), 0

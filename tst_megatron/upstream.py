@@ -16,6 +16,8 @@ import dataclasses
 from typing import Iterator, Optional
 
 import torch
+from megatron.core.optimizer import distrib_optimizer
+from megatron.core.transformer import multi_token_prediction as mtp
 
 #: The megatron-core release every workaround below was written for and tested with.
 RELEASE = "megatron-core 0.19.2"
@@ -215,9 +217,6 @@ def distributed_optimizer_resume() -> Iterator[None]:
     ``--ckpt-format torch`` (a fourth bug) is refused before work instead
     (``checks.hardware.without_te_problems``).
     """
-    # megatron-core: heavy, imported when used
-    from megatron.core.optimizer import distrib_optimizer
-
     cls = distrib_optimizer.DistributedOptimizer
     original_sharded, original_load = cls.sharded_state_dict, cls.load_state_dict
     fill = not distrib_optimizer.HAVE_APEX_OR_TE
@@ -262,9 +261,6 @@ def mtp_acceptance_from_predictions() -> Iterator[None]:
     The module attribute is replaced for the context (:meth:`TSTLossSeam.chunked_head`, one
     model forward) and restored after.
     """
-    # megatron-core: heavy, imported when used
-    from megatron.core.transformer import multi_token_prediction as mtp
-
     original = mtp._compute_mtp_acceptance_counts
 
     def counts(mtp_logits, mtp_labels, loss_mask, *args, **kwargs):

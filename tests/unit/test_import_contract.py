@@ -6,8 +6,10 @@ read from the source with ``ast`` (nothing is imported):
   ``models`` (with ``upstream``, the workarounds they enter) < ``training`` (the launch layer
   and the loop plug-in) < ``conversion`` (with ``plots``, a tool);
 - no import cycle between modules (an import of ``a.b.c`` also runs ``a.b``'s ``__init__``);
-- a function-local import only for a heavy or optional module, saying so in a ``#`` comment on
-  its line or just above its block.
+- a function-local import only of a module on the allow-list (:data:`LOCAL_IMPORTS`, each
+  entry with its reason; megatron-core's modules by importer, :data:`LOCAL_MEGATRON_CORE`,
+  where the module must import without them), saying why in a ``#`` comment on its line or
+  just above its block; every other import at the module's top.
 
 The checker itself is tested on planted violations in a copy of the package.
 """
@@ -21,6 +23,53 @@ import textwrap
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PACKAGE = "tst_megatron"
+
+#: The modules a function may import (prefix of the imported module's name) and why; every
+#: other function-local import breaks the contract.
+LOCAL_IMPORTS = {
+    "megatron.training": "Megatron-LM's training package: the method, the models, the data "
+    "and the converter import without it (megatron-core users), and it is imported where "
+    "the launch runs it, after the command line was checked",
+    "transformers": "the [hf] extra (Hugging Face conversion, HF tokenizers)",
+    "safetensors": "the [hf] extra",
+    "huggingface_hub": "the [hf] extra",
+    "torch.distributed.checkpoint": "torch's DCP reader, for a checkpoint folder being read",
+    "matplotlib": "plots.py is imported by every benchmark report, most of which draw nothing",
+    "tensorboard.backend": "TensorBoard's event reader, for plots from a run's events only",
+    "pydoc_data": "the stdlib's documentation text, for that one corpus source only",
+}
+
+#: megatron-core modules a function may import, by (importer, module), and why: the module
+#: must import without them.
+LOCAL_MEGATRON_CORE = {
+    ("tst_megatron.runtime.cpu", "megatron.core"): "check_version reads megatron-core's "
+    "version before any of its modules is imported, so a release outside the range is one line",
+    (
+        "tst_megatron.runtime.cpu",
+        "megatron.core.dist_checkpointing.strategies.filesystem_async",
+    ): "imported by megatron-core's torch_dist strategy only when it saves; "
+    "fork_checkpoint_results_queue runs once the CPU runtime redirected it (enable)",
+    ("tst_megatron.data.files", "megatron.core.datasets.indexed_dataset"): "the data tools "
+    "(corpus, tokenizer, preprocessing) import data.files without megatron-core's model code",
+    ("tst_megatron.data.pickle_scan", "megatron.core.safe_globals"): "its import registers "
+    "megatron-core's globals with torch.serialization (process-wide): only once a checkpoint "
+    "is read",
+    (
+        "tst_megatron.conversion.mlm",
+        "megatron.core.tokenizers.utils.build_tokenizer",
+    ): "its tokenizer backends load transformers/tiktoken; only for a checkpoint without "
+    "--vocab-size",
+    ("tst_megatron.data.gpt_datasets", "megatron.core.datasets"): "helpers_cpp, the compiled "
+    "dataset helper, is absent in a source checkout",
+}
+
+
+def allowed_local(importer: str, imported: str) -> bool:
+    """Whether ``importer`` may import ``imported`` inside a function."""
+    if any(imported == p or imported.startswith(p + ".") for p in LOCAL_IMPORTS):
+        return True
+    return (importer, imported) in LOCAL_MEGATRON_CORE
+
 
 #: Layer of each top-level part of the package, lowest first.
 LAYERS = {
@@ -114,6 +163,11 @@ def problems(root: str) -> list[str]:
         where = f"{importer}:{line}"
         if local and not commented:
             found.append(f"{where}: a function-local import of {imported} without a comment")
+        if local and not allowed_local(importer, imported):
+            found.append(
+                f"{where}: a function-local import of {imported}, which is not on the "
+                "allow-list (import it at the module's top)"
+            )
         if not imported.startswith(PACKAGE + ".") and imported != PACKAGE:
             continue  # an outside module: only the comment rule
         if importer != imported and _layer(imported) > _layer(importer):
@@ -234,6 +288,34 @@ def test_a_planted_cycle_and_an_uncommented_local_import_are_found(tmp_path):
     assert any("function-local import of tst_megatron.training.switch without" in p for p in found)
 
 
+def test_a_planted_commented_local_import_off_the_allow_list_is_found(tmp_path):
+    root = _plant(
+        tmp_path,
+        "tst_megatron.training.plan",
+        """
+        def planted():
+            # megatron-core: heavy, imported when used
+            from megatron.core import parallel_state
+
+            return parallel_state
+        """,
+    )
+    assert problems(root) == [
+        f"tst_megatron.training.plan:{_last_line(root, 'training/plan.py') - 2}: a "
+        "function-local import of megatron.core, which is not on the allow-list (import it "
+        "at the module's top)"
+    ]
+
+
+def test_every_allow_list_entry_is_used():
+    """An entry no import needs any more is taken off (the list stays the reasons that hold)."""
+    rows = [(i, m) for i, m, _, local, _ in imports(ROOT) if local]
+    for prefix in LOCAL_IMPORTS:
+        assert any(m == prefix or m.startswith(prefix + ".") for _, m in rows), prefix
+    for pair in LOCAL_MEGATRON_CORE:
+        assert pair in rows, pair
+
+
 def test_an_uncommented_local_import_of_an_outside_module_is_found(tmp_path):
     root = _plant(
         tmp_path,
@@ -245,9 +327,11 @@ def test_an_uncommented_local_import_of_an_outside_module_is_found(tmp_path):
             return json
         """,
     )
+    where = f"tst_megatron.runtime.slurm:{_last_line(root, 'runtime/slurm.py') - 2}"
     assert problems(root) == [
-        f"tst_megatron.runtime.slurm:{_last_line(root, 'runtime/slurm.py') - 2}: a "
-        "function-local import of json without a comment"
+        f"{where}: a function-local import of json without a comment",
+        f"{where}: a function-local import of json, which is not on the allow-list (import it "
+        "at the module's top)",
     ]
 
 

@@ -11,6 +11,7 @@ import re
 import shutil
 from typing import Dict, Optional, Tuple
 
+import sentencepiece
 import torch
 
 from tst_megatron.conversion.hf import require_transformers
@@ -49,8 +50,6 @@ def read_sentencepiece(path: str) -> bytes:
     Raises:
         ValueError: larger, or not a SentencePiece model (one line naming it).
     """
-    # SentencePiece: heavy, only for a tokenizer file
-    import sentencepiece
 
     if os.path.getsize(path) > 64 * 2**20:
         raise ValueError(f"{path} is over 64 MiB: not a SentencePiece model")
@@ -220,8 +219,6 @@ def special_ids(tokenizer_model: Optional[str], vocab_size: int) -> dict:
     model, Megatron's NullTokenizer convention: EOD = ``vocab_size - 1``."""
     if not tokenizer_model:
         return {"eos_token_id": vocab_size - 1}
-    # SentencePiece: heavy, only for a tokenizer file
-    import sentencepiece
 
     sp = sentencepiece.SentencePieceProcessor(model_file=tokenizer_model)
     ids = {"bos_token_id": sp.bos_id(), "eos_token_id": sp.eos_id(), "pad_token_id": sp.pad_id()}
@@ -231,8 +228,6 @@ def special_ids(tokenizer_model: Optional[str], vocab_size: int) -> dict:
 def write_tokenizer(out: str, tokenizer_model: str, max_length: int = 1 << 30) -> None:
     """Copy a SentencePiece model as ``tokenizer.model`` with a ``LlamaTokenizer`` config
     (special pieces read from the model; no BOS/EOS added, as Megatron's tokenizer)."""
-    # SentencePiece: heavy, only for a tokenizer file
-    import sentencepiece
 
     sp = sentencepiece.SentencePieceProcessor(model_file=tokenizer_model)
     shutil.copyfile(tokenizer_model, os.path.join(out, "tokenizer.model"))

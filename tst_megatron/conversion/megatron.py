@@ -23,6 +23,9 @@ from typing import Dict, Iterator, Optional, Tuple
 
 import torch
 import torch.distributed as dist
+from megatron.core import dist_checkpointing, tensor_parallel
+from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
+from megatron.core.dist_checkpointing.serialization import load_sharded_metadata
 
 from tst_megatron.conversion import mlm
 from tst_megatron.conversion.output import RELEASE, TRACKER
@@ -76,9 +79,6 @@ def single_process() -> Iterator[None]:
     elif dist.get_world_size() != 1:
         raise RuntimeError("conversion runs in one process; start it without torchrun/srun")
     initialize_model_parallel(ParallelConfig())
-    # megatron-core: heavy, imported when used
-    from megatron.core import tensor_parallel
-
     tensor_parallel.model_parallel_cuda_manual_seed(1234)
     try:
         yield
@@ -236,11 +236,6 @@ def load_sharded(request: dict, path: str, *, strict: str = "assume_ok_unexpecte
     Raises:
         megatron-core's ``CheckpointingException``: any other tensor or object is missing.
     """
-    # megatron-core: heavy, imported when used
-    from megatron.core import dist_checkpointing
-    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
-    from megatron.core.dist_checkpointing.serialization import load_sharded_metadata
-
     saved = {getattr(meta, "key", name) for name, meta in load_sharded_metadata(path).items()}
     absent = []
 
@@ -319,9 +314,6 @@ def write_release(root: str, ns, state: Dict[str, torch.Tensor]) -> str:
         ValueError: ``state``'s names differ from the model's (listing them).
         FileExistsError: ``root`` already holds a ``release``.
     """
-    # megatron-core: heavy, imported when used
-    from megatron.core import dist_checkpointing
-
     with single_process():
         model = build_model(ns)
         expected = tensor_names(model)

@@ -13,6 +13,7 @@ import os
 from types import SimpleNamespace
 from typing import Optional
 
+import megatron.core.datasets.utils as dataset_utils
 from megatron.core.datasets.blended_megatron_dataset_config import (
     convert_split_vector_to_split_matrix,
     parse_and_normalize_split,
@@ -301,9 +302,6 @@ def use_prebuilt_dataset_helpers() -> None:
         from megatron.core.datasets import helpers_cpp  # noqa: F401
     except ImportError:
         return  # a source checkout: let Megatron-LM compile it
-    # megatron-core: heavy, imported when used
-    import megatron.core.datasets.utils as dataset_utils
-
     dataset_utils.compile_helpers = lambda: None
 
 

@@ -12,6 +12,9 @@ from typing import Optional
 
 import torch
 
+# torch's default weights_only allow-list (the set torch.load(weights_only=True) starts from)
+from torch._weights_only_unpickler import _get_allowed_globals
+
 from tst_megatron.errors import ConfigError
 
 #: The DCP metadata classes torch 2.13 pickles in ``.metadata`` (a real ``torch_dist`` and
@@ -49,9 +52,6 @@ def allowed_globals() -> frozenset:
     ``weights_only`` set (tensors, storages, dtypes, ``OrderedDict``, ...), the globals
     registered with ``torch.serialization.add_safe_globals`` (megatron-core's, at its import),
     megatron-core's own restricted unpickler's, and :data:`DCP_METADATA_GLOBALS`."""
-    # torch's default weights_only allow-list (the set torch.load(weights_only=True) starts from)
-    from torch._weights_only_unpickler import _get_allowed_globals
-
     registered = set()
     for g in torch.serialization.get_safe_globals():
         g = g[0] if isinstance(g, tuple) else g

@@ -51,6 +51,8 @@ import logging
 import sys
 
 import torch
+from packaging.specifiers import SpecifierSet
+from packaging.version import InvalidVersion, Version
 
 from tst_megatron.runtime.cpu_torch import _CPU_TORCH, _CPU_TORCH_INIT
 
@@ -203,8 +205,6 @@ def check_version() -> str:
     """
     # megatron-core: heavy, imported when used
     import megatron.core
-    from packaging.specifiers import SpecifierSet
-    from packaging.version import InvalidVersion, Version
 
     version = getattr(megatron.core, "__version__", "unknown")
     try:

@@ -24,7 +24,10 @@ from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
-from megatron.core.utils import unwrap_model
+from megatron.core import mpu
+from megatron.core.num_microbatches_calculator import get_current_running_global_batch_size
+from megatron.core.rerun_state_machine import get_rerun_state_machine
+from megatron.core.utils import get_batch_on_this_cp_rank, unwrap_model
 
 from tst_megatron.runtime import cpu
 from tst_megatron.superposition import (
@@ -58,9 +61,6 @@ def _cp_split(batch: dict, cp_group: Optional[dist.ProcessGroup]) -> dict:
     each chunk holds whole bags and exactly their targets. ``batch`` is not modified."""
     if cp_group is None:
         return batch
-    # megatron-core: heavy, imported when used
-    from megatron.core.utils import get_batch_on_this_cp_rank
-
     return get_batch_on_this_cp_rank(dict(batch), is_hybrid_cp=False, cp_group=cp_group)
 
 
@@ -70,8 +70,6 @@ def loss_checks(args) -> Callable[[torch.Tensor, str], None]:
     ``--check-for-nan-in-loss-and-grad`` (fatal; with reruns disabled a ``RuntimeError``, under
     Megatron-LM's default ``validate_results`` the iteration is rerun first), and a loss 10
     times the largest seen (per ``key``) with ``--check-for-spiky-loss``."""
-    # megatron-core: heavy, imported when used
-    from megatron.core.rerun_state_machine import get_rerun_state_machine
 
     def check(loss: torch.Tensor, key: str) -> None:
         machine = get_rerun_state_machine()  # as stock: the current one (restarts replace it)
@@ -234,8 +232,7 @@ class TSTForwardStep:
         self._raw = None
 
     def _build(self, args):
-        # megatron-core: heavy, imported when used
-        from megatron.core import mpu
+        # Megatron-LM's training package: imported where it runs
         from megatron.training.utils import is_last_rank
 
         plan, tst = self.plan, self.plan.tst
@@ -304,10 +301,7 @@ class _RawTokens:
 
     def step(self, args) -> None:
         """Called at every training forward; acts once per iteration."""
-        # megatron-core: heavy, imported when used
-        from megatron.core.num_microbatches_calculator import (
-            get_current_running_global_batch_size,
-        )
+        # Megatron-LM's training package: imported where it runs
         from megatron.training.global_vars import get_tensorboard_writer, get_wandb_writer
 
         if args.curr_iteration == self.last:

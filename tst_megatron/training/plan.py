@@ -6,6 +6,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
+from megatron.core.num_microbatches_calculator import StepBatchsizeNumMicroBatchesCalculator
+
 from tst_megatron.superposition.schedule import Schedule, TSTConfig
 from tst_megatron.training.flags import tst_config
 
@@ -15,9 +17,6 @@ def _batch_calculator(args):
     ``set_global_variables`` builds it), or None for a constant global batch."""
     if not getattr(args, "step_batch_size_schedule", None):
         return None
-    # megatron-core: heavy, imported when used
-    from megatron.core.num_microbatches_calculator import StepBatchsizeNumMicroBatchesCalculator
-
     return StepBatchsizeNumMicroBatchesCalculator(
         micro_batch_size=args.micro_batch_size,
         data_parallel_size=args.data_parallel_size * getattr(args, "gtp_weight_remat_size", 1),

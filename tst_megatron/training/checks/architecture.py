@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from typing import Optional
 
+from megatron.core.dist_checkpointing.gpt_checkpoint_interop import gpt_compatible_layer_maps
+
 
 def flag_name(name: str) -> str:
     """The flag of Megatron-LM's ``args`` attribute ``name``: ``num_layers`` -> ``--num-layers``."""
@@ -55,9 +57,6 @@ def model_class_problems(args, saved) -> list[str]:
         ]
     if not now or was:
         return []
-    # megatron-core: heavy, imported when used
-    from megatron.core.dist_checkpointing.gpt_checkpoint_interop import gpt_compatible_layer_maps
-
     try:
         layers = gpt_compatible_layer_maps(now).num_gpt_layers
     except ValueError as exc:

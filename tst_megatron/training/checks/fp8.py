@@ -10,6 +10,10 @@ and the output layer (not FP8).
 
 from __future__ import annotations
 
+from megatron.core.models.gpt.experimental_attention_variant_module_specs import (
+    get_moe_layer_pattern,
+)
+
 
 def fp8_alignment(recipe) -> int:
     """32 for the ``mxfp8`` ``recipe`` (string or ``Fp8Recipe``), else 16."""
@@ -20,11 +24,6 @@ def _dense_layers(config) -> bool:
     """Whether some decoder layer has a dense MLP (megatron-core's ``get_moe_layer_pattern``)."""
     if not config.num_moe_experts:
         return True
-    # megatron-core: heavy, imported when used
-    from megatron.core.models.gpt.experimental_attention_variant_module_specs import (
-        get_moe_layer_pattern,
-    )
-
     freq = config.moe_layer_freq
     if isinstance(freq, list) and len(freq) != config.num_layers:
         return 0 in freq  # megatron-core would assert; the length is model_problems' line

@@ -8,6 +8,7 @@ import importlib.util
 from typing import Sequence
 
 import torch
+from megatron.core.optimizer import Adam
 
 from tst_megatron.training.argv import flag_values
 
@@ -208,7 +209,4 @@ def notes(launch) -> list[str]:
 def _group_step_adam() -> bool:
     """Whether megatron-core's ``Adam`` is a fused Adam (Transformer Engine's, else Apex's
     ``FusedAdam``; else it is ``torch.optim.AdamW``)."""
-    # megatron-core: heavy, imported when used
-    from megatron.core.optimizer import Adam
-
     return Adam is not torch.optim.AdamW

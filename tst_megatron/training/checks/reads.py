@@ -16,6 +16,8 @@ import os
 from typing import Optional
 
 import numpy as np
+from megatron.core.datasets.blended_megatron_dataset_config import parse_and_normalize_split
+from megatron.core.datasets.utils import get_blend_from_list, normalize
 
 from tst_megatron.data.files import open_data_file
 from tst_megatron.data.gpt_datasets import data_settings
@@ -114,10 +116,6 @@ def epoch_lines(args, plan) -> list[str]:
         return []
     if data.mock_data or getattr(args, "train_data_path", None) or not data.data_path:
         return []
-    # megatron-core: heavy, imported when used
-    from megatron.core.datasets.blended_megatron_dataset_config import parse_and_normalize_split
-    from megatron.core.datasets.utils import get_blend_from_list, normalize
-
     prefixes, weights = get_blend_from_list(data.data_path.split())
     weights = normalize(weights) if weights else [1.0 / len(prefixes)] * len(prefixes)
     if not all(os.path.isfile(p + ".idx") and os.path.isfile(p + ".bin") for p in prefixes):

@@ -8,7 +8,10 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Optional
 
+from megatron.core.datasets.utils import get_blend_from_list
+
 from tst_megatron.data.gpt_datasets import (
+    blend_identity,
     data_prefixes,
     epoch_layout,
     train_split_tokens,
@@ -86,9 +89,6 @@ def _blended(args) -> bool:
     """``--data-path`` (or the ``--data-args-path`` file) names more than one dataset, or gives
     weights: megatron-core then builds a ``BlendedDataset``, whose parts are sized by the run's
     length (``get_blend_from_list`` returns weights even for ``1.0 A``)."""
-    # megatron-core: heavy, imported when used
-    from megatron.core.datasets.utils import get_blend_from_list
-
     words = _data_words(args)
     if not words:
         return False
@@ -109,11 +109,6 @@ def current_data_identity(args) -> Optional[str]:
     """:func:`~tst_megatron.data.gpt_datasets.blend_identity` of the line's data files, or
     None (mock data, an unreadable ``--data-args-path``, or files missing: the data rules say
     so)."""
-    # the data modules read megatron-core: imported when used
-    from megatron.core.datasets.utils import get_blend_from_list
-
-    from tst_megatron.data.gpt_datasets import blend_identity
-
     words = _data_words(args)
     if not words:
         return None
