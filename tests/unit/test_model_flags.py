@@ -42,13 +42,13 @@ def _inv_freq(dim, base):
 
 
 def _rope_child(rank, world, *, cases):
-    """For each case: Megatron-LM's arguments through the launcher's ``parse``, the model of
+    """For each case: Megatron-LM's arguments through the launcher's ``check_and_set_up``, the model of
     its ``model_provider`` with fixed weights; returns ``{name: (logits, RoPE table)}``."""
     from megatron.training.global_vars import unset_global_variables
 
     from tst_megatron.models.family import GPT
     from tst_megatron.runtime import ParallelConfig, initialize_model_parallel, set_seed
-    from tst_megatron.training.validate import parse
+    from tst_megatron.training.validate import check_and_set_up
 
     initialize_model_parallel(ParallelConfig())
     set_seed(1)  # megatron-core's RNG tracker (read by the attention's dropout region)
@@ -56,7 +56,7 @@ def _rope_child(rank, world, *, cases):
     positions = torch.arange(16).expand(2, 16)
     results = {}
     for name, (extra, _, _) in cases.items():
-        parse(BASE + extra)
+        check_and_set_up(BASE + extra)
         model = GPT.model_provider()
         with torch.no_grad():
             for i, p in enumerate(model.parameters()):  # the same weights in every case

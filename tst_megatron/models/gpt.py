@@ -30,9 +30,9 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from tst_megatron.models.layers import (
     SequenceParallelNorm,
-    finish,
     local_layer,
     model_arguments,
+    ready_for_ddp,
 )
 from tst_megatron.models.seams import (
     PhaseOneMTPSkip,
@@ -159,7 +159,7 @@ def build_gpt_model_from_args(
     ``mtp_block_spec``. The ``GPTModel`` arguments are those of Megatron-LM 0.19.2's
     ``GPTModelBuilder.build_model``, which cannot build a subclass (it names ``GPTModel``).
     Expert parameters are tagged and a CPU run's model kept on the CPU
-    (:func:`~tst_megatron.models.layers.finish`).
+    (:func:`~tst_megatron.models.layers.ready_for_ddp`).
     """
     # megatron.training (Megatron-LM) is heavy and optional for megatron-core users
     from megatron.training.argument_utils import gpt_config_from_args
@@ -204,4 +204,4 @@ def build_gpt_model_from_args(
         ),
     )
     enable_loss_chunks(model, getattr(args, "tst_loss_chunks", None) or 1)
-    return finish(model, cfg.transformer)
+    return ready_for_ddp(model, cfg.transformer)

@@ -37,9 +37,9 @@ from megatron.core.transformer.transformer_layer import (
 
 from tst_megatron.models.layers import (
     SequenceParallelNorm,
-    finish,
     local_layer_specs,
     model_arguments,
+    ready_for_ddp,
 )
 from tst_megatron.models.seams import (
     PhaseOneMTPSkip,
@@ -191,7 +191,7 @@ def build_hybrid_model_from_args(
     cannot build a subclass) from its ``hybrid_config_from_args``. The stack spec is
     ``--spec``, else with ``--transformer-impl local`` :func:`local_hybrid_stack_spec`, else
     megatron-core's ``hybrid_stack_spec`` (Transformer Engine). Expert parameters are tagged
-    and a CPU run's model kept on the CPU (:func:`~tst_megatron.models.layers.finish`).
+    and a CPU run's model kept on the CPU (:func:`~tst_megatron.models.layers.ready_for_ddp`).
     megatron-core's parallel state must be initialised.
     """
     # megatron.training (Megatron-LM) is heavy and optional for megatron-core users
@@ -215,4 +215,4 @@ def build_hybrid_model_from_args(
         ),
     )
     enable_loss_chunks(model, getattr(args, "tst_loss_chunks", None) or 1)
-    return finish(model, cfg.transformer)
+    return ready_for_ddp(model, cfg.transformer)

@@ -217,7 +217,7 @@ def model_arguments(args, cfg, **stage) -> dict:
     )
 
 
-def finish(model, config: TransformerConfig):
+def ready_for_ddp(model, config: TransformerConfig):
     """``model`` ready for Megatron-LM's DDP: expert gradients tagged
     (:func:`tag_expert_grad_reduction`, before DDP reads the tags) and, in a CPU run, kept on
     the CPU (:func:`tst_megatron.runtime.cpu.keep_on_cpu`)."""

@@ -34,7 +34,7 @@ from tst_megatron.training.datasets import TSTDatasets
 from tst_megatron.training.dry_run import dry_run
 from tst_megatron.training.forward import TSTForwardStep
 from tst_megatron.training.switch import FreshAdamForMTP
-from tst_megatron.training.validate import parse
+from tst_megatron.training.validate import check_and_set_up
 
 
 def main(argv: Optional[Sequence[str]] = None, *, family: ModelFamily = GPT) -> None:
@@ -60,28 +60,28 @@ def main(argv: Optional[Sequence[str]] = None, *, family: ModelFamily = GPT) -> 
     try:
         export_torchrun_env()
         alone = one_process_env(os.environ)
-        checked = parse(argv, family)
+        launch = check_and_set_up(argv, family)
     except ConfigError as exc:
         _exit_on(exc)
     # Megatron-LM's training loop is heavy: imported once the checks passed
     from megatron.training.argument_utils import pretrain_cfg_container_from_args
     from megatron.training.training import pretrain
 
-    plan = checked.plan
+    plan = launch.plan
     try:
-        if _nothing_left_to_train(checked.args, plan.n):
+        if _nothing_left_to_train(launch.args, plan.n):
             return
     except ConfigError as exc:  # the checkpoint read again: one line, as in the checks
         _exit_on(exc)
     os.environ.update(alone)
     use_prebuilt_dataset_helpers()
-    if checked.device == "cpu":
+    if launch.device == "cpu":
         cpu.enable(training=True)  # again: modules imported since
         cpu.fork_checkpoint_results_queue()
-    cfg = pretrain_cfg_container_from_args(checked.args)
+    cfg = pretrain_cfg_container_from_args(launch.args)
     provider = family.model_provider
     hook = None
-    if getattr(checked.args, "mtp_num_layers", None) and plan.n1 > 0:
+    if getattr(launch.args, "mtp_num_layers", None) and plan.n1 > 0:
         fresh = FreshAdamForMTP(plan.n1)
         provider = fresh.watch(provider)
         hook = register_optimizer_step_pre_hook(fresh)
@@ -98,10 +98,10 @@ def main(argv: Optional[Sequence[str]] = None, *, family: ModelFamily = GPT) -> 
         _exit_on(exc)
     except SystemExit as exc:  # train()'s early exit: a signal, --exit-duration-in-mins/-interval
         if exc.code in (0, None):
-            write_exit_marker(checked.args, plan.n, finished=False)
+            write_exit_marker(launch.args, plan.n, finished=False)
         raise
     else:
-        write_exit_marker(checked.args, plan.n, finished=True)
+        write_exit_marker(launch.args, plan.n, finished=True)
     finally:
         if hook is not None:
             hook.remove()

@@ -277,14 +277,14 @@ def dry_run(argv: Sequence[str], *, out=None, err=None, family: ModelFamily = GP
         0 when no problem was found, else 2.
     """
     out, err = out or sys.stdout, err or sys.stderr
-    checked = check(argv, dry_run=True, family=family)
+    launch = check(argv, dry_run=True, family=family)
     rank0 = is_rank_zero()
-    problems, notes, assumed = list(checked.problems), checked.notes, checked.assumed
+    problems, notes, assumed = list(launch.problems), launch.notes, launch.assumed
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if not problems:
-        lines = describe(checked.args, checked.plan, checked.pattern)
+        lines = describe(launch.args, launch.plan, launch.pattern)
         notes = notes + outputs.space_notes(
-            checked.args, checkpoint_bytes(checked.args, checked.pattern)
+            launch.args, checkpoint_bytes(launch.args, launch.pattern)
         )
     if not rank0:
         return 2 if problems else 0
@@ -297,7 +297,7 @@ def dry_run(argv: Sequence[str], *, out=None, err=None, family: ModelFamily = GP
             print(f" assumed: {line}", file=err)
         print(f"dry run: {len(problems)} problem(s) for world size {world}", file=err, flush=True)
         return 2
-    device = "CPU" if checked.device == "cpu" else "CUDA"
+    device = "CPU" if launch.device == "cpu" else "CUDA"
     print(f"dry run: world size {world}, checked as a {device} run", file=out)
     for line in notes:
         print(f" note: {line}", file=out)

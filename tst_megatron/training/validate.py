@@ -33,8 +33,9 @@ from tst_megatron.training.checks.resume import current_data_identity
 from tst_megatron.training.flags import add_tst_args
 from tst_megatron.training.plan import run_plan
 
-#: The ``args_defaults`` Megatron-LM's ``pretrain_gpt.py`` gives its argument validation.
-PRETRAIN_GPT_DEFAULTS = {"tokenizer_type": "GPT2BPETokenizer"}
+#: The ``args_defaults`` Megatron-LM's ``pretrain_gpt.py`` and ``pretrain_hybrid.py`` both give
+#: their argument validation (``parse_and_validate_args``).
+PRETRAIN_ARGS_DEFAULTS = {"tokenizer_type": "GPT2BPETokenizer"}
 
 
 class _ParserError(Exception):
@@ -86,7 +87,7 @@ def check(argv: Sequence[str], *, dry_run: bool = False, family: ModelFamily = G
     The stages, in order, stopping at the first that finds a problem: :func:`argv_problems`
     (the command line as given), Megatron-LM's ``parse_args``, the checkpoints it would read
     (:func:`_checkpoints`: intact, no code in their pickles), ``--use-checkpoint-args`` with
-    ``validate_args`` (:data:`PRETRAIN_GPT_DEFAULTS`) and ``core_transformer_config_from_args``,
+    ``validate_args`` (:data:`PRETRAIN_ARGS_DEFAULTS`) and ``core_transformer_config_from_args``,
     the run's :class:`RunPlan`, then :func:`launch_problems` (every rule of
     :data:`tst_megatron.training.checks.RULES`). A CPU run appends :data:`CPU_FLAGS` and, in a
     launch, enables :func:`tst_megatron.runtime.cpu.enable` first. A dry run mutes Megatron-LM's
@@ -157,7 +158,7 @@ def _validated(launch: Launch) -> None:
         try:
             if args.use_checkpoint_args:
                 _load_checkpoint_args(args)
-            validate_args(args, PRETRAIN_GPT_DEFAULTS)
+            validate_args(args, PRETRAIN_ARGS_DEFAULTS)
             launch.pattern = pattern_of(args)  # --hybrid-layer-pattern, parsed once, here
         except SystemExit as exc:  # an exit() of validate_args (argv_problems has those known)
             launch.args = None
@@ -194,7 +195,7 @@ def _ruled(launch: Launch) -> None:
     launch.notes += launch_notes(launch)
 
 
-def parse(argv: Sequence[str], family: ModelFamily = GPT) -> Launch:
+def check_and_set_up(argv: Sequence[str], family: ModelFamily = GPT) -> Launch:
     """The launch's :func:`check` of ``argv``, its notes printed on rank 0 (``note: ...``),
     then Megatron-LM's ``set_global_variables`` (as its ``parse_and_validate_args`` does).
 
