@@ -353,3 +353,12 @@ def test_mismatched_shapes_are_named_in_full():
         vocab_parallel_multi_target_cross_entropy(
             torch.zeros(2, 3, 10), torch.zeros(2, 4, 1, dtype=torch.long)
         )
+
+
+def test_int32_targets_score_as_int64_ones():
+    g = torch.Generator().manual_seed(6)
+    logits = torch.randn(2, 3, 20, generator=g)
+    targets = torch.randint(0, 20, (2, 3, 2), generator=g)
+    want = vocab_parallel_multi_target_cross_entropy(logits, targets)
+    got = vocab_parallel_multi_target_cross_entropy(logits, targets.to(torch.int32))
+    assert torch.equal(got, want)

@@ -315,6 +315,26 @@ def test_the_switch_intervals_hold_for_iteration_n1_only(capsys):
     assert "(--save-interval, --eval-interval, --log-interval 30 for this iteration only)" in out
 
 
+def test_the_switch_intervals_after_a_restart_or_a_resume(capsys):
+    """An in-process restart to before the last phase-1 step (after the intervals were set)
+    puts the user's values back and sets them again at N1 - 1; a run resumed after the switch
+    changes nothing."""
+    from tst_megatron.training.switch import SwitchIntervals
+
+    user = {"save_interval": 40, "eval_interval": 25, "log_interval": 20}
+    args = _switch_args(rank=0)
+    plan, machine = run_plan(args), SwitchIntervals()
+    for iteration, want in ((29, 30), (27, None), (28, None), (29, 30), (30, None)):
+        args.curr_iteration = iteration
+        machine.at_step(args, plan)
+        got = {k: getattr(args, k) for k in user}
+        assert got == (user if want is None else dict.fromkeys(user, want)), iteration
+    assert capsys.readouterr().out.count("TST: at the switch (iteration 30)") == 2
+    resumed = _switch_args(rank=0, curr_iteration=35)
+    SwitchIntervals().at_step(resumed, plan)
+    assert {k: getattr(resumed, k) for k in user} == user and capsys.readouterr().out == ""
+
+
 def test_the_switch_intervals_are_printed_on_rank_0_only(capsys):
     from tst_megatron.training.switch import SwitchIntervals
 

@@ -110,7 +110,7 @@ def bag_embedding(
     weight = word.weight
 
     # Local masked lookup, exactly as VocabParallelEmbedding.forward does, summed per bag.
-    tp_size = word.tp_group.size() if word.tp_group is not None else 1
+    tp_size = word.tp_group.size()  # megatron-core's TP mappings need the group, even of 1
     flat = bags.reshape(b * latent_len, bag_size)
     if tp_size > 1:
         outside = (flat < word.vocab_start_index) | (flat >= word.vocab_end_index)

@@ -83,9 +83,12 @@ class SwitchIntervals:
     def at_step(self, args, plan) -> None:
         """At the last phase-1 training step set the intervals of :func:`switch_overrides` to
         ``N1`` (Megatron-LM reads them after the step); at the first phase-2 training step put
-        the user's values back. Idempotent over micro-batches, model chunks and stages."""
+        the user's values back. Idempotent over micro-batches, model chunks and stages; an
+        in-process restart to before the last phase-1 step puts the user's values back too."""
         n1 = plan.n1
         if args.curr_iteration < n1 - 1:  # (again) before the switch: a restart in-process
+            for key, value in self._saved_intervals.items():  # the user's values back first
+                setattr(args, key, value)
             self._state, self._saved_intervals = "before", {}
         elif self._state == "before" and args.curr_iteration == n1 - 1:
             overrides = switch_overrides(args, plan)
