@@ -1,0 +1,1 @@
+"""Tests of the benchmarks (benchmarks/): their smoke runs on a CPU, reports and recipes."""
