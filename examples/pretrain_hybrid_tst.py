@@ -10,8 +10,8 @@ from tst_megatron.quiet import quiet_missing_package_notices
 
 quiet_missing_package_notices()  # before megatron-core is imported
 
-from tst_megatron.training.cli import main  # noqa: E402
 from tst_megatron.models.family import HYBRID  # noqa: E402
+from tst_megatron.training.cli import main  # noqa: E402
 
 if __name__ == "__main__":  # dist_checkpointing spawns processes: keep the guard
     main(family=HYBRID)

@@ -324,7 +324,7 @@ def test_the_switch_intervals_after_a_restart_or_a_resume(capsys):
     user = {"save_interval": 40, "eval_interval": 25, "log_interval": 20}
     args = _switch_args(rank=0)
     plan, machine = run_plan(args), SwitchIntervals()
-    for iteration, want in ((29, 30), (27, None), (28, None), (29, 30), (30, None)):
+    for iteration, want in ((29, 30), (28, None), (27, None), (29, 30), (30, None)):
         args.curr_iteration = iteration
         machine.at_step(args, plan)
         got = {k: getattr(args, k) for k in user}
