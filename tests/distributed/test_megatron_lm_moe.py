@@ -189,9 +189,9 @@ def _layer_child(rank, world):
     from megatron.core import mpu, tensor_parallel
 
     from tst_megatron.models.family import GPT
-    from tst_megatron.training.validate import parse
+    from tst_megatron.training.validate import check_and_set_up
 
-    parse(MOE + ["--lr", "1e-3"])
+    check_and_set_up(MOE + ["--lr", "1e-3"])
     mpu.initialize_model_parallel()
     tensor_parallel.model_parallel_cuda_manual_seed(3)
     torch.manual_seed(3)

@@ -35,9 +35,9 @@ def _step_child(rank, world):
 
     from tst_megatron.models.family import GPT
     from tst_megatron.training.forward import TSTForwardStep
-    from tst_megatron.training.validate import parse
+    from tst_megatron.training.validate import check_and_set_up
 
-    plan = parse(ARGS).plan
+    plan = check_and_set_up(ARGS).plan
     mpu.initialize_model_parallel()
     tensor_parallel.model_parallel_cuda_manual_seed(7)
     model = GPT.model_provider()

@@ -85,14 +85,15 @@ def parameter_lines(args) -> list[str]:
     return lines
 
 
-def checkpoint_bytes(args, pattern: Optional[HybridPattern] = None) -> Optional[float]:
+def checkpoint_bytes(args, pattern: Optional[HybridPattern]) -> Optional[float]:
     """One checkpoint's size in bytes, estimated from Megatron-LM's parameter count
     (``compute_weight_and_optimizer_memory`` of the whole model as one shard, 18 bytes per
     parameter without the distributed optimizer): the weights in their dtype (2 bytes in
     bf16/fp16, else 4) plus the fp32 main weights (mixed precision only) and Adam's two fp32
     moments; gradients are not saved (embeddings counted as :func:`parameter_lines` does; a
-    GPT-shaped ``HybridModel`` as its ``GPTModel``). None when Megatron-LM's arithmetic cannot count the
-    model (a hybrid's non-GPT layers, MLA + GQA, ...)."""
+    GPT-shaped ``HybridModel`` as its ``GPTModel``; ``pattern``: the launch's parsed
+    ``--hybrid-layer-pattern``, None for a ``GPTModel``). None when Megatron-LM's arithmetic
+    cannot count the model (a hybrid's non-GPT layers, MLA + GQA, ...)."""
     # megatron.training (Megatron-LM) is heavy: imported once the line is known good
     from megatron.training.theoretical_memory_usage import compute_weight_and_optimizer_memory
 
@@ -135,11 +136,12 @@ def _batch_lines(args, plan, dp: int) -> list[str]:
     ]
 
 
-def describe(args, plan, pattern: Optional[HybridPattern] = None) -> list[str]:
+def describe(args, plan, pattern: Optional[HybridPattern]) -> list[str]:
     """The run as lines of text (layout, batch, model, parameters, TST plan; a ``HybridModel``'s
-    layers by family) from validated
-    Megatron-LM arguments with the launcher's ``--tst-*`` flags and their ``plan`` (a
-    :class:`~tst_megatron.training.plan.RunPlan`), both from
+    layers by kind) from validated
+    Megatron-LM arguments with the launcher's ``--tst-*`` flags, their ``plan`` (a
+    :class:`~tst_megatron.training.plan.RunPlan`) and their parsed ``--hybrid-layer-pattern``
+    (``Launch.pattern``; None for a ``GPTModel``), all from
     :func:`~tst_megatron.training.validate.check`.
     """
     tp, pp, cp = (
