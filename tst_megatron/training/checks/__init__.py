@@ -1,9 +1,11 @@
 """The launcher's rules, one module per subject, on top of Megatron-LM's ``validate_args`` and
-``TransformerConfig`` (which stay Megatron-LM's): :mod:`.layout`, :mod:`.batch`, :mod:`.model`,
-:mod:`.data`, :mod:`.tst`, :mod:`.fp8` (the GEMM shapes FP8 needs), :mod:`.unsupported` (settings Megatron-LM 0.19 accepts but cannot
-run, and the flags this launcher refuses), :mod:`.deprecated` (flags Megatron-LM 0.19 parses
-but no longer runs as written), :mod:`.hardware` (TE, Apex, GPU, CPU), :mod:`.outputs` (the
-folders it writes) and :mod:`.resume`. Each rule is a function of the :class:`Launch` returning one line per problem
+``TransformerConfig`` (which stay Megatron-LM's): :mod:`.layout`, :mod:`.batch`, :mod:`.model`
+(with each model family's own, ``FAMILY_RULES``), :mod:`.data`, :mod:`.tst`, :mod:`.fp8` (the
+GEMM shapes FP8 needs), :mod:`.unsupported` (settings Megatron-LM 0.19 accepts but cannot run,
+and the flags this launcher refuses), :mod:`.deprecated` (flags Megatron-LM 0.19 parses but no
+longer runs as written), :mod:`.hardware` (TE, Apex, GPU, CPU), :mod:`.outputs` (the folders
+it writes), :mod:`.resume` and :mod:`.architecture` (a checkpoint this run would not
+continue). Each rule is a function of the :class:`Launch` returning one line per problem
 naming the flag (empty: none). :data:`RULES` and :data:`NOTES` are the one list of errors and
 the one list of notes that the real launch and the dry run both print
 (:func:`tst_megatron.training.validate.check`).
