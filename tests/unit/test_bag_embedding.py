@@ -19,21 +19,24 @@ pytest.importorskip("megatron.core")
 V, H, B, T = 32, 16, 2, 6  # vocab, hidden, micro-batch, latent length
 
 
-class _OneRank:
-    """A tensor-parallel group of one rank, without ``torch.distributed``: megatron-core's
-    TP collectives return their input for a group of size 1 (``mappings._reduce``). No
-    process group is started in the test process, so mutation testing can fork it."""
+class _Rank:
+    """Rank ``rank`` of a tensor-parallel group of ``size`` ranks, in this one process, without
+    ``torch.distributed`` (no process group is started here, so mutation testing can fork the
+    test process); megatron-core's TP collectives return their input for a group of one."""
+
+    def __init__(self, rank, size):
+        self._rank, self._size = rank, size
 
     def size(self):
-        return 1
+        return self._size
 
     def rank(self):
-        return 0
+        return self._rank
 
 
 @pytest.fixture
 def tp1():
-    """megatron-core's TP mappings given :class:`_OneRank` as it is (without a process group
+    """megatron-core's TP mappings given a :class:`_Rank` as it is (without a process group
     they would replace it by None)."""
     from unittest import mock
 
@@ -60,7 +63,7 @@ def _embedding(position="learned_absolute", dtype=torch.float32, **config):
         emb.word_embeddings.weight.copy_(torch.randn(V, H, generator=g))
         if position == "learned_absolute":
             emb.position_embeddings.weight.copy_(torch.randn(T + 2, H, generator=g))
-    emb.tp_group = emb.word_embeddings.tp_group = _OneRank()
+    emb.tp_group = emb.word_embeddings.tp_group = _Rank(0, 1)
     return emb.to(dtype)
 
 
@@ -196,19 +199,6 @@ def test_refusals_name_the_problem(tp1):
     emb.tokentype_embeddings = torch.nn.Embedding(2, H)
     with pytest.raises(ValueError, match="^bag_embedding does not support token-type"):
         bag_embedding(emb, _bags(2))
-
-
-class _Rank:
-    """Rank ``rank`` of a tensor-parallel group of ``size`` ranks, in this one process."""
-
-    def __init__(self, rank, size):
-        self._rank, self._size = rank, size
-
-    def size(self):
-        return self._size
-
-    def rank(self):
-        return self._rank
 
 
 def _shard_partial(word, bags, lo, hi):

@@ -712,6 +712,22 @@ def test_a_kernel_family_needs_its_package_in_a_gpu_launch():
     assert hybrid_package_problems(args, "cpu") == []  # the CPU rule names them instead
 
 
+def test_a_cuda_dry_run_assumes_the_cluster_has_the_kernel_packages():
+    """A dry run for CUDA does not refuse ``M`` layers whose ``mamba_ssm`` is missing here:
+    it says it assumed the cluster has it."""
+    import importlib.util
+
+    argv = list(HYBRID)
+    argv[argv.index("--device") + 1] = "cuda"
+    argv[argv.index("*E*E")] = "M*ME"
+    result = dry(argv, model="hybrid")
+    assert result.returncode == 0, result.stderr
+    assumed = " assumed: mamba_ssm not installed here: assumed installed on the cluster"
+    assert (assumed in result.stdout.splitlines()) == (
+        importlib.util.find_spec("mamba_ssm") is None
+    )
+
+
 def test_the_stage_layers_of_a_hybrid_pattern_are_megatron_cores():
     from tst_megatron.models.pattern import HybridPattern
 

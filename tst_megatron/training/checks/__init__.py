@@ -20,7 +20,7 @@ import os
 import traceback
 from typing import Any, Optional, Sequence
 
-from tst_megatron.models.pattern import LAYER_KINDS, HybridPattern
+from tst_megatron.models.pattern import HybridPattern
 from tst_megatron.training import assumed
 from tst_megatron.training.argv import given
 from tst_megatron.training.checks import (
@@ -160,14 +160,7 @@ def dry_run_assumptions(launch: Launch) -> list[str]:
             lines.append(
                 f"{', '.join(absent)} not installed here: assumed installed on the cluster"
             )
-        kernels = [
-            kind.package
-            for symbol, kind in LAYER_KINDS.items()
-            if kind.package
-            and launch.pattern is not None
-            and launch.pattern.has(symbol)
-            and importlib.util.find_spec(kind.package) is None
-        ]
+        kernels = [package for _, package in model.missing_packages(launch.pattern)]
         if kernels:
             lines.append(
                 f"{', '.join(kernels)} not installed here: assumed installed on the cluster"

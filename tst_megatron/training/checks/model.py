@@ -133,17 +133,27 @@ def hybrid_pattern_problems(pattern: Optional[HybridPattern], args, device: str)
     return found
 
 
-def hybrid_package_problems(pattern: Optional[HybridPattern], device: str) -> list[str]:
-    """In a launch on a GPU: each layer kind of ``pattern`` whose package
-    (:attr:`~tst_megatron.models.pattern.LayerKind.package`) is not installed here, one line
-    naming it. A dry run assumes the cluster has them."""
-    if pattern is None or device != "cuda":
+def missing_packages(pattern: Optional[HybridPattern]) -> list[tuple[str, str]]:
+    """``[(symbol, package)]`` of the layer kinds of ``pattern`` whose package
+    (:attr:`~tst_megatron.models.pattern.LayerKind.package`) is not installed here."""
+    if pattern is None:
         return []
     return [
-        f"--hybrid-layer-pattern {pattern.text}: {symbol} layers need the {kind.package} "
-        "package, which is not installed here"
+        (symbol, kind.package)
         for symbol, kind in LAYER_KINDS.items()
         if kind.package and pattern.has(symbol) and importlib.util.find_spec(kind.package) is None
+    ]
+
+
+def hybrid_package_problems(pattern: Optional[HybridPattern], device: str) -> list[str]:
+    """In a launch on a GPU: each layer kind of ``pattern`` whose package is not installed here
+    (:func:`missing_packages`), one line naming it. A dry run assumes the cluster has them."""
+    if device != "cuda":
+        return []
+    return [
+        f"--hybrid-layer-pattern {pattern.text}: {symbol} layers need the {package} "
+        "package, which is not installed here"
+        for symbol, package in missing_packages(pattern)
     ]
 
 
