@@ -13,8 +13,8 @@ import pytest
 from tst_megatron.superposition.schedule import TSTConfig
 from tst_megatron.training import checks, switch
 from tst_megatron.training.checks import resume
-from tst_megatron.training.flags import add_tst_args, tst_config
-from tst_megatron.training.plan import consumed_samples, run_plan, train_iters
+from tst_megatron.training.flags import add_tst_args
+from tst_megatron.training.plan import consumed_samples, run_plan, train_iters, tst_config
 
 
 # The functions under test read the run plan (built once per launch); these build it from
@@ -548,15 +548,30 @@ def test_another_global_batch_after_the_switch_keeps_the_checkpoint_s_switch_sam
 
 
 def test_a_checkpoint_folder_in_no_known_format_is_one_line(tmp_path):
-    from tst_megatron.training.checks.resume import resume_checks
+    from tst_megatron.data.resume import read_resume
 
     (tmp_path / "latest_checkpointed_iteration.txt").write_text("3\n")
     (tmp_path / "iter_0000003").mkdir()
     (tmp_path / "iter_0000003" / "weights.bin").write_text("?")
     args = argparse.Namespace(load=str(tmp_path), finetune=False, ckpt_step=None)
-    (line,) = resume_checks(args, None)
+    found, line = read_resume(args)  # the launch's one line (the resume rules print it)
+    assert found is None
     assert "iter_0000003 (the tracker file's checkpoint) is damaged" in line, line
     assert "no checkpoint Megatron-LM reads is in it" in line, line
+
+
+def test_any_error_reading_the_checkpoint_to_resume_is_one_line(monkeypatch):
+    from tst_megatron.data import resume
+
+    def broken(args):
+        raise RuntimeError("unexpected\n  layout")
+
+    monkeypatch.setattr(resume, "checkpoint_to_resume", broken)
+    found, line = resume.read_resume(argparse.Namespace(load="/ck"))
+    assert found is None
+    assert line == (
+        "--load /ck: the checkpoint to resume could not be read (RuntimeError: unexpected layout)"
+    )
 
 
 def test_a_torch_dcp_checkpoint_s_common_state_is_read(tmp_path):
@@ -621,20 +636,22 @@ def megatron_lm_with(argv, flag, value):
 
 def test_a_tracker_file_without_an_iteration_is_one_line(tmp_path):
     """Megatron-LM's own reader prints a line and exits with status 0 on it (0.19.2)."""
-    from tst_megatron.training.checks.resume import resume_checks
+    from tst_megatron.data.resume import read_resume
 
     (tmp_path / "latest_checkpointed_iteration.txt").write_text("garbage\n")
     args = argparse.Namespace(load=str(tmp_path), finetune=False, ckpt_step=None)
-    (line,) = resume_checks(args, None)
+    found, line = read_resume(args)  # the launch's one line (the resume rules print it)
+    assert found is None
     assert "latest_checkpointed_iteration.txt holds 'garbage', not an iteration" in line
     (tmp_path / "latest_checkpointed_iteration.txt").write_text("release")
     # a release tracker without its folder: Megatron-LM's load would fail after set-up
-    (line,) = resume_checks(args, None)
+    found, line = read_resume(args)
+    assert found is None
     assert "release (the tracker file's checkpoint) does not exist" in line, line
     from tests.unit.test_checkpoint_input import write_torch_dist
 
     write_torch_dist(tmp_path / "release")
-    assert resume_checks(args, None) == []  # a release checkpoint: nothing to resume
+    assert read_resume(args) == (None, None)  # a release checkpoint: nothing to resume
 
 
 def test_the_help_of_each_refused_megatron_lm_flag_says_so():

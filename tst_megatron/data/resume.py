@@ -168,3 +168,20 @@ def checkpoint_to_resume(args) -> Optional[tuple[int, dict]]:
             f"--load {args.load}: {os.path.basename(path)} could not be read "
             f"({type(exc).__name__}: {' '.join(str(exc).split())[:200]})"
         ) from None
+
+
+def read_resume(args) -> tuple[Optional[tuple[int, dict]], Optional[str]]:
+    """:func:`checkpoint_to_resume` read once for the launch rules: ``(found, None)``, or
+    ``(None, line)`` with the one line saying why the checkpoint cannot be read (a
+    :class:`ConfigError`'s message; any other exception named with its type, never a
+    traceback)."""
+    try:
+        return checkpoint_to_resume(args), None
+    except ConfigError as exc:
+        return None, str(exc)
+    except Exception as exc:  # never a traceback from the launcher's own read
+        why = " ".join(str(exc).split())[:200]
+        return (
+            None,
+            f"--load {args.load}: the checkpoint to resume could not be read ({type(exc).__name__}: {why})",
+        )

@@ -20,7 +20,6 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from tst_megatron import upstream
 from tst_megatron.data.gpt_datasets import use_prebuilt_dataset_helpers
-from tst_megatron.data.resume import checkpoint_to_resume
 from tst_megatron.errors import ConfigError
 from tst_megatron.models.family import GPT, ModelFamily
 from tst_megatron.runtime import cpu
@@ -68,11 +67,8 @@ def main(argv: Optional[Sequence[str]] = None, *, family: ModelFamily = GPT) -> 
     from megatron.training.training import pretrain
 
     plan = launch.plan
-    try:
-        if _nothing_left_to_train(launch.args, plan.n):
-            return
-    except ConfigError as exc:  # the checkpoint read again: one line, as in the checks
-        _exit_on(exc)
+    if _nothing_left_to_train(launch, plan.n):
+        return
     os.environ.update(alone)
     use_prebuilt_dataset_helpers()
     if launch.device == "cpu":
@@ -107,11 +103,12 @@ def main(argv: Optional[Sequence[str]] = None, *, family: ModelFamily = GPT) -> 
             hook.remove()
 
 
-def _nothing_left_to_train(args, n: int) -> bool:
-    """True (after a ``note:`` on rank 0) when the checkpoint to resume is already at
-    iteration ``n`` (the run's last) and not ``--skip-train``: Megatron-LM 0.19.2's sampler
-    would stop with "no samples left to consume"."""
-    found = None if args.skip_train else checkpoint_to_resume(args)
+def _nothing_left_to_train(launch, n: int) -> bool:
+    """True (after a ``note:`` on rank 0) when the checkpoint to resume (``Launch.resumed``) is
+    already at iteration ``n`` (the run's last) and not ``--skip-train``: Megatron-LM 0.19.2's
+    sampler would stop with "no samples left to consume"."""
+    args = launch.args
+    found = None if args.skip_train else launch.resumed
     if found is None or found[0] < n:
         return False
     if is_rank_zero():

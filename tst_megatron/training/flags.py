@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import dataclasses
 import typing
 
 from tst_megatron.superposition.schedule import TSTConfig
@@ -113,12 +112,3 @@ def _fix_help(parser: argparse.ArgumentParser) -> None:
                 formatter._expand_help(action)
             except (ValueError, TypeError, KeyError):
                 action.help = action.help.replace("%", "%%")
-
-
-def tst_config(args) -> TSTConfig:
-    """The :class:`TSTConfig` of parsed Megatron-LM arguments (fields ``tst_*``). A field that
-    ``args`` lacks takes its default: the saved args of a checkpoint written before the field
-    existed (e.g. ``--tst-loss-chunks``, added 2026-12-06)."""
-    return TSTConfig(
-        **{f.name: getattr(args, f"tst_{f.name}", f.default) for f in dataclasses.fields(TSTConfig)}
-    )

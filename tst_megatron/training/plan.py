@@ -9,7 +9,6 @@ from typing import Optional
 from megatron.core.num_microbatches_calculator import StepBatchsizeNumMicroBatchesCalculator
 
 from tst_megatron.superposition.schedule import Schedule, TSTConfig
-from tst_megatron.training.flags import tst_config
 
 
 def _batch_calculator(args):
@@ -119,6 +118,15 @@ class RunPlan:
         reached = self.reached_batches
         starts = [first for first, _ in reached] + [self.total_samples]
         return tuple(entry for entry, end in zip(reached, starts[1:]) if entry[0] < hi and end > lo)
+
+
+def tst_config(args) -> TSTConfig:
+    """The :class:`TSTConfig` of parsed Megatron-LM arguments (fields ``tst_*``). A field that
+    ``args`` lacks takes its default: the saved args of a checkpoint written before the field
+    existed (e.g. ``--tst-loss-chunks``, added 2026-12-06)."""
+    return TSTConfig(
+        **{f.name: getattr(args, f"tst_{f.name}", f.default) for f in dataclasses.fields(TSTConfig)}
+    )
 
 
 def run_plan(args, resumed: Optional[tuple[int, object]] = None) -> RunPlan:

@@ -13,14 +13,15 @@ import sys
 from typing import Optional, Sequence
 from unittest import mock
 
-from tst_megatron.data.resume import checkpoint_folder, checkpoint_to_resume
+from tst_megatron.data.gpt_datasets import data_settings
+from tst_megatron.data.resume import checkpoint_folder, read_resume
 from tst_megatron.errors import ConfigError
 from tst_megatron.models.family import GPT, ModelFamily
 from tst_megatron.models.pattern import pattern_of
 from tst_megatron.runtime import cpu
 from tst_megatron.runtime.distributed import is_rank_zero
 from tst_megatron.training import assumed
-from tst_megatron.training.argv import CPU_FLAGS, pick_device
+from tst_megatron.training.argv import CPU_FLAGS, given, pick_device
 from tst_megatron.training.checks import (
     Launch,
     argv_problems,
@@ -96,7 +97,7 @@ def check(argv: Sequence[str], *, dry_run: bool = False, family: ModelFamily = G
     state).
     """
     device = pick_device(argv, cuda=True if dry_run else None)
-    launch = Launch(tuple(argv), family, device, launch=not dry_run)
+    launch = Launch(tuple(argv), family, device, launch=not dry_run, given=tuple(given(argv)))
     for stage in (_given, _parsed, _checkpoints, _validated, _planned, _ruled):
         stage(launch)
         if launch.problems:
@@ -107,7 +108,7 @@ def check(argv: Sequence[str], *, dry_run: bool = False, family: ModelFamily = G
 def _given(launch: Launch) -> None:
     """The command line as given (:func:`argv_problems`); a CPU launch enables the CPU
     runtime."""
-    launch.problems += argv_problems(launch.argv, launch.family)
+    launch.problems += argv_problems(launch.argv, launch.family, launch.given)
     if launch.device == "cpu" and launch.launch and not launch.problems:
         cpu.enable(training=True)
         # validate_args asks for it with TP or CP > 1 before Blackwell
@@ -142,8 +143,9 @@ def _checkpoints(launch: Launch) -> None:
 
 
 def _validated(launch: Launch) -> None:
-    """``--use-checkpoint-args``, ``validate_args`` and the model's ``TransformerConfig``, in a
-    dry run as for the cluster's GPU (:func:`~tst_megatron.training.assumed.assumed_cluster`)."""
+    """``--use-checkpoint-args``, ``validate_args``, what the rules read (:func:`_read`),
+    ``--hybrid-layer-pattern`` and the model's ``TransformerConfig``, in a dry run as for the
+    cluster's GPU (:func:`~tst_megatron.training.assumed.assumed_cluster`)."""
     # megatron.training (Megatron-LM) is heavy: imported once the command line is known good
     from megatron.training.argument_utils import core_transformer_config_from_args
     from megatron.training.arguments import validate_args
@@ -159,6 +161,7 @@ def _validated(launch: Launch) -> None:
             if args.use_checkpoint_args:
                 _load_checkpoint_args(args)
             validate_args(args, PRETRAIN_ARGS_DEFAULTS)
+            _read(launch)  # raises nothing
             launch.pattern = pattern_of(args)  # --hybrid-layer-pattern, parsed once, here
         except SystemExit as exc:  # an exit() of validate_args (argv_problems has those known)
             launch.args = None
@@ -179,10 +182,22 @@ def _validated(launch: Launch) -> None:
             launch.problems.append(validation_error(exc, "TransformerConfig"))
 
 
+def _read(launch: Launch) -> None:
+    """What the rules read, read once after ``validate_args``: the checkpoint this launch
+    resumes (:func:`~tst_megatron.data.resume.read_resume`; one that cannot be read is the
+    resume rules' line) and the data settings (None when ``--data-args-path`` cannot be read:
+    the data rules' line)."""
+    launch.resumed, launch.resume_error = read_resume(launch.args)
+    try:
+        launch.data = data_settings(launch.args)
+    except OSError:
+        launch.data = None
+
+
 def _planned(launch: Launch) -> None:
     """The run's :class:`RunPlan` (Megatron-LM's batch-size calculator, the TST schedule)."""
     try:
-        launch.plan = run_plan(launch.args, resumed=_resumed(launch.args))
+        launch.plan = run_plan(launch.args, resumed=_resumed(launch))
     except (AssertionError, ValueError) as exc:  # Megatron-LM's batch-size calculator refused
         launch.problems.append(validation_error(exc, "batch-size schedule"))
 
@@ -219,14 +234,10 @@ def check_and_set_up(argv: Sequence[str], family: ModelFamily = GPT) -> Launch:
     return launch
 
 
-def _resumed(args) -> Optional[tuple[int, object]]:
+def _resumed(launch: Launch) -> Optional[tuple[int, object]]:
     """``(iteration, saved args)`` of the checkpoint this launch resumes, for
-    :func:`~tst_megatron.training.plan.run_plan` (None: none, or unreadable, which the resume
-    rules report)."""
-    try:
-        found = checkpoint_to_resume(args)
-    except Exception:  # ConfigError, or any other: reported by the resume rules, in one line
+    :func:`~tst_megatron.training.plan.run_plan` (None: none, unreadable, which the resume
+    rules report, or saved without its args)."""
+    if launch.resumed is None or launch.resumed[1].get("args") is None:
         return None
-    if found is None or found[1].get("args") is None:
-        return None
-    return found[0], found[1]["args"]
+    return launch.resumed[0], launch.resumed[1]["args"]

@@ -20,9 +20,9 @@ import os
 import traceback
 from typing import Any, Optional, Sequence
 
+from tst_megatron.data.gpt_datasets import DataSettings
 from tst_megatron.models.pattern import HybridPattern
 from tst_megatron.training import assumed
-from tst_megatron.training.argv import given
 from tst_megatron.training.checks import (
     batch,
     data,
@@ -58,6 +58,15 @@ class Launch:
         pattern: ``--hybrid-layer-pattern`` parsed once
             (:class:`~tst_megatron.models.pattern.HybridPattern`), after ``validate_args``
             accepted it; None for a ``GPTModel`` (or until then).
+        given: the flags of ``argv`` as given, in order (:func:`~tst_megatron.training.argv.given`).
+        resumed: ``(iteration, common state)`` of the checkpoint this launch resumes
+            (:func:`~tst_megatron.data.resume.read_resume`), read once after ``validate_args``;
+            None: nothing to resume, or ``resume_error``.
+        resume_error: the one line saying why that checkpoint cannot be read (the resume rules
+            print it), else None.
+        data: the :class:`~tst_megatron.data.gpt_datasets.DataSettings` of ``args``, read once
+            after ``validate_args``; None until then, or when ``--data-args-path`` cannot be
+            read (the data rules say so).
         problems: one line each; empty: the launch may start.
         notes: ``note:`` lines for the user (the launch and the dry run print the same).
         assumed: in a dry run, what it assumed of the cluster
@@ -72,6 +81,10 @@ class Launch:
     config: Optional[Any] = None
     plan: Optional[RunPlan] = None
     pattern: Optional[HybridPattern] = None
+    given: tuple = ()
+    resumed: Optional[tuple[int, dict]] = None
+    resume_error: Optional[str] = None
+    data: Optional[DataSettings] = None
     problems: list = dataclasses.field(default_factory=list)
     notes: list = dataclasses.field(default_factory=list)
     assumed: list = dataclasses.field(default_factory=list)
@@ -107,15 +120,14 @@ NOTES = (
 )
 
 
-def argv_problems(argv: Sequence[str], family) -> list[str]:
+def argv_problems(argv: Sequence[str], family, flags: Sequence[str]) -> list[str]:
     """Flags refused in the command line as given, before Megatron-LM parses it, one line each:
     ``--yaml-cfg`` (its YAML config replaces the whole parsed namespace, ``--tst-*`` included),
     the flags on which ``validate_args`` exits with status 0 (:func:`.deprecated.stop_problems`)
     and ``family``'s own (:data:`.model.FAMILY_RULES`: the GPT
     launcher refuses ``pretrain_hybrid.py``'s flags, the hybrid launcher a missing or empty
-    pattern)."""
+    pattern). ``flags``: those of ``argv`` as given (:attr:`Launch.given`)."""
     problems = []
-    flags = given(argv)
     if "--yaml-cfg" in flags:
         problems.append(
             "--yaml-cfg is not supported by this launcher: Megatron-LM's experimental YAML "
@@ -140,7 +152,7 @@ def dry_run_assumptions(launch: Launch) -> list[str]:
     :data:`~tst_megatron.training.assumed.DRY_RUN_SKIPS`: each check it could not run here, and
     why."""
     lines = []
-    if missing := data.files_not_here(launch.args):
+    if missing := data.files_not_here(launch.args, launch.data):
         shown = ", ".join(missing[:3]) + (", ..." if len(missing) > 3 else "")
         lines.append(f"not here, so not checked: {shown} ({assumed.DRY_RUN_SKIPS['files']})")
     if hub := data.hub_tokenizer(launch.args):

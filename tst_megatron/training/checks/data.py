@@ -7,7 +7,7 @@ import os
 from typing import Optional
 
 from tst_megatron.data.files import open_data_file
-from tst_megatron.data.gpt_datasets import data_prefixes, data_settings
+from tst_megatron.data.gpt_datasets import DataSettings, data_prefixes
 from tst_megatron.errors import ConfigError
 
 
@@ -34,13 +34,13 @@ def data_problems(args) -> list[str]:
     return problems
 
 
-def data_file_problems(args) -> list[str]:
-    """In a launch: each dataset prefix of ``--data-path`` (or ``--data-args-path``) has a
-    ``.bin`` and ``.idx`` that agree (:func:`open_data_file`: header
-    and sizes, O(1) reads), one line per bad prefix. The token ids are scanned later, with the
-    tokenizer (:func:`check_data_files`)."""
-    data = data_settings(args)
-    if data.mock_data:
+def data_file_problems(data: Optional[DataSettings]) -> list[str]:
+    """In a launch: each dataset prefix of ``--data-path`` (or ``--data-args-path``) of the
+    line's ``data`` settings has a ``.bin`` and ``.idx`` that agree (:func:`open_data_file`:
+    header and sizes, O(1) reads), one line per bad prefix. The token ids are scanned later,
+    with the tokenizer (:func:`check_data_files`). ``data`` None (an unreadable
+    ``--data-args-path``, :func:`data_problems`' line): nothing."""
+    if data is None or data.mock_data:
         return []
     problems = []
     for prefix in data_prefixes(data.data_path):
@@ -141,20 +141,24 @@ def problems(launch) -> list[str]:
 def file_problems(launch) -> list[str]:
     """The data files (:func:`data_file_problems`): in a launch; in a dry run when they are on
     this machine (it may run where the cluster's files are not: :func:`files_not_here`)."""
-    if launch.launch or not files_not_here(launch.args):
-        return data_file_problems(launch.args)
+    if launch.launch or not files_not_here(launch.args, launch.data):
+        return data_file_problems(launch.data)
     return []
 
 
-def files_not_here(args) -> list[str]:
-    """The data (``.bin``/``.idx``) and tokenizer files of the line that are not on this
-    machine: what a dry run cannot check (its ``assumed:`` line names them)."""
-    missing = []
-    try:
-        data = data_settings(args)
-        prefixes = [] if data.mock_data or not data.data_path else data_prefixes(data.data_path)
-    except (OSError, ValueError, AssertionError, ConfigError):  # the data rules report it
-        prefixes, missing = [], [getattr(args, "data_args_path", None) or "--data-path"]
+def files_not_here(args, data: Optional[DataSettings]) -> list[str]:
+    """The data (``.bin``/``.idx``) and tokenizer files of the line (``args`` and their
+    ``data`` settings; None: an unreadable ``--data-args-path``) that are not on this machine:
+    what a dry run cannot check (its ``assumed:`` line names them)."""
+    missing, prefixes = [], []
+    unread = [getattr(args, "data_args_path", None) or "--data-path"]
+    if data is None:  # an unreadable --data-args-path: the data rules report it
+        missing = unread
+    elif not data.mock_data and data.data_path:
+        try:
+            prefixes = data_prefixes(data.data_path)
+        except (ValueError, AssertionError, ConfigError):  # the data rules report it
+            missing = unread
     for prefix in prefixes:
         missing += [p for p in (prefix + ".bin", prefix + ".idx") if not os.path.isfile(p)]
     for flag in _TOKENIZER_FILES.get(args.tokenizer_type, ()):

@@ -13,7 +13,7 @@ Each is listed in ``docs/launcher.md`` with what this launcher does with it:
   (Megatron-LM's own warning is muted in a dry run, and a ``logging`` warning of megatron-core
   reaches no one).
 
-Presence is read from the command line as given (``Launch.argv``): ``validate_args`` deletes
+Presence is read from the command line as given (``Launch.argv``, ``Launch.given``): ``validate_args`` deletes
 or rewrites most of these attributes.
 """
 
@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 from typing import Optional, Sequence
 
-from tst_megatron.training.argv import flag_values, given
+from tst_megatron.training.argv import flag_values
 
 #: ``{flag: what to use instead}`` for flags on which ``validate_args`` prints a line and
 #: calls ``exit()`` (a "successful" run that trained nothing).
@@ -131,7 +131,7 @@ def _rampup_problem(args) -> str:
 
 def _refusals(launch) -> dict[str, str]:
     """``{flag: its error line}`` of the ignored flags that would change the run."""
-    args, flags = launch.args, set(given(launch.argv))
+    args, flags = launch.args, set(launch.given)
     found = {}
     if getattr(args, "rampup_batch_size", None):
         found["--rampup-batch-size"] = _rampup_problem(args)
@@ -181,7 +181,7 @@ def problems(launch) -> list[str]:
 def notes(launch) -> list[str]:
     """A ``note:`` for each flag of :data:`IGNORED_NOTED` or :data:`TRANSLATED` on the command
     line that :func:`problems` does not refuse."""
-    flags, refused = set(given(launch.argv)), _refusals(launch)
+    flags, refused = set(launch.given), _refusals(launch)
     found = [
         f"{flag} is deprecated and ignored by Megatron-LM 0.19: {why}"
         for flag, why in IGNORED_NOTED.items()

@@ -20,7 +20,7 @@ from megatron.core.datasets.blended_megatron_dataset_config import parse_and_nor
 from megatron.core.datasets.utils import get_blend_from_list, normalize
 
 from tst_megatron.data.files import open_data_file
-from tst_megatron.data.gpt_datasets import data_settings
+from tst_megatron.data.gpt_datasets import DataSettings
 from tst_megatron.errors import ConfigError
 
 _UNITS = (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3))
@@ -104,17 +104,19 @@ def _training_windows_per_epoch(prefix: str, train_share: float, seq_length: int
     return max(0, (split_tokens - 1) // seq_length)
 
 
-def epoch_lines(args, plan) -> list[str]:
+def epoch_lines(args, plan, data: Optional[DataSettings]) -> list[str]:
     """With every ``.bin``/``.idx`` of ``--data-path`` present and intact: the epochs of its
     training split (megatron-core's ``--split``; each dataset its blend weight's share of the
     windows) each phase reads, for the most-read dataset, and a note when the run reads a
-    dataset more than once where a baseline of the line reads it at most once. Nothing for mock
-    data, per-split paths, missing or damaged files (the data rules report those)."""
-    try:
-        data = data_settings(args)
-    except OSError:  # an unreadable --data-args-path: the data rules report it
-        return []
-    if data.mock_data or getattr(args, "train_data_path", None) or not data.data_path:
+    dataset more than once where a baseline of the line reads it at most once. ``data``: the
+    line's data settings. Nothing for mock data, per-split paths, missing or damaged files, an
+    unreadable ``--data-args-path`` (``data`` None; the data rules report those)."""
+    if (
+        data is None
+        or data.mock_data
+        or getattr(args, "train_data_path", None)
+        or not data.data_path
+    ):
         return []
     prefixes, weights = get_blend_from_list(data.data_path.split())
     weights = normalize(weights) if weights else [1.0 / len(prefixes)] * len(prefixes)
@@ -158,7 +160,7 @@ def notes(launch) -> list[str]:
         return []
     line = text_line(launch.args, launch.plan)
     try:
-        epochs = epoch_lines(launch.args, launch.plan)
+        epochs = epoch_lines(launch.args, launch.plan, launch.data)
     except Exception:  # a malformed blend, an unreadable file: the data rules say so, in one line
         epochs = []
     return ([line] if line else []) + epochs

@@ -17,8 +17,6 @@ from tst_megatron.data.gpt_datasets import (
     train_split_tokens,
     training_windows,
 )
-from tst_megatron.data.resume import checkpoint_to_resume
-from tst_megatron.errors import ConfigError
 from tst_megatron.training.checks.architecture import (
     architecture_problems,
     flag_name,
@@ -317,15 +315,12 @@ def scheduler_problems(args, saved_scheduler: Optional[dict], iteration: int) ->
     ]
 
 
-def resume_checks(args, plan) -> list[str]:
-    """The problems of resuming the checkpoint in ``--load`` under ``args`` and their ``plan``
-    (empty: none, or nothing to resume): TST's (:func:`resume_problems`), the model's
+def resume_checks(args, plan, found: Optional[tuple[int, dict]]) -> list[str]:
+    """The problems of resuming ``found``, ``(iteration, common state)`` of the checkpoint in
+    ``--load`` (:func:`~tst_megatron.data.resume.read_resume`; None: nothing to resume), under
+    ``args`` and their ``plan``: TST's (:func:`resume_problems`), the model's
     (:func:`architecture_problems`), the layout's (:func:`layout_problems`) and the LR
     schedule's (:func:`scheduler_problems`)."""
-    try:
-        found = checkpoint_to_resume(args)
-    except ConfigError as exc:
-        return [str(exc)]
     if found is None:
         return []
     iteration, common = found
@@ -339,16 +334,16 @@ def resume_checks(args, plan) -> list[str]:
 
 
 def problems(launch) -> list[str]:
-    """The resume rules of a :class:`~tst_megatron.training.checks.Launch`."""
-    return resume_checks(launch.args, launch.plan)
+    """The resume rules of a :class:`~tst_megatron.training.checks.Launch`: the line of a
+    checkpoint that cannot be read, or :func:`resume_checks`."""
+    if launch.resume_error:
+        return [launch.resume_error]
+    return resume_checks(launch.args, launch.plan, launch.resumed)
 
 
 def notes(launch) -> list[str]:
     """The resume's notes (:func:`order_notes`), when a checkpoint would be resumed."""
-    try:
-        found = checkpoint_to_resume(launch.args)
-    except ConfigError:  # reported by problems()
-        return []
+    found = launch.resumed
     if found is None or found[1].get("args") is None:
         return []
     return order_notes(launch.args, launch.plan, found[1]["args"], found[0])

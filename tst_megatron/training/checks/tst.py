@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-from tst_megatron.data.resume import checkpoint_to_resume
-from tst_megatron.errors import ConfigError
+from typing import Optional
 
 
-def tst_problems(args, plan) -> list[str]:
+def tst_problems(args, plan, resumed_at: Optional[int] = None) -> list[str]:
     """What TST cannot run (:func:`tst_setting_problems`). ``args``: Megatron-LM's, after
-    ``validate_args``; ``plan``: its :class:`~tst_megatron.training.plan.RunPlan`. FP8's
-    shapes are :mod:`.fp8`'s rule."""
-    return tst_setting_problems(args, plan)
+    ``validate_args``; ``plan``: its :class:`~tst_megatron.training.plan.RunPlan`;
+    ``resumed_at``: the iteration of the checkpoint this launch resumes (None: a fresh start).
+    FP8's shapes are :mod:`.fp8`'s rule."""
+    return tst_setting_problems(args, plan, resumed_at)
 
 
 def loss_chunk_problems(args, chunks: int) -> list[str]:
@@ -41,8 +41,9 @@ def loss_chunk_problems(args, chunks: int) -> list[str]:
     return lines
 
 
-def tst_setting_problems(args, plan) -> list[str]:
-    """The settings TST cannot run, one line each naming the flag."""
+def tst_setting_problems(args, plan, resumed_at: Optional[int] = None) -> list[str]:
+    """The settings TST cannot run, one line each naming the flag (``resumed_at``: as in
+    :func:`tst_problems`)."""
     problems = plan.tst.validate(max(plan.n, 1))
     if not problems:
         problems = loss_chunk_problems(args, plan.tst.loss_chunks)
@@ -63,9 +64,9 @@ def tst_setting_problems(args, plan) -> list[str]:
             f"--phase-transition-iterations is not supported with TST {bags}: it restarts "
             "the sampler in each phase; TST switches in-process at N1"
         )
-    if getattr(args, "cuda_graph_impl", "none") == "full_iteration" and not _past_switch(
-        args, plan
-    ):
+    # a run resumed at or past N1 has only phase 2 left
+    past_switch = resumed_at is not None and resumed_at >= plan.n1
+    if getattr(args, "cuda_graph_impl", "none") == "full_iteration" and not past_switch:
         problems.append(
             f"--cuda-graph-impl full_iteration is not supported with a TST phase 1 {bags}: "
             "megatron-core 0.19.2's FullCudaGraphWrapper captures one training iteration (a "
@@ -83,19 +84,11 @@ def tst_setting_problems(args, plan) -> list[str]:
 
 def problems(launch) -> list[str]:
     """The TST rules of a :class:`~tst_megatron.training.checks.Launch`."""
-    return tst_problems(launch.args, launch.plan)
+    resumed_at = launch.resumed[0] if launch.resumed else None
+    return tst_problems(launch.args, launch.plan, resumed_at)
 
 
 def notes(launch) -> list[str]:
     """The TST settings' notes (``TSTConfig.notes``: phase-1 flags without a bag size, a
     phase 1 that fills the run)."""
     return launch.plan.tst.notes(launch.plan.n)
-
-
-def _past_switch(args, plan) -> bool:
-    """The checkpoint this launch resumes is at or past ``N1``: only phase 2 is left."""
-    try:
-        found = checkpoint_to_resume(args)
-    except ConfigError:  # the resume rules report it
-        return False
-    return found is not None and found[0] >= plan.n1
