@@ -199,7 +199,7 @@ def _allocator_counters() -> list:
 
 def _timed_forward_step_class():
     """:class:`TimedForwardStep` (defined on first use: the launcher imports Megatron-LM)."""
-    from tst_megatron.training.forward import TSTForwardStep
+    from tst_megatron.loop.forward import TSTForwardStep
 
     class TimedForwardStep(TSTForwardStep):
         """The launcher's forward step, timing each training iteration: from its first

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Mutation testing of the method's core and the run plan with mutmut (configured in
-# pyproject.toml, [tool.mutmut]: tst_megatron/superposition/*, training/plan.py and
-# training/switch.py against the fast unit tests that cover them). Prints the score per file
+# pyproject.toml, [tool.mutmut]: tst_megatron/superposition/*, loop/plan.py and
+# loop/switch.py against the fast unit tests that cover them). Prints the score per file
 # and every surviving mutant (`mutmut show <name>` shows one). Not part of CI: about 17 minutes
 # on 2 cores (docs/testing.md, "Mutation testing"). MUTMUT_CHILDREN: parallel mutants (2).
 set -euo pipefail

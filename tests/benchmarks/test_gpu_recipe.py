@@ -15,8 +15,8 @@ from recipes import RECIPES, estimate  # noqa: E402
 from study.definitions import lr_flags, tst_flags  # noqa: E402
 from tst_vs_baseline import parse  # noqa: E402
 
+from tst_megatron.loop.plan import run_plan  # noqa: E402
 from tst_megatron.models.family import HYBRID  # noqa: E402
-from tst_megatron.training.plan import run_plan  # noqa: E402
 from tst_megatron.training.validate import check  # noqa: E402
 
 

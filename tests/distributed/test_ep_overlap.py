@@ -117,8 +117,8 @@ def _run(
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
+    from tst_megatron.loop.forward import make_phase1_step, make_phase2_step
     from tst_megatron.runtime import set_seed
-    from tst_megatron.training.forward import make_phase1_step, make_phase2_step
 
     set_seed(7)
     config = gpt._config(1, pp, 2, "alltoall")

@@ -35,7 +35,7 @@ def _reference_mce(logits, stream, mask):
     """float64 bag loss: position j predicts tokens ``stream[(j+1)S + k]``, k < S, each
     scored when it exists and its label's mask is 1; uniform weights, so the MCE is the mean
     CE over scored slots. Returns ``(MCE * scored positions, scored positions)``, what the
-    phase-1 loss function returns (``training/forward.py``)."""
+    phase-1 loss function returns (``loop/forward.py``)."""
     terms, positions = reference_bag_ce(logits, stream, mask, S=S, T=T)
     return torch.stack(terms).mean() * positions, positions
 
@@ -47,9 +47,9 @@ def _mtp_child(rank, world):
         MTPLossLoggingHelper,
     )
 
+    from tst_megatron.loop.forward import make_phase1_step, make_phase2_step
     from tst_megatron.models.gpt import TSTGPTModel, gpt_block_spec, local_mtp_block_spec
     from tst_megatron.runtime import ParallelConfig, initialize_model_parallel, set_seed
-    from tst_megatron.training.forward import make_phase1_step, make_phase2_step
 
     initialize_model_parallel(ParallelConfig())
     set_seed(3)

@@ -308,7 +308,7 @@ def _poison(rank, scored):
 def _phase2_grads(model, batch, upstream, hook=None):
     """Loss, scored-token count and parameter gradients of one phase-2 forward step, and
     the validation loss (the same step without backward)."""
-    from tst_megatron.training.forward import make_phase2_step
+    from tst_megatron.loop.forward import make_phase2_step
 
     handle = model.output_layer.register_forward_hook(hook) if hook else None
     step = make_phase2_step()

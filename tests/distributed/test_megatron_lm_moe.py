@@ -323,7 +323,7 @@ def _zero_main_loss(forward_step):
 
 def _router_grads_child(rank, world):
     """The router gradient of the balancing losses alone (main loss zeroed) through the
-    forward steps the launcher uses (:mod:`tst_megatron.training.forward`), megatron-core's
+    forward steps the launcher uses (:mod:`tst_megatron.loop.forward`), megatron-core's
     DDP, schedule and ``finalize_model_grads`` with per-token loss. The same global weights
     in every layout: the embedding table sliced per TP rank, attention's output projection
     zero (so the router input is the normed embedding), the router weight replicated."""
@@ -336,8 +336,8 @@ def _router_grads_child(rank, world):
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from tests.distributed.harness import build_gpt_model, small_config
+    from tst_megatron.loop.forward import make_phase1_step, make_phase2_step
     from tst_megatron.runtime import ParallelConfig, initialize_model_parallel, set_seed
-    from tst_megatron.training.forward import make_phase1_step, make_phase2_step
 
     initialize_model_parallel(ParallelConfig(tensor_model_parallel_size=world))
     tp_rank = ps.get_tensor_model_parallel_rank()

@@ -20,7 +20,7 @@ Both switch in-process with finite losses in both phases, and Megatron-LM logs t
 (``mtp_1 loss``, ``MTPLossLoggingHelper``) in phase 2 only.
 
 The MTP parameters' Adam from the switch
-(:class:`tst_megatron.training.switch.FreshAdamForMTP`): every AdamW step of every parameter
+(:class:`tst_megatron.loop.switch.FreshAdamForMTP`): every AdamW step of every parameter
 against a float64 replay (1 process, and DP=2 under the distributed optimizer), and resumes at
 and after the switch against the uninterrupted run.
 """

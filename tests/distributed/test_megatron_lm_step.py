@@ -1,4 +1,4 @@
-"""The launcher's forward step (:class:`tst_megatron.training.forward.TSTForwardStep`) on a
+"""The launcher's forward step (:class:`tst_megatron.loop.forward.TSTForwardStep`) on a
 model from its model provider, against a float64 reference written here: phase 1 is the
 multi-hot cross-entropy of bag-averaged inputs, phase 2 and evaluation are next-token
 cross-entropy. One process (spawned: Megatron-LM's globals stay out of pytest's process).
@@ -33,8 +33,8 @@ def _step_child(rank, world):
     from megatron.core import mpu, tensor_parallel
     from megatron.training import get_args
 
+    from tst_megatron.loop.forward import TSTForwardStep
     from tst_megatron.models.family import GPT
-    from tst_megatron.training.forward import TSTForwardStep
     from tst_megatron.training.validate import check_and_set_up
 
     plan = check_and_set_up(ARGS).plan

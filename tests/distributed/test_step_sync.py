@@ -7,7 +7,7 @@ One phase-1 and one phase-2 training step of Megatron-LM's loop (``pretrain()`` 
 shapes ``nonzero``/``masked_select``/boolean indexing) with its call stack. On a GPU each of
 these waits for the stream. The mode is on for the whole of Megatron-LM's ``train_step`` of
 iterations 1 (phase 1) and 3 (phase 2): the schedule, the launcher's forward step
-(:class:`~tst_megatron.training.forward.TSTForwardStep`) and its loss function, the
+(:class:`~tst_megatron.loop.forward.TSTForwardStep`) and its loss function, the
 backward and the optimizer.
 
 Allowed, because they are not the TST step's:
@@ -21,7 +21,7 @@ Allowed, because they are not the TST step's:
   state machine's checks of the gradients and (``pretrain_gpt.py``'s, in the loss function)
   of the loss.
 Not allowed: any read made by the TST step itself (``superposition/``,
-``training/forward.py``, ``models/gpt.py``, ``training/switch.py`` as the innermost
+``loop/forward.py``, ``models/gpt.py``, ``loop/switch.py`` as the innermost
 project or megatron-core frame) or any other read inside the schedule.
 """
 
@@ -64,10 +64,10 @@ HOST_READS = {
 }
 TST_STEP = (
     "tst_megatron/superposition/",
-    "tst_megatron/training/forward.py",
+    "tst_megatron/loop/forward.py",
     "tst_megatron/models/gpt.py",
-    "tst_megatron/training/switch.py",
-    "tst_megatron/training/plan.py",
+    "tst_megatron/loop/switch.py",
+    "tst_megatron/loop/plan.py",
 )
 MEGATRON_OWN = (
     "megatron/core/transformer/moe/",

@@ -97,9 +97,9 @@ def _mode_case(rank, world, mode, weighting, sp, *, seed):
         LanguageModelEmbedding,
     )
 
+    from tst_megatron.loop.forward import make_phase1_step
     from tst_megatron.runtime import set_seed
     from tst_megatron.superposition import vocab_parallel_multi_target_cross_entropy
-    from tst_megatron.training.forward import make_phase1_step
 
     set_seed(seed)
     config = tp_layer_config(world, hidden_size=H, sequence_parallel=sp)

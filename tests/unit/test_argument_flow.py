@@ -2,12 +2,12 @@
 the command line (a parameter named ``argv``), and those that take Megatron-LM's arguments
 (``args``) too, from ``cli.main`` through the dry run, the checks and the parse, traced in
 order (``sys.setprofile``); a return to a room the flow has already left is counted. A room
-is one job of the package (:func:`room`): the launch layer, the loop plug-in, the models, the
-data, ... The goal is at most 4 returns. Following ``argv`` alone, the flow also returns to
-a module at most 4 times; following ``args`` too, it returns to a module 10 times (the rule
-modules run in two passes, problems then notes), held as a ceiling that may only go down (21
-before the launch record held the checkpoint to resume, the data settings and the given flags,
-read once)."""
+is one job of the package, its top-level part (:func:`room`): the launch layer (``training``),
+the loop plug-in (``loop``), the models, the data, ... The goal is at most 4 returns.
+Following ``argv`` alone, the flow also returns to a module at most 4 times; following
+``args`` too, it returns to a module 10 times (the rule modules run in two passes, problems
+then notes), held as a ceiling that may only go down (21 before the launch record held the
+checkpoint to resume, the data settings and the given flags, read once)."""
 
 from __future__ import annotations
 
@@ -21,18 +21,12 @@ GOAL = 4
 #: Returns to a module following ``argv`` and ``args`` (2026-12-06); lower it as the flow
 #: improves.
 ARGS_CEILING = 10
-#: The launch layer's modules in ``tst_megatron.training`` are all but the loop plug-in's.
-LOOP_PLUG_IN = ("plan", "datasets", "forward", "switch")
 
 
 def room(module: str) -> str:
-    """The room of a package module: ``launch`` (``training``'s cli, argv, flags, validate,
-    dry_run, assumed, checks), ``loop`` (``training``'s plan, datasets, forward, switch), else
-    its part of the package (``models``, ``data``, ``runtime``, ``superposition``, ...)."""
-    parts = module.split(".")
-    if parts[1] == "training":
-        return "loop" if len(parts) > 2 and parts[2] in LOOP_PLUG_IN else "launch"
-    return parts[1]
+    """The room of a package module: its part of the package (``training``: the launch layer;
+    ``loop``, ``models``, ``data``, ``runtime``, ``superposition``, ...)."""
+    return module.split(".")[1]
 
 
 def in_rooms(flow) -> list[tuple[str, str]]:
@@ -93,17 +87,17 @@ def test_the_argument_flow_returns_to_a_module_at_most_four_times(monkeypatch):
 def test_following_args_too_the_flow_returns_to_a_room_at_most_four_times(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "1")
     flow = _argv_flow(SMALL + ["--dry-run"], names=("argv", "args"))
-    assert ("tst_megatron.training.plan", "run_plan") in flow  # args were followed
+    assert ("tst_megatron.loop.plan", "run_plan") in flow  # args were followed
     rooms = in_rooms(flow)
-    assert {name for name, _ in rooms} >= {"launch", "loop", "models", "data"}
+    assert {name for name, _ in rooms} >= {"training", "loop", "models", "data"}
     assert returns(rooms) <= GOAL, flow
     assert returns(flow) <= ARGS_CEILING, flow
 
 
 def test_the_rooms_are_the_package_s_jobs():
-    assert room("tst_megatron.training.checks.model") == "launch"
-    assert room("tst_megatron.training.dry_run") == "launch"
-    assert room("tst_megatron.training.plan") == "loop"
+    assert room("tst_megatron.training.checks.model") == "training"
+    assert room("tst_megatron.training.dry_run") == "training"
+    assert room("tst_megatron.loop.plan") == "loop"
     assert room("tst_megatron.models.pattern") == "models"
     assert room("tst_megatron.data.resume") == "data"
 

@@ -280,7 +280,7 @@ def test_a_checkpoint_saved_before_the_flag_existed_still_plans():
     import argparse
 
     pytest.importorskip("megatron.training")
-    from tst_megatron.training.plan import tst_config
+    from tst_megatron.loop.plan import tst_config
 
     saved = argparse.Namespace(
         tst_bag_size=2, tst_phase1_iters=3, tst_phase1_fraction=None,

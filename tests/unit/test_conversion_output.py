@@ -186,7 +186,7 @@ def test_a_checkpoint_before_the_switch_is_named_as_a_phase_1_model():
     run before N1 holds a model trained on bags only."""
     from tests.unit.test_dry_run import SMALL
     from tst_megatron.conversion import _phase1_position
-    from tst_megatron.training.plan import run_plan
+    from tst_megatron.loop.plan import run_plan
     from tst_megatron.training.validate import check
 
     args = check(SMALL, dry_run=True).args

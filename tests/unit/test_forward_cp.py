@@ -6,9 +6,9 @@ asks ``torch.distributed`` for its size and this rank's place in it."""
 import pytest
 import torch
 
+from tst_megatron.loop import forward
+from tst_megatron.loop.forward import make_phase2_step
 from tst_megatron.superposition import align_bag_targets, fold_bags
-from tst_megatron.training import forward
-from tst_megatron.training.forward import make_phase2_step
 
 
 def split_for_context_parallel(batch, cp, rank):
@@ -141,7 +141,7 @@ def test_phase1_step_loss_and_gradient_are_the_papers_mce():
     it: uniform weights, no masking inside bags -> the step's ``sum loss / sum num_tokens`` is
     the mean over all scored slots of all micro-batches (the last bag of each row has only
     slot 0), and so is its gradient."""
-    from tst_megatron.training.forward import make_phase1_step
+    from tst_megatron.loop.forward import make_phase1_step
 
     b, T, S, M = 2, 5, 4, 3
     g = torch.Generator().manual_seed(4)
@@ -191,7 +191,7 @@ def test_a_non_finite_scored_loss_stops_the_step_as_in_pretrain_gpt(bad, what, r
     ``pretrain_gpt.py``'s message; ``--no-check-for-nan-in-loss-and-grad`` lets it through."""
     from types import SimpleNamespace
 
-    from tst_megatron.training.forward import loss_checks, make_phase1_step
+    from tst_megatron.loop.forward import loss_checks, make_phase1_step
 
     b, T, S = 2, 3, 2
     table = torch.rand(b, T, S, dtype=torch.float64)
@@ -231,7 +231,7 @@ def test_check_for_spiky_loss_warns_at_a_loss_ten_times_the_largest_seen(
     import logging
     from types import SimpleNamespace
 
-    from tst_megatron.training.forward import loss_checks
+    from tst_megatron.loop.forward import loss_checks
 
     for on in (False, True):
         args = SimpleNamespace(check_for_nan_in_loss_and_grad=True, check_for_spiky_loss=on)

@@ -1,4 +1,4 @@
-"""The MTP parameters' Adam at the switch (:class:`tst_megatron.training.switch.FreshAdamForMTP`)
+"""The MTP parameters' Adam at the switch (:class:`tst_megatron.loop.switch.FreshAdamForMTP`)
 on a plain torch ``AdamW``, without Megatron-LM's loop: against a float64 AdamW whose moments
 and step count start at the switch, for several betas (beta1 = 0 included), across a resume
 (a new optimizer loaded from the old one's state dict, and a new hook), while a parameter that
@@ -29,7 +29,7 @@ class _Model(torch.nn.Module):
 
 @pytest.mark.parametrize("betas", [(0.9, 0.999), (0.0, 0.999), (0.5, 0.9), (0.9, 0.95)])
 def test_mtp_updates_are_a_fresh_adam_from_the_switch_and_others_are_untouched(betas):
-    from tst_megatron.training.switch import FreshAdamForMTP
+    from tst_megatron.loop.switch import FreshAdamForMTP
 
     torch.manual_seed(0)
     b1, b2 = betas
@@ -93,7 +93,7 @@ def test_the_mtp_parameters_are_found_in_every_optimizer_layout():
     """The parameter itself, its ``main_param`` (mixed precision, the distributed optimizer's
     shard copy), views into its memory (the distributed optimizer's fp32 shards, from its
     first byte to its last) and storage-less tensors by identity; not a neighbour's memory."""
-    from tst_megatron.training.switch import FreshAdamForMTP
+    from tst_megatron.loop.switch import FreshAdamForMTP
 
     buffer = torch.zeros(40)  # one contiguous buffer: the MTP parameter, then another
     mtp, other = torch.nn.Parameter(buffer[:15]), torch.nn.Parameter(buffer[15:])

@@ -3,8 +3,8 @@ read from the source with ``ast`` (nothing is imported):
 
 - layers, each importing only from its own layer or those below it:
   base (``errors``, ``quiet``, ``progress``) < ``superposition`` < ``runtime`` < ``data`` <
-  ``models`` (with ``upstream``, the workarounds they enter) < ``training`` (the launch layer
-  and the loop plug-in) < ``conversion`` (with ``plots``, a tool);
+  ``models`` and ``loop`` (the loop plug-in; with ``upstream``, the workarounds they enter) <
+  ``training`` (the launch layer) < ``conversion`` (with ``plots``, a tool);
 - no import cycle between modules (an import of ``a.b.c`` also runs ``a.b``'s ``__init__``);
 - a function-local import only of a module on the allow-list (:data:`LOCAL_IMPORTS`, each
   entry with its reason; megatron-core's modules by importer, :data:`LOCAL_MEGATRON_CORE`,
@@ -80,6 +80,7 @@ LAYERS = {
     "runtime": 2,
     "data": 3,
     "models": 4,
+    "loop": 4,
     "upstream": 4,
     "training": 5,
     "conversion": 6,
@@ -270,28 +271,28 @@ def test_a_planted_import_of_the_launch_layer_from_the_models_is_found(tmp_path)
 
 
 def test_a_planted_cycle_and_an_uncommented_local_import_are_found(tmp_path):
-    # training.plan imports training.switch, which imports training.plan back
+    # loop.plan imports loop.switch, which imports loop.plan back
     root = _plant(
         tmp_path,
-        "tst_megatron.training.plan",
+        "tst_megatron.loop.plan",
         """
         def planted():
-            from tst_megatron.training import switch
+            from tst_megatron.loop import switch
 
             return switch
         """,
     )
-    with open(os.path.join(root, PACKAGE, "training", "switch.py"), "a") as f:
-        f.write("\nfrom tst_megatron.training import plan as _plan  # noqa\n")
+    with open(os.path.join(root, PACKAGE, "loop", "switch.py"), "a") as f:
+        f.write("\nfrom tst_megatron.loop import plan as _plan  # noqa\n")
     found = problems(root)
-    assert any(p.startswith("import cycle:") and "tst_megatron.training.plan" in p for p in found)
-    assert any("function-local import of tst_megatron.training.switch without" in p for p in found)
+    assert any(p.startswith("import cycle:") and "tst_megatron.loop.plan" in p for p in found)
+    assert any("function-local import of tst_megatron.loop.switch without" in p for p in found)
 
 
 def test_a_planted_commented_local_import_off_the_allow_list_is_found(tmp_path):
     root = _plant(
         tmp_path,
-        "tst_megatron.training.plan",
+        "tst_megatron.loop.plan",
         """
         def planted():
             # megatron-core: heavy, imported when used
@@ -301,7 +302,7 @@ def test_a_planted_commented_local_import_off_the_allow_list_is_found(tmp_path):
         """,
     )
     assert problems(root) == [
-        f"tst_megatron.training.plan:{_last_line(root, 'training/plan.py') - 2}: a "
+        f"tst_megatron.loop.plan:{_last_line(root, 'loop/plan.py') - 2}: a "
         "function-local import of megatron.core, which is not on the allow-list (import it "
         "at the module's top)"
     ]

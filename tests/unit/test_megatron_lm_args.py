@@ -10,11 +10,12 @@ import re
 
 import pytest
 
+from tst_megatron.loop import switch
+from tst_megatron.loop.plan import consumed_samples, run_plan, train_iters, tst_config
 from tst_megatron.superposition.schedule import TSTConfig
-from tst_megatron.training import checks, switch
+from tst_megatron.training import checks
 from tst_megatron.training.checks import resume
 from tst_megatron.training.flags import add_tst_args
-from tst_megatron.training.plan import consumed_samples, run_plan, train_iters, tst_config
 
 
 # The functions under test read the run plan (built once per launch); these build it from
@@ -292,7 +293,7 @@ def test_the_switch_intervals_hold_for_iteration_n1_only(capsys):
     """Driven as the forward step drives it (every micro-batch of every iteration): the
     intervals are N1's from the last phase-1 step until the first phase-2 step, then the
     user's again."""
-    from tst_megatron.training.switch import SwitchIntervals
+    from tst_megatron.loop.switch import SwitchIntervals
 
     args = _switch_args(rank=0)
     plan, machine = run_plan(args), SwitchIntervals()
@@ -319,7 +320,7 @@ def test_the_switch_intervals_after_a_restart_or_a_resume(capsys):
     """An in-process restart to before the last phase-1 step (after the intervals were set)
     puts the user's values back and sets them again at N1 - 1; a run resumed after the switch
     changes nothing."""
-    from tst_megatron.training.switch import SwitchIntervals
+    from tst_megatron.loop.switch import SwitchIntervals
 
     user = {"save_interval": 40, "eval_interval": 25, "log_interval": 20}
     args = _switch_args(rank=0)
@@ -336,7 +337,7 @@ def test_the_switch_intervals_after_a_restart_or_a_resume(capsys):
 
 
 def test_the_switch_intervals_are_printed_on_rank_0_only(capsys):
-    from tst_megatron.training.switch import SwitchIntervals
+    from tst_megatron.loop.switch import SwitchIntervals
 
     args = _switch_args(rank=1, curr_iteration=29)
     SwitchIntervals().at_step(args, run_plan(args))

@@ -16,9 +16,9 @@ import torch
 pytest.importorskip("megatron.training")
 
 from tests.unit.test_megatron_lm_args import _megatron_args  # noqa: E402
+from tst_megatron.loop.plan import run_plan, train_iters  # noqa: E402
 from tst_megatron.superposition.bags import align_bag_targets, following_token_targets  # noqa: E402
 from tst_megatron.superposition.schedule import TSTConfig  # noqa: E402
-from tst_megatron.training.plan import run_plan, train_iters  # noqa: E402
 
 
 def _half_to_even(x: float) -> int:
@@ -160,7 +160,7 @@ def test_the_batches_recorded_at_launch_are_the_plan_s():
 
 
 def test_a_constant_batch_is_one_entry_from_sample_0_and_no_iterations_is_0():
-    from tst_megatron.training.plan import global_batches
+    from tst_megatron.loop.plan import global_batches
 
     assert global_batches(_megatron_args(global_batch_size=8)) == [(0, 8)]
     assert train_iters(_megatron_args(train_iters=0, train_samples=None, global_batch_size=1)) == 0

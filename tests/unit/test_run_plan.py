@@ -1,4 +1,4 @@
-"""The run plan (:class:`tst_megatron.training.plan.RunPlan`) is built once per launch: the
+"""The run plan (:class:`tst_megatron.loop.plan.RunPlan`) is built once per launch: the
 launch checks, the dry run's report, the datasets provider and the forward step all read the
 same object, and its counts are Megatron-LM's (checked against plain arithmetic here)."""
 

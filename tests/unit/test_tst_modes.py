@@ -102,8 +102,8 @@ def test_schedule_reads_t_tokens_in_output_mode():
 def test_mode_configuration_errors(capsys):
     import argparse
 
+    from tst_megatron.loop.plan import tst_config
     from tst_megatron.training.flags import add_tst_args
-    from tst_megatron.training.plan import tst_config
 
     assert TSTConfig(bag_size=1, mode="output").validate(10) == [
         "--tst-mode output needs --tst-bag-size > 1 (S = 1 has no phase 1)"

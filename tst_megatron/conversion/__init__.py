@@ -39,8 +39,8 @@ from tst_megatron.conversion.output import (
     building,
     check_output,
 )
+from tst_megatron.loop.plan import run_plan
 from tst_megatron.models.pattern import gpt_equivalent
-from tst_megatron.training.plan import run_plan
 
 
 def export_checkpoint(

@@ -2,4 +2,4 @@
 datasets (the ``tools/*.py`` scripts are thin command lines over these modules); the run's
 megatron-core datasets, built and checked where data enters (:mod:`.gpt_datasets`, index
 caches per node in :mod:`.index_cache`); and TST's training order over them (:mod:`.stream`),
-read by the launcher's datasets provider (:mod:`tst_megatron.training.datasets`)."""
+read by the launcher's datasets provider (:mod:`tst_megatron.loop.datasets`)."""

@@ -6,7 +6,7 @@ each, used by :class:`~tst_megatron.models.gpt.TSTGPTModel` and
   logits)`` (megatron-core's ``LanguageModule``), which it extends to phase 1's bags;
 - :class:`PhaseOneMTPSkip`: phase 1 skips the multi-token-prediction block, whose parameters
   get an exactly zero gradient (and a fresh Adam at the switch,
-  :class:`~tst_megatron.training.switch.FreshAdamForMTP`, which reads
+  :class:`~tst_megatron.loop.switch.FreshAdamForMTP`, which reads
   :meth:`PhaseOneMTPSkip._mtp_only_parameters`).
 
 Phase 1's multi-hot cross-entropy is scored there on the sequence-first logits

@@ -1,19 +1,16 @@
-"""TST inside Megatron-LM's own training loop (``megatron.training.pretrain()``), one module
-per job:
+"""The launch layer: TST's launcher around Megatron-LM's own training loop
+(``megatron.training.pretrain()``), one module per job:
 
 - :mod:`.cli`: the launcher's ``main`` (checks, then ``pretrain()``);
 - :mod:`.argv`: the command line as given, before Megatron-LM parses it (and a CPU run's flags);
 - :mod:`.flags`: ``--tst-*`` (from :class:`~tst_megatron.superposition.schedule.TSTConfig`),
   ``--dry-run``, ``--dry-run-gpu``, ``--device``, and the flags the launcher refuses;
-- :mod:`.plan`: the run plan (train iterations, consumed samples, ``N1``, the switch sample),
-  built once per launch;
 - :mod:`.validate`: the one check path of the launch and the dry run; :mod:`.checks`: the
   rules on top of Megatron-LM's validation, one module per subject, run from one list;
 - :mod:`.dry_run`: ``--dry-run``'s report (layout, parameter counts, TST plan);
   :mod:`.assumed`: what it answers for the cluster's GPU and Transformer Engine;
-- :mod:`.datasets`: the datasets provider (the data themselves: :mod:`tst_megatron.data`);
-- :mod:`.forward`: the forward step of both phases; :mod:`.switch`: the switch at ``N1``.
 
-The models it launches (``GPT``, ``HYBRID``, their classes and seams) are
-:mod:`tst_megatron.models`, below this package.
+What it plugs into the loop (the run plan, the datasets provider, the forward step, the
+switch) is :mod:`tst_megatron.loop`; the models it launches (``GPT``, ``HYBRID``, their classes
+and seams) are :mod:`tst_megatron.models`; both below this package.
 """

@@ -21,6 +21,9 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from tst_megatron import upstream
 from tst_megatron.data.gpt_datasets import use_prebuilt_dataset_helpers
 from tst_megatron.errors import ConfigError
+from tst_megatron.loop.datasets import TSTDatasets
+from tst_megatron.loop.forward import TSTForwardStep
+from tst_megatron.loop.switch import FreshAdamForMTP
 from tst_megatron.models.family import GPT, ModelFamily
 from tst_megatron.runtime import cpu
 from tst_megatron.runtime.distributed import (
@@ -29,10 +32,7 @@ from tst_megatron.runtime.distributed import (
     one_process_env,
     report_error,
 )
-from tst_megatron.training.datasets import TSTDatasets
 from tst_megatron.training.dry_run import dry_run
-from tst_megatron.training.forward import TSTForwardStep
-from tst_megatron.training.switch import FreshAdamForMTP
 from tst_megatron.training.validate import check_and_set_up
 
 
@@ -42,7 +42,7 @@ def main(argv: Optional[Sequence[str]] = None, *, family: ModelFamily = GPT) -> 
     ``pretrain_gpt.py``'s ``GPTModel``; :data:`~tst_megatron.models.family.HYBRID`:
     ``pretrain_hybrid.py``'s ``HybridModel``), TST's datasets provider and forward step,
     which share the run plan the checks built (and, with MTP, the optimizer hook
-    :class:`~tst_megatron.training.switch.FreshAdamForMTP`), with megatron-core's
+    :class:`~tst_megatron.loop.switch.FreshAdamForMTP`), with megatron-core's
     distributed-optimizer resume mended (:func:`tst_megatron.upstream.distributed_optimizer_resume`).
 
     Writes :data:`EXIT_MARKER` in ``--save`` when ``pretrain()`` ends without an error

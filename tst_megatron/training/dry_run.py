@@ -43,7 +43,7 @@ def _batch_lines(args, plan, dp: int) -> list[str]:
 def describe(args, plan, model_lines: list[str]) -> list[str]:
     """The run as lines of text (layout, batch, the model's ``model_lines``, TST plan) from
     validated Megatron-LM arguments with the launcher's ``--tst-*`` flags and their ``plan`` (a
-    :class:`~tst_megatron.training.plan.RunPlan`), both from
+    :class:`~tst_megatron.loop.plan.RunPlan`), both from
     :func:`~tst_megatron.training.validate.check`, and the model's lines
     (:func:`~tst_megatron.models.report.model_report`).
     """

@@ -16,6 +16,7 @@ from unittest import mock
 from tst_megatron.data.gpt_datasets import data_settings
 from tst_megatron.data.resume import checkpoint_folder, read_resume
 from tst_megatron.errors import ConfigError
+from tst_megatron.loop.plan import run_plan
 from tst_megatron.models.family import GPT, ModelFamily
 from tst_megatron.models.pattern import pattern_of
 from tst_megatron.runtime import cpu
@@ -32,7 +33,6 @@ from tst_megatron.training.checks import (
 )
 from tst_megatron.training.checks.resume import current_data_identity
 from tst_megatron.training.flags import add_tst_args
-from tst_megatron.training.plan import run_plan
 
 #: The ``args_defaults`` Megatron-LM's ``pretrain_gpt.py`` and ``pretrain_hybrid.py`` both give
 #: their argument validation (``parse_and_validate_args``).
@@ -236,7 +236,7 @@ def check_and_set_up(argv: Sequence[str], family: ModelFamily = GPT) -> Launch:
 
 def _resumed(launch: Launch) -> Optional[tuple[int, object]]:
     """``(iteration, saved args)`` of the checkpoint this launch resumes, for
-    :func:`~tst_megatron.training.plan.run_plan` (None: none, unreadable, which the resume
+    :func:`~tst_megatron.loop.plan.run_plan` (None: none, unreadable, which the resume
     rules report, or saved without its args)."""
     if launch.resumed is None or launch.resumed[1].get("args") is None:
         return None

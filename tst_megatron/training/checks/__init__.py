@@ -21,6 +21,7 @@ import traceback
 from typing import Any, Optional, Sequence
 
 from tst_megatron.data.gpt_datasets import DataSettings
+from tst_megatron.loop.plan import RunPlan
 from tst_megatron.models.pattern import HybridPattern
 from tst_megatron.training import assumed
 from tst_megatron.training.checks import (
@@ -37,7 +38,6 @@ from tst_megatron.training.checks import (
     tst,
     unsupported,
 )
-from tst_megatron.training.plan import RunPlan
 
 
 @dataclasses.dataclass
@@ -54,7 +54,7 @@ class Launch:
         args: Megatron-LM's arguments after ``validate_args`` (None until then, or when the
             parser or ``validate_args`` refused).
         config: the model's ``TransformerConfig`` (None until built).
-        plan: the run's :class:`~tst_megatron.training.plan.RunPlan` (None until planned).
+        plan: the run's :class:`~tst_megatron.loop.plan.RunPlan` (None until planned).
         pattern: ``--hybrid-layer-pattern`` parsed once
             (:class:`~tst_megatron.models.pattern.HybridPattern`), after ``validate_args``
             accepted it; None for a ``GPTModel`` (or until then).

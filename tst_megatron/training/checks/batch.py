@@ -7,7 +7,7 @@ from __future__ import annotations
 def schedule_problems(args, plan) -> list[str]:
     """Each global batch of ``--step-batch-size-schedule`` the run reaches (``plan``'s
     ``reached_batches``, a
-    :class:`~tst_megatron.training.plan.RunPlan`) that micro-batch x DP does not divide:
+    :class:`~tst_megatron.loop.plan.RunPlan`) that micro-batch x DP does not divide:
     Megatron-LM's ``train()`` asserts it only when it gets there."""
     if not getattr(args, "step_batch_size_schedule", None):
         return []

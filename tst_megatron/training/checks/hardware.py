@@ -193,7 +193,7 @@ def problems(launch) -> list[str]:
 
 def notes(launch) -> list[str]:
     """That a fused Adam (TE's or Apex's) is not made to start the MTP parameters afresh at
-    the switch (:class:`~tst_megatron.training.switch.FreshAdamForMTP`)."""
+    the switch (:class:`~tst_megatron.loop.switch.FreshAdamForMTP`)."""
     args = launch.args
     mtp = getattr(args, "mtp_num_layers", None) and launch.plan.n1 > 0
     if not (mtp and args.optimizer == "adam" and _group_step_adam()):

@@ -40,7 +40,7 @@ def tokens(n: float, like: Optional[float] = None) -> str:
 
 def text_read(args, plan) -> dict:
     """``{"phase1", "phase2", "total", "baseline"}`` tokens (ints) of the run ``plan``
-    (:class:`~tst_megatron.training.plan.RunPlan`), and ``"windows1"``, ``"windows2"``,
+    (:class:`~tst_megatron.loop.plan.RunPlan`), and ``"windows1"``, ``"windows2"``,
     ``"baseline_windows"``: the ``--seq-length``-token windows of the training split each
     reads (a phase-1 sample is ``data_seq_length / T`` windows).
 

@@ -17,12 +17,12 @@ from tst_megatron.data.gpt_datasets import (
     train_split_tokens,
     training_windows,
 )
+from tst_megatron.loop.plan import run_plan
 from tst_megatron.training.checks.architecture import (
     architecture_problems,
     flag_name,
     layout_problems,
 )
-from tst_megatron.training.plan import run_plan
 
 #: Every key of the sample orders' cache description (:func:`tst_megatron.data.stream.describe`:
 #: its own keys, and each part's megatron-core dataset description, ``GPTDataset``'s
@@ -140,7 +140,7 @@ def _tst_resumed(saved, iteration: int, plan) -> bool:
 
 def resume_problems(args, plan, saved, iteration: int) -> list[str]:
     """Why resuming the checkpoint of ``iteration`` (written with arguments ``saved``) under
-    ``args`` and their ``plan`` (a :class:`~tst_megatron.training.plan.RunPlan`) would not
+    ``args`` and their ``plan`` (a :class:`~tst_megatron.loop.plan.RunPlan`) would not
     continue its TST run, one line per flag (empty: none, or ``saved`` has no ``--tst-*``).
     ``N1``, the switch sample, the windows per phase-1 sample and
     :data:`ORDER_FLAGS_REFUSED` must match (phase 2 reads the windows phase 1 left, once);

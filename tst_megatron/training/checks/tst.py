@@ -7,7 +7,7 @@ from typing import Optional
 
 def tst_problems(args, plan, resumed_at: Optional[int] = None) -> list[str]:
     """What TST cannot run (:func:`tst_setting_problems`). ``args``: Megatron-LM's, after
-    ``validate_args``; ``plan``: its :class:`~tst_megatron.training.plan.RunPlan`;
+    ``validate_args``; ``plan``: its :class:`~tst_megatron.loop.plan.RunPlan`;
     ``resumed_at``: the iteration of the checkpoint this launch resumes (None: a fresh start).
     FP8's shapes are :mod:`.fp8`'s rule."""
     return tst_setting_problems(args, plan, resumed_at)

@@ -29,14 +29,14 @@ from megatron.core.num_microbatches_calculator import get_current_running_global
 from megatron.core.rerun_state_machine import get_rerun_state_machine
 from megatron.core.utils import get_batch_on_this_cp_rank, unwrap_model
 
+from tst_megatron.loop.plan import RunPlan
+from tst_megatron.loop.switch import SwitchIntervals, divides
 from tst_megatron.runtime import cpu
 from tst_megatron.superposition import (
     bag_embedding,
     multi_hot_cross_entropy,
 )
 from tst_megatron.superposition.bags import phase1_inputs, phase1_targets, phase1_weights
-from tst_megatron.training.plan import RunPlan
-from tst_megatron.training.switch import SwitchIntervals, divides
 
 #: The key (log line, TensorBoard tag) of the phase-1 loss; phase 2 and validation report
 #: Megatron-LM's ``lm loss``, so that ``lm loss`` stays the next-token loss a baseline reports.

@@ -37,7 +37,7 @@ def switch_overrides(args, plan) -> dict:
     """The Megatron-LM intervals to set to ``N1`` for iteration ``N1`` only: each of
     ``save_interval`` (with ``--save`` and TST's save-at-switch), ``eval_interval`` (when
     validating) and ``log_interval`` that does not already divide ``N1``. ``plan``: the run's
-    :class:`~tst_megatron.training.plan.RunPlan`.
+    :class:`~tst_megatron.loop.plan.RunPlan`.
 
     Returns:
         ``{args attribute: N1}``; empty when the switch is not inside the run.

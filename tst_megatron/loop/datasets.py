@@ -19,9 +19,9 @@ from tst_megatron.data.gpt_datasets import (
 )
 from tst_megatron.data.index_cache import cache_dir_of
 from tst_megatron.data.stream import open_stream
+from tst_megatron.loop.plan import RunPlan
+from tst_megatron.loop.switch import switch_validation_samples
 from tst_megatron.runtime import resolve_process
-from tst_megatron.training.plan import RunPlan
-from tst_megatron.training.switch import switch_validation_samples
 
 
 class PhasedTrainDataset(torch.utils.data.Dataset):
@@ -50,7 +50,7 @@ class PhasedTrainDataset(torch.utils.data.Dataset):
 
 class TSTDatasets:
     """Megatron-LM datasets provider ``(num_samples) -> (train, valid, test)`` of the run
-    ``plan`` (:class:`~tst_megatron.training.plan.RunPlan`).
+    ``plan`` (:class:`~tst_megatron.loop.plan.RunPlan`).
 
     ``is_distributed = True``: every rank reads its batch, since phase-1 micro-batches are
     ``S`` times longer than the buffers of Megatron-LM's ``get_batch_on_this_tp_rank``.
