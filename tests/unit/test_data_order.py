@@ -23,7 +23,7 @@ import torch
 from tests.unit.test_data_boundary import null_tokenizer, write_dataset
 from tst_megatron.data.gpt_datasets import DataSettings, build_datasets
 from tst_megatron.data.stream import TrainStream
-from tst_megatron.training.datasets import PhasedTrainDataset
+from tst_megatron.loop.datasets import PhasedTrainDataset
 
 T = 8
 
