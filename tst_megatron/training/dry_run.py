@@ -1,9 +1,10 @@
 """``--dry-run``: the launch's own checks (:func:`tst_megatron.training.validate.check`, run
 with ``dry_run=True``) plus a report of what the launch line would do at ``WORLD_SIZE=N``:
-the layout, the batch, the model, Megatron-LM's parameter count and the TST plan; or every
-problem found, one ``error: ...`` line each. Exit status 0 or 2. Nothing is started: no process group, no model, no data, no GPU (a launch
-line for CUDA is checked as for an H100 with Transformer Engine when this machine has
-neither: :mod:`tst_megatron.training.assumed`).
+the layout, the batch, the model and Megatron-LM's parameter count
+(:mod:`tst_megatron.models.report`) and the TST plan; or every problem found, one
+``error: ...`` line each. Exit status 0 or 2. Nothing is started: no process group, no model,
+no data, no GPU (a launch line for CUDA is checked as for an H100 with Transformer Engine when
+this machine has neither: :mod:`tst_megatron.training.assumed`).
 """
 
 from __future__ import annotations
