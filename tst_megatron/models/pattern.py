@@ -150,6 +150,16 @@ def pattern_of(args) -> Optional[HybridPattern]:
     return HybridPattern.parse(text) if text else None
 
 
+def gpt_arguments(args, pattern: Optional[HybridPattern]):
+    """The arguments of the ``GPTModel`` a model equals, which Megatron-LM's parameter
+    arithmetic counts: ``args`` for a ``GPTModel`` (``pattern`` None), :func:`gpt_equivalent`
+    for a :attr:`~HybridPattern.gpt_shaped` ``HybridModel``, else None (Mamba, gated delta net
+    layers)."""
+    if pattern is not None and not pattern.gpt_shaped:
+        return None
+    return gpt_equivalent(args, pattern)
+
+
 def gpt_equivalent(args, pattern: Optional[HybridPattern] = None):
     """The ``args`` of the ``GPTModel`` a GPT-shaped ``HybridModel``'s ``args`` equals
     (``args`` itself for a ``GPTModel``): no pattern, one layer per ``*X`` pair, MoE layers

@@ -17,7 +17,7 @@ from megatron.core.models.gpt.experimental_attention_variant_module_specs import
     get_moe_layer_pattern,
 )
 
-from tst_megatron.models.pattern import LAYER_KINDS, HybridPattern, gpt_equivalent
+from tst_megatron.models.pattern import LAYER_KINDS, HybridPattern
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,18 +29,21 @@ class ModelReport:
     checkpoint_bytes: Optional[float]
 
 
-def model_report(args, pattern: Optional[HybridPattern]) -> ModelReport:
-    """The :class:`ModelReport` of validated Megatron-LM ``args`` and their parsed
-    ``--hybrid-layer-pattern`` (``Launch.pattern``; None for a ``GPTModel``)."""
-    return ModelReport(model_lines(args, pattern), checkpoint_bytes(args, pattern))
+def model_report(args, pattern: Optional[HybridPattern], gpt) -> ModelReport:
+    """The :class:`ModelReport` of validated Megatron-LM ``args``, their parsed
+    ``--hybrid-layer-pattern`` (``Launch.pattern``; None for a ``GPTModel``) and ``gpt``, the
+    arguments of the ``GPTModel`` the model equals, which Megatron-LM's arithmetic counts
+    (:func:`~tst_megatron.models.pattern.gpt_arguments`: ``args`` for a ``GPTModel``; None: a
+    hybrid with other layers)."""
+    return ModelReport(model_lines(args, pattern, gpt), checkpoint_bytes(args, gpt))
 
 
-def model_lines(args, pattern: Optional[HybridPattern]) -> list[str]:
+def model_lines(args, pattern: Optional[HybridPattern], gpt) -> list[str]:
     """The ``model:`` line (a ``HybridModel``'s layers by kind: :func:`_hybrid_lines`) and
-    Megatron-LM's parameter and memory lines (:func:`parameter_lines`), or one line saying why
-    it could not count them."""
+    Megatron-LM's parameter and memory lines (:func:`parameter_lines`; of ``gpt``, as in
+    :func:`model_report`), or one line saying why it could not count them."""
     if pattern is not None:
-        return _hybrid_lines(args, pattern)
+        return _hybrid_lines(args, pattern, gpt)
     if args.num_experts:
         n_moe = sum(get_moe_layer_pattern(args))
         kind = (
@@ -94,12 +97,13 @@ def _variant_layers(args, variant: str) -> str:
     return f"gated delta net in {sum(pattern)} of {args.num_layers} layers (the rest standard)"
 
 
-def _hybrid_lines(args, pattern: HybridPattern) -> list[str]:
+def _hybrid_lines(args, pattern: HybridPattern, gpt) -> list[str]:
     """A ``HybridModel``'s layers by family, its widths and experts, and its parameters:
     Megatron-LM 0.19's arithmetic (:func:`parameter_lines`) covers GPT models only, so a
     pattern :attr:`~tst_megatron.models.pattern.HybridPattern.counted_as_gpt` (``*-``/``*E``
     pairs, no MTP, pipeline segments of equal length) is counted as the ``GPTModel`` it
-    equals (:func:`~tst_megatron.models.pattern.gpt_equivalent`), any other not at all."""
+    equals (``gpt``: its arguments, :func:`~tst_megatron.models.pattern.gpt_arguments`), any
+    other not at all."""
     kinds = ", ".join(
         f"{pattern.count(symbol)} {kind.name} ({symbol})"
         for symbol, kind in LAYER_KINDS.items()
@@ -128,7 +132,7 @@ def _hybrid_lines(args, pattern: HybridPattern) -> list[str]:
         ]
     return lines + [  # its parameter and memory lines
         line.replace("(Megatron-LM)", "(Megatron-LM, as the equivalent GPT)", 1)
-        for line in parameter_lines(gpt_equivalent(args, pattern))
+        for line in parameter_lines(gpt)
     ]
 
 
@@ -190,21 +194,22 @@ def parameter_lines(args) -> list[str]:
     return lines
 
 
-def checkpoint_bytes(args, pattern: Optional[HybridPattern]) -> Optional[float]:
+def checkpoint_bytes(args, gpt) -> Optional[float]:
     """One checkpoint's size in bytes, estimated from Megatron-LM's parameter count
     (``compute_weight_and_optimizer_memory`` of the whole model as one shard, 18 bytes per
     parameter without the distributed optimizer): the weights in their dtype (2 bytes in
     bf16/fp16, else 4) plus the fp32 main weights (mixed precision only) and Adam's two fp32
     moments; gradients are not saved (embeddings counted as :func:`parameter_lines` does; a
-    GPT-shaped ``HybridModel`` as its ``GPTModel``; ``pattern``: the launch's parsed
-    ``--hybrid-layer-pattern``, None for a ``GPTModel``). None when Megatron-LM's arithmetic
-    cannot count the model (a hybrid's non-GPT layers, MLA + GQA, ...)."""
+    GPT-shaped ``HybridModel`` as its ``GPTModel``, whose arguments ``gpt`` are, as in
+    :func:`model_report`; ``args``: the run's, for its dtype). None when Megatron-LM's
+    arithmetic cannot count the model (``gpt`` None: a hybrid's non-GPT layers; MLA + GQA,
+    ...)."""
     # megatron.training (Megatron-LM) is heavy: imported once the line is known good
     from megatron.training.theoretical_memory_usage import compute_weight_and_optimizer_memory
 
-    if pattern is not None and not pattern.gpt_shaped:  # Mamba, gated delta net layers
+    if gpt is None:  # Mamba, gated delta net layers
         return None
-    whole = _countable(gpt_equivalent(args, pattern))
+    whole = _countable(gpt)
     whole.tensor_model_parallel_size = whole.pipeline_model_parallel_size = 1
     whole.expert_model_parallel_size = whole.data_parallel_size = 1
     whole.use_distributed_optimizer = False

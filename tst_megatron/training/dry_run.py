@@ -14,6 +14,7 @@ import sys
 from typing import Sequence
 
 from tst_megatron.models.family import GPT, ModelFamily
+from tst_megatron.models.pattern import gpt_arguments
 from tst_megatron.models.report import model_report
 from tst_megatron.runtime.distributed import is_rank_zero
 from tst_megatron.training.checks import outputs
@@ -97,7 +98,8 @@ def dry_run(argv: Sequence[str], *, out=None, err=None, family: ModelFamily = GP
     problems, notes, assumed = list(launch.problems), launch.notes, launch.assumed
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if not problems:
-        model = model_report(launch.args, launch.pattern)
+        gpt = gpt_arguments(launch.args, launch.pattern)  # what Megatron-LM's arithmetic counts
+        model = model_report(launch.args, launch.pattern, gpt)
         lines = describe(launch.args, launch.plan, model.lines)
         notes = notes + outputs.space_notes(launch.args, model.checkpoint_bytes)
     if not rank0:
