@@ -457,6 +457,7 @@ def test_settings_megatron_lm_accepts_but_cannot_run_are_one_error_line(
         (["--data-args-path", "/nonexistent/args"], "/nonexistent/args: no readable file"),
         (["--data-args-path", "/"], "--data-args-path /: no readable file"),  # a directory
         (["--data-args-path", "EMPTY", "--split", "98,2,0"], "is empty"),
+        (["--data-args-path", "BINARY", "--split", "98,2,0"], "is not a text file ("),
         (["--data-args-path", __file__], "--data-args-path needs --split"),
         (["--sft"], "--sft is not supported by this launcher: TST trains on"),
         (["--multiple-validation-sets"], "--multiple-validation-sets is not supported"),
@@ -475,7 +476,9 @@ def test_data_flags_the_launcher_cannot_honour_are_refused_not_run_on_mock_data(
     ``--split``; Megatron-LM accepts per-split paths alone, and the run would have trained on
     mock data. Refused in a baseline run (``--tst-bag-size 1``) as in a TST one."""
     (tmp_path / "empty").write_text(" \n")
-    extra = [str(tmp_path / "empty") if word == "EMPTY" else word for word in extra]
+    (tmp_path / "binary").write_bytes(bytes([0xCD, 0xFF, 0x00, 0x81]))
+    files = {"EMPTY": str(tmp_path / "empty"), "BINARY": str(tmp_path / "binary")}
+    extra = [files.get(word, word) for word in extra]
     argv = [a for a in SMALL if a != "--mock-data"] + extra
     for bag in ("1", "2"):
         r = dry(argv + ["--tst-bag-size", bag, "--device", "cpu"])

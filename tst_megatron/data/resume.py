@@ -181,7 +181,5 @@ def read_resume(args) -> tuple[Optional[tuple[int, dict]], Optional[str]]:
         return None, str(exc)
     except Exception as exc:  # never a traceback from the launcher's own read
         why = " ".join(str(exc).split())[:200]
-        return (
-            None,
-            f"--load {args.load}: the checkpoint to resume could not be read ({type(exc).__name__}: {why})",
-        )
+        line = f"--load {args.load}: the checkpoint to resume could not be read"
+        return None, f"{line} ({type(exc).__name__}: {why})"

@@ -185,12 +185,12 @@ def _validated(launch: Launch) -> None:
 def _read(launch: Launch) -> None:
     """What the rules read, read once after ``validate_args``: the checkpoint this launch
     resumes (:func:`~tst_megatron.data.resume.read_resume`; one that cannot be read is the
-    resume rules' line) and the data settings (None when ``--data-args-path`` cannot be read:
-    the data rules' line)."""
+    resume rules' line) and the data settings (None when ``--data-args-path`` cannot be read
+    or is no text: the data rules' line)."""
     launch.resumed, launch.resume_error = read_resume(launch.args)
     try:
         launch.data = data_settings(launch.args)
-    except OSError:
+    except (OSError, ValueError):  # ValueError: UnicodeDecodeError
         launch.data = None
 
 

@@ -58,7 +58,8 @@ class Launch:
         pattern: ``--hybrid-layer-pattern`` parsed once
             (:class:`~tst_megatron.models.pattern.HybridPattern`), after ``validate_args``
             accepted it; None for a ``GPTModel`` (or until then).
-        given: the flags of ``argv`` as given, in order (:func:`~tst_megatron.training.argv.given`).
+        given: the flags of ``argv`` as given, in order
+            (:func:`~tst_megatron.training.argv.given`).
         resumed: ``(iteration, common state)`` of the checkpoint this launch resumes
             (:func:`~tst_megatron.data.resume.read_resume`), read once after ``validate_args``;
             None: nothing to resume, or ``resume_error``.

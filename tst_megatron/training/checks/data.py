@@ -12,7 +12,7 @@ from tst_megatron.errors import ConfigError
 
 
 def data_problems(args) -> list[str]:
-    """A ``--data-args-path`` that is unreadable, empty or without ``--split``
+    """A ``--data-args-path`` that is unreadable, no text, empty or without ``--split``
     (``validate_args`` defaults the split only for ``--data-path``), one line each. Reads that
     file. (The data flags the launcher does not honour are refused with its other refused
     flags, :data:`tst_megatron.training.flags.REFUSED_FLAGS`.) A ``--num-workers`` below 0."""
@@ -21,12 +21,17 @@ def data_problems(args) -> list[str]:
     if path and not (os.path.isfile(path) and os.access(path, os.R_OK)):
         problems.append(f"--data-args-path {path}: no readable file there")
     elif path:
-        with open(path) as f:
-            if not f.read().split():
-                problems.append(
-                    f"--data-args-path {path} is empty: it should hold what --data-path would "
-                    "(prefixes, optionally with weights)"
-                )
+        try:
+            with open(path) as f:
+                words = f.read().split()
+        except ValueError as exc:  # UnicodeDecodeError
+            words = None
+            problems.append(f"--data-args-path {path} is not a text file ({exc})")
+        if words == []:
+            problems.append(
+                f"--data-args-path {path} is empty: it should hold what --data-path would "
+                "(prefixes, optionally with weights)"
+            )
         if not args.split:
             problems.append("--data-args-path needs --split (e.g. --split 969,30,1)")
     if args.num_workers < 0:
@@ -153,7 +158,7 @@ def files_not_here(args, data: Optional[DataSettings]) -> list[str]:
     missing, prefixes = [], []
     unread = [getattr(args, "data_args_path", None) or "--data-path"]
     if data is None:  # an unreadable --data-args-path: the data rules report it
-        missing = unread
+        missing = [path for path in unread if not os.path.isfile(path)]
     elif not data.mock_data and data.data_path:
         try:
             prefixes = data_prefixes(data.data_path)
