@@ -10,10 +10,12 @@ with a one-line explanation, which the fixture turns into the skip reason.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import socket
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -43,6 +45,17 @@ def ensure_installed() -> None:
         Unavailable: ``TST_NO_APT=1``, not root, no apt-get, or the install failed (with apt's
             last line).
     """
+    if not [b for b in BINARIES if shutil.which(b) is None]:
+        return
+    # one install at a time: the suite's two workers may both get here, and a second apt-get
+    # would fail on dpkg's lock (and skip its tests); the second waits, then finds the binaries
+    with open(os.path.join(tempfile.gettempdir(), "tst_megatron_slurm_install.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        _install()
+
+
+def _install() -> None:
+    """:func:`ensure_installed`'s install, under its lock."""
     missing = [b for b in BINARIES if shutil.which(b) is None]
     if not missing:
         return

@@ -121,7 +121,9 @@ def test_a_config_larger_than_its_weights_is_refused_at_once_without_a_model(
     start = time.perf_counter()
     with pytest.raises(ValueError, match=words):
         import_checkpoint(hf_dir, str(tmp_path / "out"))
-    assert time.perf_counter() - start < 1.0
+    # "at once": not a walk over 10^6 layers or 10^7 rows (minutes); the margin is for a machine
+    # busy with another test worker
+    assert time.perf_counter() - start < 10.0
     assert not (tmp_path / "out").exists()
 
 
@@ -138,4 +140,5 @@ def test_the_moe_layer_frequency_is_found_in_linear_time():
         assert hf.moe_layer_freq([0, 2, 3], layers) is None
     start = time.perf_counter()
     assert hf.moe_layer_freq(list(range(0, 10**6, 4)), 10**6) == 4
-    assert time.perf_counter() - start < 1.0
+    # the plain search is quadratic: hours at 10^6 layers; the margin is for a busy machine
+    assert time.perf_counter() - start < 10.0

@@ -1,8 +1,9 @@
 """The checkpoint a launch resumes, read as input before any work: which folder Megatron-LM's
 ``load_checkpoint`` would read (``--load`` with ``--ckpt-step`` or the tracker file, a global
 non-persistent checkpoint, ``--pretrained-checkpoint``), checked by
-:func:`tst_megatron.data.checkpoint.inspect`, and its common state. Not a rule: the launch
-rules (``training.checks.resume``), the launcher and the dry run read it."""
+:func:`tst_megatron.data.checkpoint.inspect`, and its common state. Not a rule: the launch's
+check reads it once (:func:`read_resume`, into ``Launch.resumed``), which the run plan, the
+launch rules and the launcher use."""
 
 from __future__ import annotations
 

@@ -8,5 +8,7 @@ other way:
 - :mod:`.gpt`: ``TSTGPTModel``, its local specs and builder; :mod:`.hybrid`:
   ``TSTHybridModel``, the local hybrid stack and its builder; :mod:`.layers`: the local layer
   pieces both share; :mod:`.seams`: the TST seams both model classes share;
-- :mod:`.pattern`: ``--hybrid-layer-pattern`` and its layer symbols.
+- :mod:`.pattern`: ``--hybrid-layer-pattern`` and its layer symbols;
+- :mod:`.report`: what a dry run says of the model (its ``model:`` line, Megatron-LM's parameter
+  count and memory, one checkpoint's size).
 """

@@ -69,8 +69,9 @@ ORDER_FLAGS_NOTED = _order_flags("noted")
 
 
 def _data_words(args) -> list:
-    """The words of ``--data-path``, or of the ``--data-args-path`` file ([] when unreadable:
-    the data rules' line, or with ``--mock-data``)."""
+    """The words of ``--data-path``, or of the ``--data-args-path`` file ([] when unreadable or
+    no text: the data rules' line, or with ``--mock-data``). ``args``: this run's or a
+    checkpoint's saved ones."""
     if getattr(args, "mock_data", False):
         return []
     words = list(getattr(args, "data_path", None) or [])
@@ -78,7 +79,7 @@ def _data_words(args) -> list:
         try:
             with open(args.data_args_path) as f:
                 words = f.read().split()
-        except OSError:
+        except (OSError, ValueError):  # ValueError: UnicodeDecodeError
             return []
     return words
 
