@@ -71,6 +71,8 @@ def test_tst_flags_are_the_dataclass_fields():
     # defaults are the dataclass defaults; every field has a flag
     assert tst_config(_parse([])) == TSTConfig()
     assert {f"tst_{f.name}" for f in dataclasses.fields(TSTConfig)} <= set(vars(_parse([])))
+    # a field the args lack (a checkpoint saved before it existed) takes its default
+    assert tst_config(argparse.Namespace(tst_bag_size=2)) == TSTConfig(bag_size=2)
 
 
 def test_the_tst_help_is_written_for_users():
