@@ -5,14 +5,6 @@ from __future__ import annotations
 from typing import Optional
 
 
-def tst_problems(args, plan, resumed_at: Optional[int] = None) -> list[str]:
-    """What TST cannot run (:func:`tst_setting_problems`). ``args``: Megatron-LM's, after
-    ``validate_args``; ``plan``: its :class:`~tst_megatron.loop.plan.RunPlan`;
-    ``resumed_at``: the iteration of the checkpoint this launch resumes (None: a fresh start).
-    FP8's shapes are :mod:`.fp8`'s rule."""
-    return tst_setting_problems(args, plan, resumed_at)
-
-
 def loss_chunk_problems(args, chunks: int) -> list[str]:
     """What ``--tst-loss-chunks`` > 1 cannot run with, one line each: it replaces the output
     layer's forward and the loss (:class:`~tst_megatron.models.seams.ChunkedOutputLayer`),
@@ -41,9 +33,11 @@ def loss_chunk_problems(args, chunks: int) -> list[str]:
     return lines
 
 
-def tst_setting_problems(args, plan, resumed_at: Optional[int] = None) -> list[str]:
-    """The settings TST cannot run, one line each naming the flag (``resumed_at``: as in
-    :func:`tst_problems`)."""
+def tst_problems(args, plan, resumed_at: Optional[int] = None) -> list[str]:
+    """The settings TST cannot run, one line each naming the flag. ``args``: Megatron-LM's,
+    after ``validate_args``; ``plan``: its :class:`~tst_megatron.loop.plan.RunPlan`;
+    ``resumed_at``: the iteration of the checkpoint this launch resumes (None: a fresh start).
+    FP8's shapes are :mod:`.fp8`'s rule."""
     problems = plan.tst.validate(max(plan.n, 1))
     if not problems:
         problems = loss_chunk_problems(args, plan.tst.loss_chunks)
