@@ -14,6 +14,7 @@ import sys
 import pytest
 
 from tests.launcher import ROOT
+from tests.ports import free_port
 
 # Megatron-LM's pretrain() warms up its torch.compile'd fused kernels (bias + SwiGLU/GeLU,
 # bias + dropout + add) whatever the flags say (``set_jit_fusion_options``; its
@@ -28,8 +29,6 @@ os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 @pytest.fixture
 def port() -> int:
     """A free TCP port on 127.0.0.1 (for ``MASTER_PORT``, ``torchrun --master_port``)."""
-    from tst_megatron.runtime.distributed import free_port
-
     return free_port()
 
 

@@ -1,6 +1,6 @@
 """Run a function on N gloo processes spawned from plain pytest; collect what each returns.
 
-The port is chosen once per call by binding to port 0. Each child initialises
+The port is chosen once per call (:func:`tests.ports.free_port`). Each child initialises
 ``torch.distributed`` through ``tst_megatron.runtime.init_distributed(device="cpu")``
 (which enables the CPU runtime), runs ``fn(rank, world_size, **kwargs)`` and saves the
 return value with ``torch.save``; the parent loads them and returns ``[result_rank0, ...]``.
@@ -16,7 +16,7 @@ import zlib
 import torch
 import torch.multiprocessing as mp
 
-from tst_megatron.runtime.distributed import free_port
+from tests.ports import free_port
 
 
 def _child(rank, world_size, port, out_dir, fn, kwargs):

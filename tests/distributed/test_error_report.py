@@ -14,6 +14,7 @@ import time
 import pytest
 
 from tests.distributed.harness import run_distributed
+from tests.ports import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -127,7 +128,6 @@ def test_torchrun_launch_with_a_slow_rank0_prints_the_error_once(tmp_path):
     """The reported failure: torchrun, 2 processes, a bad setting; rank 0 starts 5 s late
     (a test-only wrapper script), so without the fix rank 1 exits first and torchrun stops
     rank 0 before it prints."""
-    from tst_megatron.runtime.distributed import free_port
 
     wrapper = tmp_path / "late_rank0.py"
     wrapper.write_text(

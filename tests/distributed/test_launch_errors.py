@@ -22,6 +22,7 @@ import pytest
 
 from tests.distributed.harness import run_distributed
 from tests.launcher import BASE, ROOT
+from tests.ports import free_port
 
 #: name: (flags added to tests.launcher.BASE, a fragment of the one error line)
 CASES = {
@@ -140,8 +141,6 @@ def test_a_missing_or_truncated_data_file_stops_a_launch_before_the_model(tmp_pa
 
 
 def _torchrun(tmp_path, *flags):
-    from tst_megatron.runtime.distributed import free_port
-
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
     script = os.path.join(ROOT, "examples", "pretrain_gpt_tst.py")
     return subprocess.run(

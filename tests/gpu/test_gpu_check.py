@@ -15,6 +15,8 @@ import time
 import pytest
 import torch
 
+from tests.ports import free_port
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(ROOT, "scripts", "gpu_check.sh")
 
@@ -266,8 +268,6 @@ def _check_rows_on_a_cpu(call: str) -> list:
     """The rows of ``gpu_check.<call>`` (e.g. ``check_mce_vs_fused_ce(rows, device='cpu')``),
     run in a child process: the check's process group must not outlive it in pytest's (its
     rendezvous port stays bound; a later Slurm test's job would meet it)."""
-    from tst_megatron.runtime.distributed import free_port
-
     code = (
         "import importlib.util, json, sys\n"
         f"spec = importlib.util.spec_from_file_location('g', {os.path.join(ROOT, 'tests', 'gpu', 'gpu_check.py')!r})\n"

@@ -19,7 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from tst_megatron.runtime.distributed import free_port
+from tests.ports import free_port
 
 BINARIES = ("munged", "slurmctld", "slurmd", "sbatch", "srun", "scontrol", "scancel", "sinfo")
 PACKAGES = ("slurm-wlm", "munge")
