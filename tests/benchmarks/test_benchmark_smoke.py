@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from tests.launcher import ROOT, run_benchmark
+from tests.ports import free_port
 
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
@@ -15,7 +16,12 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 def test_core_cost_smoke(tmp_path):
     out = tmp_path / "results" / "core_cost.md"
     run_benchmark(
-        "benchmarks/core_cost.py", "--smoke", "--output", str(out), timeout=600, MASTER_PORT="29571"
+        "benchmarks/core_cost.py",
+        "--smoke",
+        "--output",
+        str(out),
+        timeout=600,
+        MASTER_PORT=str(free_port()),
     )
     report = out.read_text()
     assert "| k | time vs 1 megatron CE | peak memory vs 1 megatron CE |" in report
@@ -30,7 +36,13 @@ def test_core_cost_smoke(tmp_path):
 def test_step_cost_smoke(tmp_path):
     out = tmp_path / "results" / "step_cost.md"
     run_benchmark(
-        "benchmarks/step_cost.py", "--smoke", "--output", str(out), timeout=900, PYTHONPATH=ROOT
+        "benchmarks/step_cost.py",
+        "--smoke",
+        "--output",
+        str(out),
+        timeout=900,
+        PYTHONPATH=ROOT,
+        MASTER_PORT=str(free_port()),  # its arms run in turn on this one port
     )
     report = out.read_text()
     assert "| S | iteration, phase 1 (ms) | phase 2 (ms) | baseline (ms) |" in report
