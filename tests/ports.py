@@ -5,17 +5,18 @@ out in turn.
 ``tst_megatron.runtime.distributed.free_port`` asks the kernel for port 0, i.e. a port of the
 ephemeral range (``/proc/sys/net/ipv4/ip_local_port_range``), which the kernel also gives to
 every outgoing connection: gloo's meshes, TCPStore clients and Slurm's RPCs of the other
-worker may take it before the test's process binds it. A test that runs the launcher three
-times on one port leaves it unbound between runs for tens of seconds; under two workers a run
-once failed so (``EADDRINUSE`` in ``init_process_group``). Here no connection is given these
-ports, and no two tests in one session get the same one (until a slice of several thousand
-wraps round).
+worker may take it before the test's process binds it (``EADDRINUSE`` in
+``init_process_group``), e.g. between the runs of a test that launches three times on one
+port. Here no connection is given these ports, and no two tests in one session get the same
+one (until a slice of several thousand wraps round).
 """
 
 from __future__ import annotations
 
 import os
 import socket
+
+from tst_megatron.runtime.distributed import free_port as kernel_pick
 
 #: The first port: above the ports the Slurm template derives for its tests' jobs
 #: (``tst_megatron.runtime.slurm``: 10000 + job id).
@@ -70,6 +71,4 @@ def free_port() -> int:
         _turn += 1
         if _bindable(port):
             return port
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    return kernel_pick()
